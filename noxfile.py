@@ -1,0 +1,190 @@
+"""Every session of the dist-* monorepo.
+
+Plain ``nox`` runs the default sessions (tests of every package, integration, lint,
+typecheck, docs, demo); ``nox -s bench`` runs the benchmarks.
+
+Every venv is made with pip, and torch is pinned to ``TORCH_SPEC`` before anything
+else is installed: on the project's machines that version is a local CPU build that
+installs in seconds, while any other spec downloads a CUDA build of several GB. The
+packages themselves declare only a lower bound on torch.
+
+Packages are installed non-editable from this repository, each session with only what
+it needs, and :func:`_check_provenance` fails the session when any installed
+``dist-*`` distribution came from anywhere else (``dist-launch`` is also the name of an
+unrelated project on the public index).
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).resolve().parent
+PACKAGES_DIR = ROOT / "packages"
+TORCH_SPEC = os.environ.get("DIST_TORCH_SPEC", "torch==2.13.0")
+
+nox.options.default_venv_backend = "virtualenv"
+nox.options.error_on_missing_interpreters = True
+nox.options.sessions = ["tests", "integration", "lint", "typecheck", "docs", "demo"]
+
+
+def _discover_packages() -> list[str]:
+    return sorted(
+        path.name for path in PACKAGES_DIR.iterdir() if (path / "pyproject.toml").is_file()
+    )
+
+
+PACKAGES = _discover_packages()
+
+
+def _project(package: str) -> dict[str, object]:
+    with (PACKAGES_DIR / package / "pyproject.toml").open("rb") as handle:
+        project: dict[str, object] = tomllib.load(handle)["project"]
+    return project
+
+
+def _requirement_name(requirement: str) -> str:
+    name = requirement
+    for separator in "<>=!~;[ (":
+        name = name.split(separator, 1)[0]
+    return name.strip().lower().replace("_", "-")
+
+
+def _sibling_closure(package: str) -> list[str]:
+    """The package and every dist-* package it depends on, transitively."""
+    seen: list[str] = []
+    pending = [package]
+    while pending:
+        current = pending.pop()
+        if current in seen:
+            continue
+        seen.append(current)
+        dependencies = _project(current).get("dependencies", [])
+        assert isinstance(dependencies, list)
+        for requirement in dependencies:
+            name = _requirement_name(str(requirement))
+            if name in PACKAGES:
+                pending.append(name)
+    return seen
+
+
+def _install_packages(session: nox.Session, packages: list[str], extras: str = "") -> None:
+    """Installs torch first (pinned), then the packages, non-editable, from this repo."""
+    session.install(TORCH_SPEC)
+    targets = []
+    for package in packages:
+        closure = _sibling_closure(package)
+        for name in closure:
+            suffix = extras if name == package else ""
+            target = f"{PACKAGES_DIR / name}{suffix}"
+            if target not in targets:
+                targets.append(target)
+    session.install(*targets)
+    _check_provenance(session)
+
+
+_PROVENANCE_CHECK = """
+import json, sys
+from importlib.metadata import distributions
+from pathlib import Path
+packages_dir = Path(sys.argv[1]).resolve()
+bad = []
+for dist in distributions():
+    name = (dist.metadata["Name"] or "").lower().replace("_", "-")
+    if not name.startswith("dist-"):
+        continue
+    raw = dist.read_text("direct_url.json")
+    url = json.loads(raw).get("url", "") if raw else ""
+    path = Path(url.removeprefix("file://")).resolve() if url.startswith("file://") else None
+    if path is None or path.parent != packages_dir:
+        bad.append(f"{name} {dist.version} from {url or 'a package index'}")
+    else:
+        print(f"{name} {dist.version} from {path}")
+if bad:
+    sys.exit("dist-* distributions not built from this repository: " + "; ".join(bad))
+"""
+
+
+def _check_provenance(session: nox.Session) -> None:
+    """Fails when an installed dist-* distribution did not come from packages/."""
+    session.run("python", "-c", _PROVENANCE_CHECK, str(PACKAGES_DIR), silent=False)
+
+
+@nox.session
+@nox.parametrize("package", PACKAGES, ids=PACKAGES)
+def tests(session: nox.Session, package: str) -> None:
+    """One package's tests, in a venv holding only that package and what it declares."""
+    _install_packages(session, [package], extras="[test]")
+    session.run(
+        "pytest",
+        str(PACKAGES_DIR / package / "tests"),
+        *session.posargs,
+        env={"PYTHONDONTWRITEBYTECODE": "1"},
+    )
+
+
+@nox.session
+def integration(session: nox.Session) -> None:
+    """Tests that need several packages at once, real processes and real faults."""
+    _install_packages(session, PACKAGES, extras="")
+    session.install("pytest>=8", "pytest-timeout>=2")
+    session.run("pytest", str(ROOT / "tests-integration"), *session.posargs)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff check and ruff format --check over the whole repository."""
+    session.install("ruff>=0.6")
+    session.run("ruff", "check", str(ROOT))
+    session.run("ruff", "format", "--check", str(ROOT))
+
+
+@nox.session
+def typecheck(session: nox.Session) -> None:
+    """mypy --strict on every package's sources."""
+    _install_packages(session, PACKAGES)
+    session.install("mypy>=1.11")
+    source_dirs = [str(PACKAGES_DIR / package / "src") for package in PACKAGES]
+    modules = [arg for package in PACKAGES for arg in ("-p", package.replace("-", "_"))]
+    session.run(
+        "mypy",
+        "--config-file",
+        str(ROOT / "pyproject.toml"),
+        *modules,
+        env={"MYPYPATH": os.pathsep.join(source_dirs)},
+    )
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    """The Sphinx site, warnings as errors, offline (no inventory is fetched)."""
+    _install_packages(session, PACKAGES)
+    session.install("sphinx>=7", "myst-parser>=3")
+    output = Path(session.create_tmp()) / "html"
+    session.run(
+        "sphinx-build", "-W", "--keep-going", "-b", "html", str(ROOT / "docs"), str(output)
+    )
+    session.log(f"docs built in {output}")
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """The main job: what a new user runs first (see README.md)."""
+    _install_packages(session, PACKAGES)
+    session.run("python", "-m", "dist_core", *session.posargs)
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Every benchmark under benchmarks/, side by side with its peers; prints ratios."""
+    _install_packages(session, PACKAGES)
+    requirements = ROOT / "benchmarks" / "requirements.txt"
+    if requirements.is_file():
+        session.install("-r", str(requirements))
+    scripts = sorted((ROOT / "benchmarks").glob("*.py"))
+    selected = [s for s in scripts if not session.posargs or s.stem in session.posargs]
+    for script in selected:
+        session.run("python", str(script))

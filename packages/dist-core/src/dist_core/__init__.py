@@ -1,0 +1,72 @@
+"""dist-core: the distributed environment, ranks, backend and process-group init.
+
+The foundation of the dist-* packages: it depends on torch alone.
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
+
+from dist_core.backend import (
+    default_backend,
+    destroy_dist,
+    device_count,
+    get_distributed_backend,
+    get_init_method,
+    init_dist,
+    init_process_group_from_backend,
+    set_dist,
+    set_distributed_backend,
+)
+from dist_core.config import MISSING, MultiprocessConfig, is_missing
+from dist_core.env import DistEnv
+from dist_core.errors import DistEnvError
+from dist_core.log import INFOALL, configure_logging
+from dist_core.ports import get_unused_port, release_port
+from dist_core.ranks import (
+    get_global_rank,
+    get_local_rank,
+    get_local_world_size,
+    get_node_rank,
+    get_rank,
+    get_world_size,
+    is_available,
+    is_initialized,
+    is_rank_zero,
+)
+
+try:
+    __version__ = version("dist-core")
+except PackageNotFoundError:  # running from a source tree that is not installed
+    __version__ = "0+unknown"
+
+__all__ = [
+    "INFOALL",
+    "MISSING",
+    "DistEnv",
+    "DistEnvError",
+    "MultiprocessConfig",
+    "__version__",
+    "configure_logging",
+    "default_backend",
+    "destroy_dist",
+    "device_count",
+    "get_distributed_backend",
+    "get_global_rank",
+    "get_init_method",
+    "get_local_rank",
+    "get_local_world_size",
+    "get_node_rank",
+    "get_rank",
+    "get_unused_port",
+    "get_world_size",
+    "init_dist",
+    "init_process_group_from_backend",
+    "is_available",
+    "is_initialized",
+    "is_missing",
+    "is_rank_zero",
+    "release_port",
+    "set_dist",
+    "set_distributed_backend",
+]

@@ -1,0 +1,80 @@
+"""``MultiprocessConfig``: what a launcher needs to start one process per device."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Final
+
+from dist_core.backend import device_count
+from dist_core.env import DEFAULT_MASTER_ADDR
+from dist_core.ports import DEFAULT_PORT, get_unused_port
+
+
+class _Missing:
+    """The type of :data:`MISSING`: a field that :meth:`MultiprocessConfig.resolve` fills."""
+
+    _instance: _Missing | None = None
+
+    def __new__(cls) -> _Missing:
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __repr__(self) -> str:
+        return "MISSING"
+
+    def __reduce__(self) -> str:
+        return "MISSING"  # unpickles as this module's singleton
+
+
+MISSING: Final[Any] = _Missing()
+
+
+def is_missing(config: object, field_name: str) -> bool:
+    """True when ``config.<field_name>`` is :data:`MISSING`."""
+    return getattr(config, field_name) is MISSING
+
+
+@dataclass
+class MultiprocessConfig:
+    """How many processes to start, where they meet, and with which backends.
+
+    Fields left :data:`MISSING` are filled by :meth:`resolve`. ``rank`` and
+    ``local_rank`` are -1 until a launcher assigns them to a worker.
+    """
+
+    rank: int = -1
+    local_rank: int = -1
+    world_size: int = MISSING
+    local_world_size: int = MISSING
+    master_addr: str = DEFAULT_MASTER_ADDR
+    master_port: int = MISSING
+    init_method: str = "env://"
+    model_parallelism: int = 1
+    pipeline_parallelism: int = 1
+    backend: str | None = None
+    model_parallel_backend: str | None = None
+    pipeline_parallel_backend: str | None = None
+    data_parallel_backend: str | None = None
+    launch_method: str = "forkserver"
+
+    @classmethod
+    def resolve(cls, config: MultiprocessConfig) -> None:
+        """Fills the missing fields of ``config`` in place.
+
+        ``world_size`` becomes the number of devices (1 on CPU), ``local_world_size``
+        the smaller of that and ``world_size``, and ``master_port`` a free port
+        (29500 when free, see :func:`dist_core.get_unused_port`).
+        """
+        devices = device_count()
+        if is_missing(config, "world_size"):
+            config.world_size = devices
+        if is_missing(config, "local_world_size"):
+            config.local_world_size = min(devices, config.world_size)
+        if is_missing(config, "master_port"):
+            config.master_port = get_unused_port(DEFAULT_PORT)
+
+    def replace(self, **changes: Any) -> MultiprocessConfig:
+        """A copy with ``changes`` applied (the config itself is left alone)."""
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,50 @@
+"""Process helpers shared by dist-core's test runner and the dist-* launchers."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import signal
+import sys
+
+logger = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+
+
+def set_parent_death_signal(signum: int = signal.SIGKILL) -> bool:
+    """Asks the kernel to send ``signum`` to this process when its parent exits.
+
+    Linux only (``prctl(PR_SET_PDEATHSIG)``); elsewhere a no-op. The signal follows
+    the death of the *thread* that forked this process, so call it from a child whose
+    parent forks from its main thread.
+
+    Returns:
+        True when the kernel accepted the request.
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    libc_name = ctypes.util.find_library("c") or "libc.so.6"
+    try:
+        libc = ctypes.CDLL(libc_name, use_errno=True)
+        return bool(libc.prctl(_PR_SET_PDEATHSIG, int(signum), 0, 0, 0) == 0)
+    except OSError:
+        logger.debug("prctl(PR_SET_PDEATHSIG) is unavailable", exc_info=True)
+        return False
+
+
+def describe_exit(exitcode: int | None) -> str:
+    """Says how a process ended: ``exit code 3``, ``signal SIGKILL``, ``still running``.
+
+    Takes multiprocessing's convention, where ``-N`` means killed by signal N.
+    """
+    if exitcode is None:
+        return "still running"
+    if exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        return f"signal {name}"
+    return f"exit code {exitcode}"

@@ -1,0 +1,129 @@
+"""Parsing of SLURM's compressed host lists and task counts.
+
+SLURM writes node lists such as ``gpu[01-04,07],cpu3`` and per-node task counts
+such as ``4(x2),2``; this module expands both. It reads no environment variable
+itself: callers pass the variable's name so that errors can name it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+
+from dist_core.errors import DistEnvError
+
+_REPEAT = re.compile(r"^(\d+)(?:\(x(\d+)\))?$")
+_RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
+
+
+def _split_top_level(text: str, variable: str) -> list[str]:
+    """Splits on commas that are not inside brackets."""
+    parts: list[str] = []
+    depth = 0
+    current: list[str] = []
+    for char in text:
+        if char == "[":
+            depth += 1
+            if depth > 1:
+                raise DistEnvError(f"{variable}={text}: nested brackets are not a SLURM host list")
+        elif char == "]":
+            depth -= 1
+            if depth < 0:
+                raise DistEnvError(f"{variable}={text}: ']' without a matching '['")
+        if char == "," and depth == 0:
+            parts.append("".join(current))
+            current = []
+        else:
+            current.append(char)
+    if depth != 0:
+        raise DistEnvError(f"{variable}={text}: '[' without a matching ']'")
+    parts.append("".join(current))
+    return parts
+
+
+def _expand_range_list(body: str, whole: str, variable: str) -> list[str]:
+    """Expands ``01-04,07`` into ``['01', '02', '03', '04', '07']``, keeping zero padding."""
+    values: list[str] = []
+    for item in body.split(","):
+        match = _RANGE.match(item.strip())
+        if match is None:
+            raise DistEnvError(
+                f"{variable}={whole}: '{item}' is not a number or a range like 01-04"
+            )
+        first, last = match.group(1), match.group(2)
+        if last is None:
+            values.append(first)
+            continue
+        start, stop = int(first), int(last)
+        if stop < start:
+            raise DistEnvError(f"{variable}={whole}: range {item} runs backwards")
+        width = len(first)
+        values.extend(str(number).zfill(width) for number in range(start, stop + 1))
+    return values
+
+
+def _expand_host_pattern(pattern: str, whole: str, variable: str) -> list[str]:
+    """Expands one host pattern, which may hold several bracket groups."""
+    pieces: list[list[str]] = []
+    rest = pattern
+    while rest:
+        open_at = rest.find("[")
+        if open_at < 0:
+            pieces.append([rest])
+            break
+        close_at = rest.find("]", open_at)
+        if open_at > 0:
+            pieces.append([rest[:open_at]])
+        pieces.append(_expand_range_list(rest[open_at + 1 : close_at], whole, variable))
+        rest = rest[close_at + 1 :]
+    return ["".join(combination) for combination in itertools.product(*pieces)]
+
+
+def expand_hostlist(hostlist: str, variable: str = "SLURM_JOB_NODELIST") -> list[str]:
+    """Expands a SLURM host list into host names, in SLURM's order.
+
+    Args:
+        hostlist: The compressed list, e.g. ``gpu[01-04,07],cpu3``.
+        variable: The environment variable it came from, named in errors.
+
+    Returns:
+        The host names, e.g. ``['gpu01', 'gpu02', 'gpu03', 'gpu04', 'gpu07', 'cpu3']``.
+
+    Raises:
+        DistEnvError: The list is empty or malformed.
+    """
+    text = hostlist.strip()
+    if not text:
+        raise DistEnvError(f"{variable}={hostlist}: the host list is empty")
+    hosts: list[str] = []
+    for pattern in _split_top_level(text, variable):
+        pattern = pattern.strip()
+        if not pattern:
+            raise DistEnvError(f"{variable}={hostlist}: empty entry between commas")
+        hosts.extend(_expand_host_pattern(pattern, hostlist, variable))
+    return hosts
+
+
+def parse_tasks_per_node(value: str, variable: str = "SLURM_TASKS_PER_NODE") -> list[int]:
+    """Expands SLURM's per-node task counts, e.g. ``4(x2),2`` into ``[4, 4, 2]``.
+
+    Args:
+        value: The compressed counts.
+        variable: The environment variable it came from, named in errors.
+
+    Returns:
+        One task count per node, in node order.
+
+    Raises:
+        DistEnvError: The value is empty or malformed.
+    """
+    counts: list[int] = []
+    for item in value.split(","):
+        match = _REPEAT.match(item.strip())
+        if match is None:
+            raise DistEnvError(
+                f"{variable}={value}: '{item}' is not a count like 4 or 4(x2)"
+            )
+        repeat = int(match.group(2)) if match.group(2) is not None else 1
+        counts.extend([int(match.group(1))] * repeat)
+    return counts
