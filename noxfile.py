@@ -181,8 +181,7 @@ def demo(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """Every benchmark under benchmarks/, side by side with its peers; prints ratios."""
     _install_packages(session, PACKAGES)
-    requirements = ROOT / "benchmarks" / "requirements.txt"
-    if requirements.is_file():
+    for requirements in sorted((ROOT / "benchmarks").glob("requirements*.txt")):
         session.install("-r", str(requirements))
     scripts = sorted((ROOT / "benchmarks").glob("*.py"))
     selected = [s for s in scripts if not session.posargs or s.stem in session.posargs]
