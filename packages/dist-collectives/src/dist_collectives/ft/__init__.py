@@ -1,0 +1,29 @@
+"""Reconfigurable, fault-tolerant process groups in the style of torchft.
+
+Every group here is a :class:`torch.distributed.ProcessGroup` that can be configured
+again with other members on a new ``host:port/prefix`` of a store that runs in the job.
+A :class:`Manager` forms a quorum of live replicas through that store, heals replicas
+that join, and decides per step whether it may be committed.
+"""
+
+from dist_collectives.ft.dummy import ProcessGroupDummy
+from dist_collectives.ft.gloo import ProcessGroupGloo
+from dist_collectives.ft.nccl import ProcessGroupNCCL
+from dist_collectives.ft.process_group import ProcessGroup, StoreAddressReusedError
+from dist_collectives.ft.store import StoreAddressError, create_store_client
+from dist_collectives.ft.work import DummyWork, FutureWork
+from dist_collectives.ft.wrappers import ErrorSwallowingProcessGroupWrapper, ProcessGroupWrapper
+
+__all__ = [
+    "ProcessGroup",
+    "ProcessGroupWrapper",
+    "ProcessGroupGloo",
+    "ProcessGroupNCCL",
+    "ErrorSwallowingProcessGroupWrapper",
+    "ProcessGroupDummy",
+    "DummyWork",
+    "FutureWork",
+    "create_store_client",
+    "StoreAddressError",
+    "StoreAddressReusedError",
+]

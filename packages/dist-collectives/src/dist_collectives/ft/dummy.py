@@ -1,0 +1,59 @@
+"""A group of one member that completes every operation at once."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+
+from dist_collectives.ft.process_group import OPERATIONS, ProcessGroup, tensors_of
+from dist_collectives.ft.work import DummyWork
+
+
+class ProcessGroupDummy(ProcessGroup):
+    """A stand-in group of one member: every operation completes at once, tensors unchanged.
+
+    Useful where torch insists on a group (DDP's constructor) but the real communication
+    happens elsewhere.
+
+    Args:
+        rank: Must be 0.
+        world: Must be 1.
+
+    Raises:
+        ValueError: ``world`` is not 1 or ``rank`` is not 0.
+    """
+
+    def __init__(self, rank: int, world: int) -> None:
+        if world != 1:
+            raise ValueError(
+                f"ProcessGroupDummy(rank={rank}, world={world}): a dummy group has exactly "
+                "one member; world must be 1"
+            )
+        if rank != 0:
+            raise ValueError(f"ProcessGroupDummy(rank={rank}, world=1): rank must be 0")
+        super().__init__()
+        self.configure_count = 0
+
+    def configure(self, store_addr: str, rank: int, world_size: int) -> None:
+        """Counts the call; a dummy group needs no store (world_size must stay 1)."""
+        if world_size != 1:
+            raise ValueError(f"ProcessGroupDummy cannot be configured with world_size={world_size}")
+        self.configure_count += 1
+
+    def getBackendName(self) -> str:
+        """``"ft-dummy"``."""
+        return "ft-dummy"
+
+
+def _completing(operation: str) -> Any:
+    def complete(self: ProcessGroupDummy, *args: Any) -> dist.Work:
+        return DummyWork(tensors_of(args))
+
+    complete.__name__ = operation
+    complete.__doc__ = f"Completes ``{operation}`` at once, tensors unchanged."
+    return complete
+
+
+for _operation in OPERATIONS:
+    setattr(ProcessGroupDummy, _operation, _completing(_operation))

@@ -1,0 +1,70 @@
+"""A reconfigurable gloo group (CPU tensors; CUDA tensors too where torch's gloo has it)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import Store
+
+from dist_collectives.ft.process_group import DEFAULT_TIMEOUT
+from dist_collectives.ft.wrappers import ProcessGroupWrapper
+
+logger = logging.getLogger(__name__)
+
+_device_lock = threading.Lock()
+_device: object | None = None
+
+
+def _gloo_device() -> object:
+    """This process's gloo transport device, created once.
+
+    Creating it resolves the host name (or reads ``GLOO_SOCKET_IFNAME``), which takes
+    milliseconds that a reconfiguration should not pay every time.
+    """
+    global _device
+    with _device_lock:
+        if _device is None:
+            _device = dist.ProcessGroupGloo.create_default_device()
+        return _device
+
+
+def create_gloo_backend(
+    store: Store, rank: int, world_size: int, timeout: timedelta
+) -> dist.ProcessGroupGloo:
+    """A torch gloo backend over ``store``, using this process's cached transport device.
+
+    Reads ``GLOO_SOCKET_IFNAME`` (through torch) the first time it is called.
+    """
+    options: Any = getattr(dist.ProcessGroupGloo, "_Options")()  # noqa: B009 (not in the stubs)
+    options._devices = [_gloo_device()]
+    options._timeout = timeout
+    backend = dist.ProcessGroupGloo(store, rank, world_size, options)
+    return backend
+
+
+class ProcessGroupGloo(ProcessGroupWrapper):
+    """A gloo group that :meth:`configure` can rebuild with new members.
+
+    Args:
+        timeout: How long one operation, and the rendezvous of a configuration, may take.
+    """
+
+    def __init__(self, timeout: timedelta = DEFAULT_TIMEOUT) -> None:
+        super().__init__(timeout=timeout)
+
+    def _create_pg(self, store: Store, rank: int, world_size: int) -> dist.ProcessGroupGloo:
+        return create_gloo_backend(store, rank, world_size, self._timeout)
+
+    def getBackendName(self) -> str:
+        """``"ft-gloo"``."""
+        return "ft-gloo"
+
+
+def supports_cuda() -> bool:
+    """Whether CUDA tensors can go through the gloo groups of this process."""
+    return torch.cuda.is_available()

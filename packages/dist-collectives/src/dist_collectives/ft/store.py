@@ -1,0 +1,116 @@
+"""Store addresses of the form ``host:port/prefix`` and clients for them.
+
+Every configuration of a reconfigurable group rendezvouses on its own key prefix of one
+TCPStore that runs inside the job (the one ``torchrun`` or ``dist-launch`` hosts at
+``MASTER_ADDR:MASTER_PORT``, or any ``TCPStore(is_master=True)``). Opening a TCP
+connection per configuration costs a connect and a handshake each time, so clients are
+cached per ``(host, port, process)`` and only the cheap :class:`~torch.distributed.PrefixStore`
+is new.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+from datetime import timedelta
+
+from torch._C._distributed_c10d import PrefixStore, TCPStore
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_STORE_TIMEOUT = timedelta(seconds=60)
+
+_lock = threading.Lock()
+# (host, port, pid) -> client; the pid keeps a forked child from sharing its parent's socket.
+_clients: dict[tuple[str, int, int], TCPStore] = {}
+
+
+class StoreAddressError(ValueError):
+    """A store address is not of the form ``host:port/prefix``."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreAddress:
+    """A parsed ``host:port/prefix`` store address."""
+
+    host: str
+    port: int
+    prefix: str
+
+    def __str__(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}/{self.prefix}"
+
+
+def parse_store_addr(store_addr: str) -> StoreAddress:
+    """Splits ``host:port/prefix`` (``[v6addr]:port/prefix`` for IPv6) into its parts.
+
+    Raises:
+        StoreAddressError: the address has no prefix, no port, or a port that is not an
+            integer in 1..65535.
+    """
+    location, sep, prefix = store_addr.partition("/")
+    if not sep or not prefix:
+        raise StoreAddressError(
+            f"store address {store_addr!r} has no prefix; expected 'host:port/prefix' "
+            "with a prefix unique to this configuration"
+        )
+    host, colon, port_text = location.rpartition(":")
+    if not colon or not host:
+        raise StoreAddressError(
+            f"store address {store_addr!r} has no host:port part; expected 'host:port/prefix'"
+        )
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    try:
+        port = int(port_text)
+    except ValueError:
+        raise StoreAddressError(
+            f"store address {store_addr!r}: port {port_text!r} is not an integer"
+        ) from None
+    if not 0 < port < 65536:
+        raise StoreAddressError(f"store address {store_addr!r}: port {port} is out of range")
+    return StoreAddress(host, port, prefix)
+
+
+def connect_tcp_store(
+    host: str, port: int, timeout: timedelta = DEFAULT_STORE_TIMEOUT, *, shared: bool = True
+) -> TCPStore:
+    """A TCPStore client connected to a server that already runs at ``host:port``.
+
+    Args:
+        host: Where the store server runs.
+        port: Its port.
+        timeout: How long a blocking ``get``/``wait`` may take, and how long to try
+            connecting.
+        shared: Reuse this process's connection to ``host:port`` when one exists. A
+            shared client serialises its callers, so a thread that blocks in ``wait``
+            (a heartbeat or error watcher) wants its own connection: pass False.
+    """
+    if not shared:
+        return TCPStore(host, port, is_master=False, timeout=timeout, wait_for_workers=False)
+    key = (host, port, os.getpid())
+    with _lock:
+        client = _clients.get(key)
+        if client is None:
+            logger.debug("connecting to the store at %s:%d", host, port)
+            client = TCPStore(host, port, is_master=False, timeout=timeout, wait_for_workers=False)
+            _clients[key] = client
+        return client
+
+
+def create_store_client(store_addr: str, timeout: timedelta = DEFAULT_STORE_TIMEOUT) -> PrefixStore:
+    """A :class:`~torch.distributed.PrefixStore` for ``host:port/prefix``.
+
+    The TCP connection underneath is shared by every client of the same ``host:port``
+    in this process; its timeout is the one of the first caller.
+
+    Raises:
+        StoreAddressError: ``store_addr`` is malformed.
+        RuntimeError: torch could not reach the store within ``timeout``.
+    """
+    address = parse_store_addr(store_addr)
+    client = connect_tcp_store(address.host, address.port, timeout)
+    return PrefixStore(address.prefix, client)

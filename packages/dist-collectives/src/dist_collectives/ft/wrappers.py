@@ -1,0 +1,232 @@
+"""Groups that forward to another group: the generic wrapper and the error-swallowing one."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+from torch._C._distributed_c10d import Store
+from torch.futures import Future
+
+from dist_collectives.ft.process_group import (
+    DEFAULT_TIMEOUT,
+    OPERATIONS,
+    ProcessGroup,
+    tensors_of,
+)
+from dist_collectives.ft.store import create_store_client
+from dist_collectives.ft.work import DummyWork, completed_future
+
+logger = logging.getLogger(__name__)
+
+_graveyard: queue.SimpleQueue[object] = queue.SimpleQueue()
+_reaper_started = threading.Event()
+_reaper_lock = threading.Lock()
+
+
+def _reap_forever() -> None:
+    while True:
+        retired = _graveyard.get()
+        # The last reference goes here: a gloo group's destructor joins its worker
+        # threads, which may sit in an operation on a dead peer until the group's
+        # timeout. torch releases the GIL in that destructor, so only this thread waits.
+        del retired
+
+
+def retire_in_background(backend: object) -> None:
+    """Drops the last reference to ``backend`` on a background thread.
+
+    Tearing down a group whose peers died can take as long as its timeout; doing it here
+    lets the caller go on with the new configuration at once.
+    """
+    with _reaper_lock:
+        if not _reaper_started.is_set():
+            threading.Thread(target=_reap_forever, name="ft-group-reaper", daemon=True).start()
+            _reaper_started.set()
+    _graveyard.put(backend)
+
+
+class ProcessGroupWrapper(ProcessGroup):
+    """Forwards every operation to the group of the current configuration.
+
+    Either wraps another :class:`ProcessGroup` (``pg``), to which :meth:`configure` is
+    forwarded, or, in subclasses, builds a torch backend per configuration in
+    :meth:`_create_pg`.
+
+    Args:
+        pg: The group to wrap, or None when a subclass builds its own backend.
+        timeout: How long an operation and the store rendezvous may take.
+    """
+
+    def __init__(self, pg: ProcessGroup | None = None, timeout: timedelta = DEFAULT_TIMEOUT):
+        super().__init__()
+        self._wrapped = pg
+        self._timeout = timeout
+        self._backend: Any = None
+
+    @property
+    def parent(self) -> Any:
+        """The object operations go to: the wrapped group, or the current torch backend."""
+        return self._wrapped if self._wrapped is not None else self._backend
+
+    def configure(self, store_addr: str, rank: int, world_size: int) -> None:
+        """See :meth:`ProcessGroup.configure`.
+
+        A new backend is built before the old one is released, and the old one is torn
+        down in the background, so a group whose peers died does not hold this call up.
+        """
+        if self._wrapped is None and type(self)._create_pg is ProcessGroupWrapper._create_pg:
+            raise NotImplementedError(
+                f"{type(self).__name__} needs a group to wrap (pg=...) or must implement _create_pg"
+            )
+        self._claim_configuration(store_addr, rank, world_size)
+        if self._wrapped is not None:
+            self._wrapped.configure(store_addr, rank, world_size)
+            return
+        store = create_store_client(store_addr, self._timeout)
+        new_backend = self._create_pg(store, rank, world_size)
+        old_backend, self._backend = self._backend, new_backend
+        if old_backend is not None:
+            self._retire(old_backend)
+        logger.debug("%s configured on %s as %d/%d", self, store_addr, rank, world_size)
+
+    def _create_pg(self, store: Store, rank: int, world_size: int) -> Any:
+        raise NotImplementedError(
+            f"{type(self).__name__} needs a group to wrap (pg=...) or must implement _create_pg"
+        )
+
+    def _retire(self, backend: Any) -> None:
+        retire_in_background(backend)
+
+    def shutdown(self) -> None:
+        """Releases the current configuration (in the background) and the wrapped group's."""
+        if self._wrapped is not None:
+            self._wrapped.shutdown()
+        backend, self._backend = self._backend, None
+        if backend is not None:
+            self._retire(backend)
+
+    def getBackendName(self) -> str:
+        """The wrapped group's backend name."""
+        parent = self.parent
+        if isinstance(parent, ProcessGroup):
+            return parent.getBackendName()
+        return f"ft-{type(self).__name__}"
+
+    def _call(self, operation: str, *args: Any) -> dist.Work:
+        parent = self.parent
+        if parent is None:
+            raise RuntimeError(
+                f"{type(self).__name__}.{operation}: the group is not configured; call "
+                "configure(store_addr, rank, world_size) first"
+            )
+        work: dist.Work = getattr(parent, operation)(*args)
+        return work
+
+
+def _forwarding(operation: str) -> Any:
+    def forward(self: ProcessGroupWrapper, *args: Any) -> dist.Work:
+        return self._call(operation, *args)
+
+    forward.__name__ = operation
+    forward.__doc__ = f"Forwards ``{operation}`` to the current configuration."
+    return forward
+
+
+for _operation in OPERATIONS:
+    setattr(ProcessGroupWrapper, _operation, _forwarding(_operation))
+
+
+class ErrorSwallowingProcessGroupWrapper(ProcessGroupWrapper):
+    """Turns failures into a recorded error instead of exceptions.
+
+    The first failure (raised by an operation, or by its Work) is recorded; from then on
+    until the next :meth:`configure`, every operation returns an already-completed
+    :class:`DummyWork` and leaves its tensors unchanged. A caller checks :meth:`error`
+    once per step instead of guarding every collective.
+
+    Args:
+        pg: The group to wrap.
+    """
+
+    def __init__(self, pg: ProcessGroup) -> None:
+        super().__init__(pg)
+        self._error: Exception | None = None
+        self._error_lock = threading.Lock()
+
+    def configure(self, store_addr: str, rank: int, world_size: int) -> None:
+        """Configures the wrapped group and forgets the recorded error."""
+        with self._error_lock:
+            self._error = None
+        super().configure(store_addr, rank, world_size)
+
+    def error(self) -> Exception | None:
+        """The first error since the last :meth:`configure`, or None."""
+        return self._error
+
+    def report_error(self, error: Exception) -> None:
+        """Records ``error`` (the first one wins) so that later operations are skipped."""
+        with self._error_lock:
+            if self._error is None:
+                logger.warning("%s: swallowing error until reconfigured: %s", self, error)
+                self._error = error
+
+    def _call(self, operation: str, *args: Any) -> dist.Work:
+        if self._error is not None:
+            return DummyWork(tensors_of(args))
+        try:
+            work = super()._call(operation, *args)
+        except Exception as error:
+            self.report_error(error)
+            return DummyWork(tensors_of(args))
+        return _SwallowingWork(work, tensors_of(args), self.report_error)
+
+
+class _SwallowingWork(dist.Work):
+    """Waits on ``inner``; a failure goes to ``report`` and the tensors stay as they were."""
+
+    def __init__(
+        self, inner: dist.Work, fallback: list[Any], report: Callable[[Exception], None]
+    ) -> None:
+        super().__init__()
+        self._inner = inner
+        self._fallback = fallback
+        self._report = report
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        """Waits for the wrapped work; never raises its error."""
+        try:
+            if timeout is None:
+                self._inner.wait()
+            else:
+                self._inner.wait(timeout)
+        except Exception as error:
+            self._report(error)
+        return True
+
+    def is_completed(self) -> bool:
+        """Whether the wrapped work is done."""
+        return bool(self._inner.is_completed())
+
+    def get_future(self) -> Future[Any]:
+        """A future of the result, or of the unchanged tensors when the work failed."""
+        try:
+            inner_future = self._inner.get_future()
+        except RuntimeError:
+            # gloo's send/recv have no future: wait now, then hand back a completed one.
+            self.wait()
+            return completed_future(self._fallback)
+
+        def swallow(future: Future[Any]) -> Any:
+            try:
+                return future.value()
+            except Exception as error:
+                self._report(error)
+                return self._fallback
+
+        return inner_future.then(swallow)
