@@ -136,7 +136,7 @@ def integration(session: nox.Session) -> None:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """ruff check and ruff format --check over the whole repository."""
+    """Run ruff check and ruff format --check over the whole repository."""
     session.install("ruff>=0.6")
     session.run("ruff", "check", str(ROOT))
     session.run("ruff", "format", "--check", str(ROOT))
@@ -144,7 +144,7 @@ def lint(session: nox.Session) -> None:
 
 @nox.session
 def typecheck(session: nox.Session) -> None:
-    """mypy --strict on every package's sources."""
+    """Run mypy --strict on every package's sources."""
     _install_packages(session, PACKAGES)
     session.install("mypy>=1.11")
     source_dirs = [str(PACKAGES_DIR / package / "src") for package in PACKAGES]
@@ -164,9 +164,7 @@ def docs(session: nox.Session) -> None:
     _install_packages(session, PACKAGES)
     session.install("sphinx>=7", "myst-parser>=3")
     output = Path(session.create_tmp()) / "html"
-    session.run(
-        "sphinx-build", "-W", "--keep-going", "-b", "html", str(ROOT / "docs"), str(output)
-    )
+    session.run("sphinx-build", "-W", "--keep-going", "-b", "html", str(ROOT / "docs"), str(output))
     session.log(f"docs built in {output}")
 
 

@@ -4,7 +4,7 @@ from importlib import metadata
 
 project = "dist-*"
 author = "the dist-* team"
-copyright = "2026, the dist-* team"  # noqa: A001 - Sphinx's name
+copyright = "2026, the dist-* team"
 
 extensions = ["sphinx.ext.autodoc", "sphinx.ext.napoleon", "myst_parser"]
 myst_heading_anchors = 3

@@ -5,35 +5,90 @@ The foundation of the dist-* packages: it depends on torch alone.
 
 from __future__ import annotations
 
+from importlib import import_module
 from importlib.metadata import PackageNotFoundError, version
+from typing import TYPE_CHECKING, Any
 
-from dist_core.backend import (
-    default_backend,
-    destroy_dist,
-    device_count,
-    get_distributed_backend,
-    get_init_method,
-    init_dist,
-    init_process_group_from_backend,
-    set_dist,
-    set_distributed_backend,
-)
-from dist_core.config import MISSING, MultiprocessConfig, is_missing
-from dist_core.env import DistEnv
-from dist_core.errors import DistEnvError
-from dist_core.log import INFOALL, configure_logging
-from dist_core.ports import get_unused_port, release_port
-from dist_core.ranks import (
-    get_global_rank,
-    get_local_rank,
-    get_local_world_size,
-    get_node_rank,
-    get_rank,
-    get_world_size,
-    is_available,
-    is_initialized,
-    is_rank_zero,
-)
+if TYPE_CHECKING:
+    from dist_core.backend import (
+        default_backend,
+        destroy_dist,
+        device_count,
+        get_distributed_backend,
+        get_init_method,
+        init_dist,
+        init_process_group_from_backend,
+        set_dist,
+        set_distributed_backend,
+    )
+    from dist_core.config import MISSING, MultiprocessConfig, is_missing
+    from dist_core.env import DistEnv
+    from dist_core.errors import DistEnvError
+    from dist_core.log import INFOALL, configure_logging
+    from dist_core.ports import get_unused_port, release_port
+    from dist_core.ranks import (
+        get_global_rank,
+        get_local_rank,
+        get_local_world_size,
+        get_node_rank,
+        get_rank,
+        get_world_size,
+        is_available,
+        is_initialized,
+        is_rank_zero,
+    )
+
+# Names are imported on first use so that `import dist_core` (and the port and
+# environment helpers a launcher needs) does not pay for importing torch.
+_LAZY: dict[str, str] = {
+    **dict.fromkeys(
+        [
+            "default_backend",
+            "destroy_dist",
+            "device_count",
+            "get_distributed_backend",
+            "get_init_method",
+            "init_dist",
+            "init_process_group_from_backend",
+            "set_dist",
+            "set_distributed_backend",
+        ],
+        "dist_core.backend",
+    ),
+    **dict.fromkeys(["MISSING", "MultiprocessConfig", "is_missing"], "dist_core.config"),
+    "DistEnv": "dist_core.env",
+    "DistEnvError": "dist_core.errors",
+    **dict.fromkeys(["INFOALL", "configure_logging"], "dist_core.log"),
+    **dict.fromkeys(["get_unused_port", "release_port"], "dist_core.ports"),
+    **dict.fromkeys(
+        [
+            "get_global_rank",
+            "get_local_rank",
+            "get_local_world_size",
+            "get_node_rank",
+            "get_rank",
+            "get_world_size",
+            "is_available",
+            "is_initialized",
+            "is_rank_zero",
+        ],
+        "dist_core.ranks",
+    ),
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'dist_core' has no attribute {name!r}")
+    value = getattr(import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])
+
 
 try:
     __version__ = version("dist-core")

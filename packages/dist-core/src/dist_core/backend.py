@@ -173,13 +173,12 @@ def init_process_group_from_backend(
         init_method,
     )
     device = _bind_device(env.local_rank)
-    extra: dict[str, timedelta] = {} if timeout is None else {"timeout": timeout}
     dist.init_process_group(
         backend=chosen,
         init_method=init_method,
         world_size=env.world_size,
         rank=env.rank,
-        **extra,
+        timeout=timeout,
     )
     probe = torch.ones(1, device=device)
     dist.all_reduce(probe)

@@ -81,7 +81,9 @@ def collect() -> dict[str, Any]:
         }
     except DistEnvError as error:
         report["environment"] = {"error": str(error)}
-    report["variables"] = {name: os.environ[name] for name in _LAUNCHER_VARIABLES if name in os.environ}
+    report["variables"] = {
+        name: os.environ[name] for name in _LAUNCHER_VARIABLES if name in os.environ
+    }
     report["backend"] = {
         "default": default_backend(),
         BACKEND_VARIABLE: os.environ.get(BACKEND_VARIABLE),

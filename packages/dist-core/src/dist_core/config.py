@@ -6,7 +6,6 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Final
 
-from dist_core.backend import device_count
 from dist_core.env import DEFAULT_MASTER_ADDR
 from dist_core.ports import DEFAULT_PORT, get_unused_port
 
@@ -67,6 +66,8 @@ class MultiprocessConfig:
         the smaller of that and ``world_size``, and ``master_port`` a free port
         (29500 when free, see :func:`dist_core.get_unused_port`).
         """
+        from dist_core.backend import device_count  # noqa: PLC0415 - imports torch
+
         devices = device_count()
         if is_missing(config, "world_size"):
             config.world_size = devices

@@ -24,6 +24,7 @@ class RankZeroFilter(logging.Filter):
         self.rank = rank
 
     def filter(self, record: logging.LogRecord) -> bool:
+        """Keeps every record on rank 0, and INFOALL and above elsewhere."""
         return self.rank == 0 or record.levelno >= INFOALL
 
 

@@ -1,4 +1,4 @@
-"""Free TCP ports that no two concurrent callers on one host receive twice.
+r"""Free TCP ports that no two concurrent callers on one host receive twice.
 
 A port is only "free" until somebody binds it, so checking it is not enough: two
 launchers that check at the same moment both see it free. Each port handed out is
@@ -31,6 +31,10 @@ logger = logging.getLogger(__name__)
 DEFAULT_PORT = 29500
 RESERVATION_SECONDS = 120.0
 _ATTEMPTS = 200
+
+# A variable, not an inline platform check, so that type checkers on Linux still check
+# the fallback below.
+_HAS_ABSTRACT_SOCKETS = sys.platform.startswith("linux")
 
 _lock = threading.Lock()
 # port -> (reservation handle, time reserved)
@@ -74,7 +78,7 @@ def _kernel_port() -> int:
 
 def _reserve(port: int) -> socket.socket | IO[bytes] | None:
     """Takes the host-wide reservation of ``port``; None when somebody holds it."""
-    if sys.platform.startswith("linux"):
+    if _HAS_ABSTRACT_SOCKETS:
         holder = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             holder.bind(f"\0dist-core-port-{port}")

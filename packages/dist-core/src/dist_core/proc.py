@@ -48,3 +48,28 @@ def describe_exit(exitcode: int | None) -> str:
             name = f"signal {-exitcode}"
         return f"signal {name}"
     return f"exit code {exitcode}"
+
+
+# Messages of errors that a rank raises *because another rank died or stalled*: the
+# transport saw its peer vanish. When ranks fail together these are consequences, and
+# the rank that died (often without any traceback) is the root cause.
+_PEER_FAILURE_MARKERS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "remote worker",
+    "Broken pipe",
+    "NCCL communicator was aborted",
+    "ProcessGroupNCCL's watchdog",
+    "Socket Timeout",
+    "DistNetworkError",
+    "DistStoreError",
+)
+
+
+def is_peer_failure(error_text: str) -> bool:
+    """True when an error's text says a *peer* failed (a consequence, not a root cause).
+
+    Args:
+        error_text: A formatted traceback or error message.
+    """
+    return any(marker in error_text for marker in _PEER_FAILURE_MARKERS)

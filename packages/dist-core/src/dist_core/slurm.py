@@ -121,9 +121,7 @@ def parse_tasks_per_node(value: str, variable: str = "SLURM_TASKS_PER_NODE") -> 
     for item in value.split(","):
         match = _REPEAT.match(item.strip())
         if match is None:
-            raise DistEnvError(
-                f"{variable}={value}: '{item}' is not a count like 4 or 4(x2)"
-            )
+            raise DistEnvError(f"{variable}={value}: '{item}' is not a count like 4 or 4(x2)")
         repeat = int(match.group(2)) if match.group(2) is not None else 1
         counts.extend([int(match.group(1))] * repeat)
     return counts

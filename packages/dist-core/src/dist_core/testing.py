@@ -45,7 +45,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from dist_core.proc import describe_exit, set_parent_death_signal
+from dist_core.proc import describe_exit, is_peer_failure, set_parent_death_signal
 
 logger = logging.getLogger(__name__)
 
@@ -115,16 +115,33 @@ def _load_module(ref: _FunctionRef) -> ModuleType:
     if spec is None or spec.loader is None:
         raise ImportError(f"cannot load {ref.file} as module {name!r}")
     module = importlib.util.module_from_spec(spec)
+    _register_parents(name)
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def _register_parents(name: str) -> None:
+    """Puts empty parent packages of a dotted module name into ``sys.modules``.
+
+    pytest's importlib mode names a test file after its path (``pkg.tests.test_x``)
+    without those parents being importable; pickle looks classes up through
+    ``__import__``, which needs them. pytest does the same in the parent process.
+    """
+    parts = name.split(".")
+    for depth in range(1, len(parts)):
+        parent = ".".join(parts[:depth])
+        if parent not in sys.modules:
+            placeholder = ModuleType(parent)
+            placeholder.__path__ = []
+            sys.modules[parent] = placeholder
 
 
 def _same_file(module: ModuleType, file: str | None) -> bool:
     found = getattr(module, "__file__", None)
     if file is None or found is None:
         return True
-    return os.path.realpath(found) == os.path.realpath(file)
+    return os.path.realpath(str(found)) == os.path.realpath(file)
 
 
 def _resolve(ref: _FunctionRef) -> Callable[..., Any]:
@@ -164,7 +181,7 @@ def _worker_main(spec: _WorkerSpec, conn: mp_connection.Connection) -> None:
         init_process_group_from_backend(spec.backend, timeout=timedelta(seconds=spec.timeout))
         result = fn(*args, **kwargs)
         conn.send(("ok", time.time(), pickle.dumps(result)))
-    except BaseException as error:  # noqa: BLE001 - every failure is reported to the parent
+    except BaseException as error:  # every failure, even SystemExit, is reported
         conn.send(("error", time.time(), traceback.format_exc(), f"{type(error).__name__}"))
         conn.close()
         os._exit(1)  # skip destroy: peers may be gone, and it could block
@@ -273,13 +290,28 @@ def _wait(states: list[_RankState], deadline: float) -> None:
                 first_failure_seen = time.monotonic()
 
 
-def _format_failure(states: list[_RankState], stacks: dict[int, str], timeout: float) -> str:
+def _root_cause(states: list[_RankState]) -> int | None:
+    """The rank whose failure caused the others.
+
+    That is the earliest failure by the workers' clocks, preferring ranks that did not
+    merely see a peer vanish (see :func:`dist_core.proc.is_peer_failure`).
+    """
     failed = [rank for rank, state in enumerate(states) if state.status in ("error", "died")]
+    if not failed:
+        return None
+    primary = [
+        rank
+        for rank in failed
+        if states[rank].status == "died" or not is_peer_failure(states[rank].traceback)
+    ]
+    return min(primary or failed, key=lambda rank: states[rank].failed_at)
+
+
+def _format_failure(states: list[_RankState], stacks: dict[int, str], timeout: float) -> str:
     world = len(states)
     lines: list[str] = []
-    first: int | None = None
-    if failed:
-        first = min(failed, key=lambda rank: states[rank].failed_at)
+    first = _root_cause(states)
+    if first is not None:
         state = states[first]
         if state.status == "error":
             lines.append(f"rank {first} of {world} failed first:\n{state.traceback.rstrip()}")
@@ -379,10 +411,7 @@ def run_ranks(
             if all(state.status == "ok" for state in states):
                 return [state.result for state in states]
             stacks = _dump_stacks(states)
-            message = _format_failure(states, stacks, timeout)
-            failed = [r for r, s in enumerate(states) if s.status in ("error", "died")]
-            first = min(failed, key=lambda r: states[r].failed_at) if failed else None
-            raise RankFailedError(message, first)
+            raise RankFailedError(_format_failure(states, stacks, timeout), _root_cause(states))
         finally:
             _stop(states)
             for state in states:

@@ -1,0 +1,60 @@
+"""MultiprocessConfig: the seed's fields, MISSING, resolve()."""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+
+from dist_core import MISSING, MultiprocessConfig, is_missing
+from dist_core.ports import release_port
+
+SEED_FIELDS = {
+    "rank",
+    "local_rank",
+    "world_size",
+    "local_world_size",
+    "master_addr",
+    "master_port",
+    "init_method",
+    "model_parallelism",
+    "pipeline_parallelism",
+    "backend",
+    "model_parallel_backend",
+    "pipeline_parallel_backend",
+    "data_parallel_backend",
+    "launch_method",
+}
+
+
+def test_has_every_seed_field_with_seed_defaults() -> None:
+    cfg = MultiprocessConfig()
+    assert {field.name for field in dataclasses.fields(cfg)} == SEED_FIELDS
+    assert (cfg.rank, cfg.local_rank, cfg.launch_method) == (-1, -1, "forkserver")
+    assert (cfg.init_method, cfg.master_addr) == ("env://", "127.0.0.1")
+    assert is_missing(cfg, "world_size") and is_missing(cfg, "master_port")
+    assert not is_missing(cfg, "backend")
+
+
+def test_resolve_fills_missing_fields_in_place() -> None:
+    cfg = MultiprocessConfig()
+    assert MultiprocessConfig.resolve(cfg) is None
+    assert cfg.world_size == 1  # one device on CPU
+    assert cfg.local_world_size == 1
+    assert isinstance(cfg.master_port, int) and 0 < cfg.master_port < 65536
+    release_port(cfg.master_port)
+
+
+def test_resolve_keeps_given_fields() -> None:
+    cfg = MultiprocessConfig(world_size=4, master_port=1234)
+    MultiprocessConfig.resolve(cfg)
+    assert (cfg.world_size, cfg.local_world_size, cfg.master_port) == (4, 1, 1234)
+    cfg = MultiprocessConfig(world_size=4, local_world_size=4)
+    MultiprocessConfig.resolve(cfg)
+    assert cfg.local_world_size == 4
+    release_port(cfg.master_port)
+
+
+def test_missing_survives_pickling() -> None:
+    cfg = pickle.loads(pickle.dumps(MultiprocessConfig()))
+    assert cfg.world_size is MISSING
+    assert repr(MISSING) == "MISSING"

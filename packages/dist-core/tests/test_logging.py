@@ -1,0 +1,65 @@
+"""configure_logging: a [rank r/w] prefix; INFO on rank 0 only, INFOALL on every rank."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from dist_core import INFOALL, configure_logging
+
+
+@pytest.fixture
+def restore_root_logger():  # type: ignore[no-untyped-def]
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
+
+
+def _emit(capsys: pytest.CaptureFixture[str], rank: int) -> str:
+    configure_logging(rank=rank, world_size=4)
+    logger = logging.getLogger("dist_core.test")
+    logger.info("info %d", rank)
+    logger.log(INFOALL, "infoall %d", rank)
+    logger.warning("warning %d", rank)
+    logger.debug("debug %d", rank)
+    return capsys.readouterr().err
+
+
+@pytest.mark.usefixtures("restore_root_logger")
+def test_rank_zero_logs_info_and_infoall(capsys: pytest.CaptureFixture[str]) -> None:
+    err = _emit(capsys, 0)
+    assert "[rank 0/4] INFO dist_core.test: info 0" in err
+    assert "[rank 0/4] INFOALL dist_core.test: infoall 0" in err
+    assert "[rank 0/4] WARNING dist_core.test: warning 0" in err
+    assert "debug" not in err
+
+
+@pytest.mark.usefixtures("restore_root_logger")
+def test_other_ranks_drop_info_but_keep_infoall_and_warnings(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    err = _emit(capsys, 2)
+    assert "info 2" not in err.replace("infoall 2", "")
+    assert "[rank 2/4] INFOALL dist_core.test: infoall 2" in err
+    assert "[rank 2/4] WARNING dist_core.test: warning 2" in err
+
+
+@pytest.mark.usefixtures("restore_root_logger")
+def test_reads_environment_and_reconfigures_without_duplicates(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    configure_logging()
+    configure_logging()
+    logging.getLogger("x").log(INFOALL, "once")
+    err = capsys.readouterr().err
+    assert err.count("[rank 3/8] INFOALL x: once") == 1
+
+
+def test_infoall_level() -> None:
+    assert INFOALL == logging.INFO + 5
+    assert logging.getLevelName(INFOALL) == "INFOALL"
