@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from dist_core.testing import run_ranks
 
 from dist_collectives import CollectivesError, all_to_all, all_to_all_v
+from dist_core.testing import run_ranks
 
 DTYPES = (torch.float32, torch.bfloat16)
 COLUMNS = 3
@@ -18,9 +18,7 @@ def _tensor(seed: int, rows: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.randn(rows, COLUMNS, generator=generator).to(dtype)
 
 
-def _reference(
-    inputs: list[torch.Tensor], splits: list[list[int]]
-) -> list[torch.Tensor]:
+def _reference(inputs: list[torch.Tensor], splits: list[list[int]]) -> list[torch.Tensor]:
     """What each rank receives: splits[src][dst] rows go from src to dst, in src order."""
     world = len(inputs)
     chunks = [torch.split(x, s) for x, s in zip(inputs, splits, strict=True)]
@@ -93,15 +91,11 @@ def exchange_worker() -> list[str]:
         equal = [[per_rank] * world for _ in range(world)]
         rows = [per_rank * world] * world
         done.append(_check_case(f"all_to_all {dtype}", dtype, rows, equal, "all_to_all"))
-        done.append(
-            _check_case(f"all_to_all nc {dtype}", dtype, rows, equal, "all_to_all", True)
-        )
+        done.append(_check_case(f"all_to_all nc {dtype}", dtype, rows, equal, "all_to_all", True))
         uneven = _uneven_splits(world)
         uneven_rows = [sum(s) for s in uneven]
         done.append(_check_case(f"v given {dtype}", dtype, uneven_rows, uneven, "v_given"))
-        done.append(
-            _check_case(f"v exchanged {dtype}", dtype, uneven_rows, uneven, "v_exchanged")
-        )
+        done.append(_check_case(f"v exchanged {dtype}", dtype, uneven_rows, uneven, "v_exchanged"))
         # Equal splits of each rank's own input, but ranks hold different row counts,
         # so what a rank receives still has to be exchanged.
         varied = [[r + 1] * world for r in range(world)]

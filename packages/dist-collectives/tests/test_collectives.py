@@ -7,9 +7,9 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from dist_core.testing import run_ranks
 
 import dist_collectives as dc
+from dist_core.testing import run_ranks
 
 
 def helpers_worker() -> dict[str, Any]:
