@@ -1,0 +1,474 @@
+"""get_configs_parallel and get_tensors_parallel: gather values on the first rank.
+
+Protocol (every wait bounded by ``timeout``):
+
+1. Every rank of ``ranks`` but the first (the *receiver*) writes its value as a
+   record (see :mod:`dist_workspace.record`): into a fresh shared-memory segment when
+   ``workspace_path`` is None, else into a file of a per-exchange subdirectory of
+   ``workspace_path``. It then posts a status to the process group's store: the
+   segment name and size, shape and dtype, host, ``ranks`` and, when anything failed
+   (a config that is not JSON, a full /dev/shm, ...), the error instead.
+2. The receiver waits for every status. A missing one after ``timeout`` raises naming
+   the ranks that never wrote; an error status raises at once naming its rank. It
+   checks the statuses (same ``ranks``, same host for shared memory, same shape and
+   dtype for tensors), maps or reads every record, then posts a verdict: success, or
+   the error that every sender raises too (so no rank is left at a barrier).
+3. Senders wait for the verdict, unlink their segment (the receiver's private mapping
+   keeps the data alive) and get an empty list.
+
+The store is the default process group's (a private torch API,
+``_get_default_store``, present since torch 1.x), so no object collective, and no
+pickle, is involved; ``group`` decides who may take part and namespaces the keys.
+
+Values given to the receiver from shared memory are zero-copy, copy-on-write
+mappings of the writers' segments: writing to them never affects the writer, and
+they stay valid after the context exits (the memory is freed when the last tensor is
+dropped). Segments are unlinked before the context body runs and, on every error
+path, in ``finally`` blocks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import socket
+import time
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dist_workspace.config_codec import decode_config, encode_config
+from dist_workspace.errors import WorkspaceError
+from dist_workspace.fsutil import make_private_directory
+from dist_workspace.jobid import current_job_id, short_tag
+from dist_workspace.record import (
+    assemble,
+    parse_header,
+    prepare_record,
+    view_entries,
+    write_record,
+)
+from dist_workspace.shm import Segment, create_segment, map_segment
+from dist_workspace.workspace import DEFAULT_DIR_MODE, NFSWorkspace
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_SECONDS = 300.0
+_POLL_SECONDS = 0.2
+_sequences: dict[tuple[str, tuple[int, ...]], int] = {}
+
+
+def _timeout_seconds(timeout: float | None) -> float:
+    if timeout is not None:
+        return float(timeout)
+    return float(os.environ.get("DIST_WORKSPACE_TIMEOUT", DEFAULT_TIMEOUT_SECONDS))
+
+
+def _host_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as handle:
+            boot = handle.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+@dataclasses.dataclass
+class _Exchange:
+    """One call: who takes part, where its keys live, how long to wait."""
+
+    kind: str
+    rank: int
+    ranks: list[int]
+    store: Any
+    prefix: str
+    job: str
+    group_tag: str
+    seq: int
+    timeout: float
+    workspace_path: Path | None
+
+    @property
+    def receiver(self) -> int:
+        return self.ranks[0]
+
+    @property
+    def senders(self) -> list[int]:
+        return self.ranks[1:]
+
+    def key(self, name: str) -> str:
+        return f"{self.prefix}/{name}"
+
+    def exchange_dir(self) -> Path:
+        assert self.workspace_path is not None
+        return self.workspace_path / f"exchange-{self.job}-{self.group_tag}-{self.seq}"
+
+
+def _check_ranks(ranks: Any, rank: int, group_ranks: list[int], what: str) -> list[int]:
+    if isinstance(ranks, int | str) or not all(isinstance(r, int) for r in ranks):
+        raise WorkspaceError(f"rank {rank}: {what} needs a list of int ranks, got {ranks!r}")
+    ranks = list(ranks)
+    if not ranks or len(set(ranks)) != len(ranks):
+        raise WorkspaceError(f"rank {rank}: {what} got ranks={ranks}: empty or with repeats")
+    if rank not in ranks:
+        raise WorkspaceError(
+            f"rank {rank}: {what} was called with ranks={ranks}, which does not include the "
+            "caller; only the ranks listed may call it"
+        )
+    outside = [r for r in ranks if r not in group_ranks]
+    if outside:
+        raise WorkspaceError(
+            f"rank {rank}: {what} got ranks {outside} that are not in the group "
+            f"(its ranks: {group_ranks})"
+        )
+    return ranks
+
+
+def _start(
+    kind: str, ranks: Any, group: Any, workspace_path: Any, timeout: float | None
+) -> _Exchange | None:
+    """Validates the call; returns None when it is a single rank (no exchange needed)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        from dist_core.ranks import get_rank  # noqa: PLC0415
+
+        rank = get_rank()
+        checked = _check_ranks(ranks, rank, [rank], kind)
+        if checked == [rank]:
+            return None
+        raise WorkspaceError(
+            f"rank {rank}: {kind} with ranks={checked} needs an initialized process group"
+        )
+    group = dist.group.WORLD if group is None else group
+    rank = dist.get_rank()
+    group_ranks = dist.get_process_group_ranks(group)
+    checked = _check_ranks(ranks, rank, group_ranks, kind)
+    if len(checked) == 1:
+        return None
+    getter = getattr(dist.distributed_c10d, "_get_default_store", None)
+    if getter is None:  # pragma: no cover - present in every supported torch
+        raise WorkspaceError(f"rank {rank}: this torch has no default store to coordinate with")
+    store = getter()
+    group_name = getattr(group, "group_name", "") or ",".join(map(str, group_ranks))
+    key = (group_name, tuple(checked))
+    seq = _sequences.get(key, 0)
+    _sequences[key] = seq + 1
+    ranks_tag = short_tag(",".join(map(str, checked)), 8)
+    group_tag = short_tag(group_name, 8)
+    job = short_tag(current_job_id())
+    return _Exchange(
+        kind=kind,
+        rank=rank,
+        ranks=checked,
+        store=store,
+        prefix=f"dist_workspace/{job}/{group_tag}/{ranks_tag}/{seq}",
+        job=job,
+        group_tag=group_tag + ranks_tag,
+        seq=seq,
+        timeout=_timeout_seconds(timeout),
+        workspace_path=None if workspace_path is None else Path(workspace_path),
+    )
+
+
+def _error_text(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"
+
+
+def _post(exchange: _Exchange, name: str, value: dict[str, Any]) -> None:
+    exchange.store.set(exchange.key(name), json.dumps(value))
+
+
+def _get(exchange: _Exchange, name: str) -> dict[str, Any]:
+    raw = exchange.store.get(exchange.key(name))
+    value: dict[str, Any] = json.loads(raw.decode() if isinstance(raw, bytes) else raw)
+    return value
+
+
+def _wait_key(exchange: _Exchange, name: str, seconds: float) -> bool:
+    """Waits up to ``seconds`` for a key; False when it did not appear."""
+    if exchange.store.check([exchange.key(name)]):
+        return True
+    try:
+        exchange.store.wait([exchange.key(name)], timedelta(seconds=max(seconds, 0.001)))
+    except RuntimeError:  # DistStoreError on timeout
+        return bool(exchange.store.check([exchange.key(name)]))
+    return True
+
+
+# ---------------------------------------------------------------- sender
+
+
+def _send(exchange: _Exchange, weights: dict[str, torch.Tensor], config: Any) -> None:
+    """Writes this rank's record, posts its status, waits for the receiver's verdict."""
+    segment: Segment | None = None
+    try:
+        try:
+            status: dict[str, Any] = {"ok": True, "ranks": exchange.ranks, "host": _host_id()}
+            if exchange.workspace_path is None:
+                record = prepare_record(
+                    weights, config, rank=exchange.rank, job=exchange.job, checksums=False
+                )
+                segment = create_segment(
+                    record.total_size,
+                    job=exchange.job,
+                    group=exchange.group_tag,
+                    seq=exchange.seq,
+                    rank=exchange.rank,
+                )
+                write_record(segment.fd, record)
+                segment.close()
+                status.update(segment=segment.name, size=record.total_size)
+            else:
+                directory = exchange.exchange_dir()
+                make_private_directory(exchange.workspace_path, DEFAULT_DIR_MODE)
+                NFSWorkspace(directory).write_configs_and_weights(config, weights, rank=exchange.rank)
+            tensor = weights.get("tensor")
+            if tensor is not None:
+                status.update(shape=list(tensor.shape), dtype=str(tensor.dtype))
+        except BaseException as error:
+            _post(exchange, f"status/{exchange.rank}", {"ok": False, "error": _error_text(error)})
+            raise
+        _post(exchange, f"status/{exchange.rank}", status)
+        _await_verdict(exchange)
+    finally:
+        if segment is not None:
+            segment.unlink()
+
+
+def _await_verdict(exchange: _Exchange) -> None:
+    receiver = exchange.receiver
+    if not _wait_key(exchange, "verdict", exchange.timeout):
+        raise WorkspaceError(
+            f"rank {exchange.rank}: {exchange.kind} timed out after {exchange.timeout:g} s "
+            f"waiting for receiver rank {receiver} to read the values (did rank {receiver} "
+            f"call {exchange.kind} with ranks={exchange.ranks}?)"
+        )
+    verdict = _get(exchange, "verdict")
+    acknowledged = exchange.store.add(exchange.key("acks"), 1)
+    if acknowledged == len(exchange.senders):  # the last sender to read it cleans up
+        for name in ("verdict", "acks"):
+            with contextlib.suppress(RuntimeError):
+                exchange.store.delete_key(exchange.key(name))
+    if not verdict["ok"]:
+        raise WorkspaceError(
+            f"rank {exchange.rank}: {exchange.kind} failed on receiver rank {receiver}: "
+            f"{verdict['error']}"
+        )
+
+
+# ---------------------------------------------------------------- receiver
+
+
+def _collect_statuses(exchange: _Exchange) -> dict[int, dict[str, Any]]:
+    statuses: dict[int, dict[str, Any]] = {}
+    pending = list(exchange.senders)
+    deadline = time.monotonic() + exchange.timeout
+    while pending:
+        for sender in list(pending):
+            if exchange.store.check([exchange.key(f"status/{sender}")]):
+                status = _get(exchange, f"status/{sender}")
+                with contextlib.suppress(RuntimeError):
+                    exchange.store.delete_key(exchange.key(f"status/{sender}"))
+                if not status.get("ok"):
+                    raise WorkspaceError(
+                        f"{exchange.kind}: rank {sender} failed to write its value: "
+                        f"{status.get('error')}"
+                    )
+                statuses[sender] = status
+                pending.remove(sender)
+        if not pending:
+            break
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise WorkspaceError(
+                f"{exchange.kind}: receiver rank {exchange.rank} timed out after "
+                f"{exchange.timeout:g} s: rank(s) {pending} never wrote their value "
+                f"(ranks {sorted(statuses)} did). Did they call {exchange.kind} with "
+                f"ranks={exchange.ranks}? Set DIST_WORKSPACE_TIMEOUT for slower ranks"
+            )
+        _wait_key(exchange, f"status/{pending[0]}", min(_POLL_SECONDS, remaining))
+    return statuses
+
+
+def _check_statuses(
+    exchange: _Exchange, statuses: dict[int, dict[str, Any]], own_tensor: torch.Tensor | None
+) -> None:
+    host = _host_id()
+    for sender, status in statuses.items():
+        if status.get("ranks") != exchange.ranks:
+            raise WorkspaceError(
+                f"{exchange.kind}: rank {sender} passed ranks={status.get('ranks')}, receiver "
+                f"rank {exchange.rank} passed ranks={exchange.ranks}; every rank must pass the "
+                "same list"
+            )
+        if exchange.workspace_path is None and status.get("host") != host:
+            raise WorkspaceError(
+                f"{exchange.kind}: rank {sender} runs on {status.get('host')}, receiver rank "
+                f"{exchange.rank} on {host}: shared memory needs one host. Pass "
+                "workspace_path (a directory every rank sees) instead"
+            )
+    if own_tensor is not None:
+        shapes = {exchange.rank: (list(own_tensor.shape), str(own_tensor.dtype))}
+        shapes.update({r: (s.get("shape"), s.get("dtype")) for r, s in statuses.items()})
+        if len({json.dumps(value) for value in shapes.values()}) > 1:
+            described = ", ".join(
+                f"rank {r} has shape {tuple(shapes[r][0] or ())} {shapes[r][1]}"
+                for r in exchange.ranks
+            )
+            raise WorkspaceError(
+                f"get_tensors_parallel needs tensors of one shape and dtype: {described}"
+            )
+
+
+def _read_value(exchange: _Exchange, sender: int, status: dict[str, Any]) -> tuple[Any, dict[str, torch.Tensor]]:
+    if exchange.workspace_path is None:
+        name = str(status.get("segment"))
+        size = int(status.get("size", -1))
+        where = f"rank {sender}'s segment {name}"
+        mapping = map_segment(name, size, where)
+        header = parse_header(lambda offset, length: mapping[offset : offset + length], size, where)
+        if header.rank != sender:
+            raise WorkspaceError(f"{where} says it was written by rank {header.rank}")
+        return assemble(view_entries(mapping, header), header, where)
+    workspace = NFSWorkspace(exchange.exchange_dir())
+    deadline = time.monotonic() + exchange.timeout
+    while True:
+        config, weights = workspace.read_configs_and_weights_from_rank(sender)
+        if weights is not None:
+            return config, weights
+        # On NFS a file another client has just renamed into place may stay invisible
+        # until the directory's attribute cache expires (acdirmin, 30 s by default).
+        if time.monotonic() > deadline:
+            raise WorkspaceError(
+                f"{exchange.kind}: rank {sender} reported writing "
+                f"{workspace.rank_path(sender)} but it is not visible after "
+                f"{exchange.timeout:g} s (NFS attribute caching? mount with actimeo lower)"
+            )
+        time.sleep(_POLL_SECONDS)
+
+
+def _receive(
+    exchange: _Exchange,
+    own_value: Callable[[], tuple[Any, dict[str, torch.Tensor]]],
+) -> list[tuple[Any, dict[str, torch.Tensor]]]:
+    try:
+        own = own_value()
+        own_tensor = own[1].get("tensor")
+        statuses = _collect_statuses(exchange)
+        _check_statuses(exchange, statuses, own_tensor)
+        values = [own if r == exchange.rank else _read_value(exchange, r, statuses[r]) for r in exchange.ranks]
+    except BaseException as error:
+        with contextlib.suppress(Exception):
+            _post(exchange, "verdict", {"ok": False, "error": _error_text(error)})
+        raise
+    finally:
+        if exchange.workspace_path is not None:
+            shutil.rmtree(exchange.exchange_dir(), ignore_errors=True)
+    _post(exchange, "verdict", {"ok": True})
+    return values
+
+
+# ---------------------------------------------------------------- public API
+
+
+def _as_cpu_tensor(tensor: Any) -> torch.Tensor:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"get_tensors_parallel needs a torch.Tensor, got {type(tensor).__name__}")
+    return tensor.detach().cpu()
+
+
+def _normalized(config: Any) -> Any:
+    """The config as the receiver gets peers' ones: validated, tuples as lists."""
+    text, tensors = encode_config(config)
+    return decode_config(text, tensors, "this rank's config")
+
+
+@contextlib.contextmanager
+def get_tensors_parallel(
+    tensor: torch.Tensor,
+    ranks: list[int],
+    group: dist.ProcessGroup | None = None,
+    *,
+    timeout: float | None = None,
+) -> Iterator[list[torch.Tensor]]:
+    """Gives the first rank of ``ranks`` every listed rank's tensor, in ``ranks`` order.
+
+    Every rank in ``ranks`` (and only those) calls it; the others get an empty list.
+    The tensors must have one shape and dtype. Exchanges through shared memory, so
+    all of ``ranks`` must be on one host. Reads ``DIST_WORKSPACE_TIMEOUT`` (seconds,
+    300 by default) when ``timeout`` is None, and ``DIST_WORKSPACE_SHM_DIR``.
+
+    Args:
+        tensor: This rank's tensor (moved to CPU; any dtype safetensors stores).
+        ranks: Global ranks taking part; the first one receives.
+        group: The process group they belong to; None means the world.
+        timeout: Seconds to wait for a peer before raising, naming it.
+
+    Yields:
+        On the first rank, the tensors (its own first, as a CPU tensor; the others
+        zero-copy views of shared memory that stay valid after the context); on the
+        other ranks an empty list.
+
+    Raises:
+        WorkspaceError: The caller is not in ``ranks``; a rank failed, timed out, or
+            sent a tensor of another shape or dtype (the ranks and shapes are named).
+    """
+    exchange = _start("get_tensors_parallel", ranks, group, None, timeout)
+    if exchange is None:
+        yield [_as_cpu_tensor(tensor)]
+        return
+    if exchange.rank != exchange.receiver:
+        _send(exchange, {"tensor": tensor}, None)
+        yield []
+        return
+    received = _receive(exchange, lambda: (None, {"tensor": _as_cpu_tensor(tensor)}))
+    yield [weights["tensor"] for _, weights in received]
+
+
+@contextlib.contextmanager
+def get_configs_parallel(
+    config: Any,
+    ranks: list[int],
+    group: dist.ProcessGroup | None,
+    workspace_path: str | os.PathLike[str] | None = None,
+    *,
+    timeout: float | None = None,
+) -> Iterator[list[Any]]:
+    """Gives the first rank of ``ranks`` every listed rank's config, in ``ranks`` order.
+
+    A config is any JSON value (tuples come back as lists), tensors inside included.
+    Exchanges through shared memory on one host when ``workspace_path`` is None,
+    else through files in a subdirectory of ``workspace_path`` that the receiver
+    removes afterwards. Reads ``DIST_WORKSPACE_TIMEOUT`` and ``DIST_WORKSPACE_SHM_DIR``.
+
+    Args:
+        config: This rank's config.
+        ranks: Global ranks taking part; the first one receives.
+        group: The process group they belong to; None means the world.
+        workspace_path: A directory every rank sees, or None for shared memory.
+        timeout: Seconds to wait for a peer before raising, naming it.
+
+    Yields:
+        The configs on the first rank, an empty list elsewhere.
+
+    Raises:
+        TypeError: This rank's config is not JSON (naming the key path).
+        WorkspaceError: The caller is not in ``ranks``; a rank failed or timed out.
+    """
+    exchange = _start("get_configs_parallel", ranks, group, workspace_path, timeout)
+    if exchange is None:
+        yield [_normalized(config)]
+        return
+    if exchange.rank != exchange.receiver:
+        _send(exchange, {}, config)
+        yield []
+        return
+    received = _receive(exchange, lambda: (_normalized(config), {}))
+    yield [value for value, _ in received]

@@ -1,0 +1,62 @@
+"""File-system steps with the guarantees the workspace relies on.
+
+Atomic replace: a temporary file in the target's own directory (same file system, so
+``rename`` is atomic), written, flushed and fsynced, renamed over the target, then
+the directory fsynced so the rename itself survives a crash. Files are opened with
+``O_NOFOLLOW`` and created with ``O_EXCL`` so a planted symlink is never followed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+from collections.abc import Callable
+from pathlib import Path
+
+
+def fsync_directory(directory: Path) -> None:
+    """Flushes a directory's entries (renames, unlinks) to stable storage."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def make_private_directory(path: Path, mode: int) -> None:
+    """Creates ``path`` (and parents) with ``mode``; an existing directory keeps its mode.
+
+    Raises:
+        NotADirectoryError: ``path`` exists and is not a directory (or is a symlink).
+    """
+    path.mkdir(mode=mode, parents=True, exist_ok=True)
+    if path.is_symlink() or not path.is_dir():
+        raise NotADirectoryError(f"{path} is not a directory")
+
+
+def atomic_write(target: Path, size: int, fill: Callable[[int], None], mode: int) -> None:
+    """Writes a file of ``size`` bytes through ``fill(fd)`` and renames it over ``target``.
+
+    A reader opening ``target`` sees the old file or the complete new one, never a
+    part. On any error the temporary file is removed and ``target`` is untouched.
+    """
+    directory = target.parent
+    temporary = directory / f".{target.name}.{secrets.token_hex(8)}.tmp"
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(temporary, flags, mode)
+    try:
+        try:
+            os.fchmod(fd, mode)  # the umask must not widen or narrow what the caller asked
+            if size:
+                os.ftruncate(fd, size)
+            fill(fd)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(temporary, target)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            temporary.unlink()
+        raise
+    fsync_directory(directory)

@@ -1,0 +1,239 @@
+"""Shared-memory segments: plain files under /dev/shm, named so leftovers can be found.
+
+Python's ``multiprocessing.shared_memory`` registers every segment with a
+resource_tracker that warns about (and may unlink) segments it did not create; these
+segments are plain ``os.open`` files on the tmpfs instead, so no tracker is involved.
+
+A segment's name is::
+
+    dist-workspace.{uid}.{job}.{group}.{seq}.r{rank}.{pid}.{start}.{token}
+
+``uid`` is the creator's user id, ``job`` and ``group`` are tags of the job id and of
+the process group (two jobs on one host, or two groups of one job, never collide),
+``seq`` counts exchanges in the group, ``pid`` and ``start`` identify the creating
+process (its start time in clock ticks since boot, so that a reused pid does not look
+alive), and ``token`` is 128 random bits, so no other user or job can guess the name.
+Segments are created with ``O_EXCL | O_NOFOLLOW`` and mode 0600.
+
+The directory is ``/dev/shm`` unless ``DIST_WORKSPACE_SHM_DIR`` names another one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import errno
+import logging
+import mmap
+import os
+import re
+import secrets
+import stat
+from pathlib import Path
+
+from dist_workspace.errors import WorkspaceError
+from dist_workspace.jobid import process_start_time
+
+logger = logging.getLogger(__name__)
+
+SEGMENT_PREFIX = "dist-workspace"
+_NAME = re.compile(
+    r"^dist-workspace\.(?P<uid>\d+)\.(?P<job>[0-9a-f]+)\.(?P<group>[0-9a-f]+)\.(?P<seq>\d+)"
+    r"\.r(?P<rank>\d+)\.(?P<pid>\d+)\.(?P<start>\d+)\.(?P<token>[0-9a-f]{32})$"
+)
+_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
+
+
+def shm_directory() -> Path:
+    """Where segments live: ``DIST_WORKSPACE_SHM_DIR`` or ``/dev/shm``."""
+    return Path(os.environ.get("DIST_WORKSPACE_SHM_DIR", "/dev/shm"))
+
+
+def free_bytes(directory: Path) -> int:
+    """Bytes an unprivileged user can still allocate in ``directory``'s file system."""
+    info = os.statvfs(directory)
+    return info.f_bavail * info.f_frsize
+
+
+@dataclasses.dataclass(frozen=True)
+class SegmentName:
+    """The parts of a segment's name."""
+
+    uid: int
+    job: str
+    group: str
+    seq: int
+    rank: int
+    pid: int
+    start: int
+
+    @classmethod
+    def parse(cls, name: str) -> SegmentName | None:
+        """The parts of ``name``, or None when it is not a dist-workspace segment."""
+        match = _NAME.match(name)
+        if match is None:
+            return None
+        return cls(
+            uid=int(match["uid"]),
+            job=match["job"],
+            group=match["group"],
+            seq=int(match["seq"]),
+            rank=int(match["rank"]),
+            pid=int(match["pid"]),
+            start=int(match["start"]),
+        )
+
+    def creator_alive(self) -> bool:
+        """True while the process that created the segment still runs."""
+        return process_start_time(self.pid) == self.start
+
+
+class Segment:
+    """A segment this process created; it owns it and unlinks it."""
+
+    def __init__(self, path: Path, fd: int, size: int) -> None:
+        self.path = path
+        self.fd = fd
+        self.size = size
+
+    @property
+    def name(self) -> str:
+        """The file name under the shared-memory directory."""
+        return self.path.name
+
+    def close(self) -> None:
+        """Closes the descriptor (the segment stays until :meth:`unlink`)."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def unlink(self) -> None:
+        """Closes and removes the segment; readers that mapped it keep their mapping."""
+        self.close()
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+
+
+def create_segment(size: int, *, job: str, group: str, seq: int, rank: int) -> Segment:
+    """Creates a segment of ``size`` bytes exclusively, with its space reserved up front.
+
+    First removes this user's segments whose creator is dead (see
+    :func:`remove_dead_segments`). The space is reserved with ``posix_fallocate`` so
+    that a full tmpfs is an error here rather than a SIGBUS on first touch.
+
+    Raises:
+        WorkspaceError: Not enough space (naming the bytes needed and free).
+    """
+    directory = shm_directory()
+    remove_dead_segments(directory)
+    pid = os.getpid()
+    name = (
+        f"{SEGMENT_PREFIX}.{os.getuid()}.{job}.{group}.{seq}.r{rank}.{pid}."
+        f"{process_start_time(pid) or 0}.{secrets.token_hex(16)}"
+    )
+    path = directory / name
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(path, flags, 0o600)
+    try:
+        if size:
+            os.posix_fallocate(fd, 0, size)
+    except OSError as error:
+        os.close(fd)
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        if error.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG, errno.EDQUOT):
+            raise WorkspaceError(
+                f"rank {rank}: shared memory {directory} is too small: the segment needs "
+                f"{size} bytes and {free_bytes(directory)} bytes are free. Enlarge it "
+                "(docker --shm-size), free it (`dist-workspace clean`), or pass "
+                "workspace_path to exchange through a directory"
+            ) from None
+        raise
+    return Segment(path, fd, size)
+
+
+def map_segment(name: str, expected_size: int, where: str) -> mmap.mmap:
+    """Maps a peer's segment privately (copy-on-write) and pre-faults it.
+
+    Only names of this user's dist-workspace segments are accepted, the file must be
+    a regular file owned by this user of exactly ``expected_size`` bytes, and it is
+    opened without following symlinks. The reader never unlinks it: the creator does.
+
+    Raises:
+        WorkspaceError: The name, owner, type or size is not what the writer announced.
+    """
+    parsed = SegmentName.parse(name)
+    if parsed is None or parsed.uid != os.getuid():
+        raise WorkspaceError(f"{where}: {name!r} is not one of this user's segments")
+    path = shm_directory() / name
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as error:
+        raise WorkspaceError(f"{where}: cannot open segment {path}: {error}") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
+            raise WorkspaceError(f"{where}: {path} is not a regular file owned by this user")
+        if info.st_size != expected_size:
+            raise WorkspaceError(
+                f"{where}: segment {path} has {info.st_size} bytes, the writer announced "
+                f"{expected_size}: truncated or replaced"
+            )
+        if expected_size == 0:
+            return mmap.mmap(-1, 1)
+        # Private and writable: a reader may modify its tensors without touching the
+        # writer's pages (copy-on-write) and torch gets a writable buffer.
+        mapping = mmap.mmap(
+            fd, expected_size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
+        )
+    finally:
+        os.close(fd)
+    # Fill the page tables without breaking copy-on-write (Linux 5.14+); a hint only.
+    with contextlib.suppress(OSError, ValueError):
+        mapping.madvise(_MADV_POPULATE_READ)
+    return mapping
+
+
+def list_segments(directory: Path | None = None) -> list[tuple[Path, SegmentName]]:
+    """This user's dist-workspace segments in ``directory`` (default: the shm dir)."""
+    directory = shm_directory() if directory is None else directory
+    found = []
+    uid = os.getuid()
+    try:
+        entries = list(os.scandir(directory))
+    except FileNotFoundError:
+        return []
+    for entry in entries:
+        if not entry.name.startswith(SEGMENT_PREFIX):
+            continue
+        parsed = SegmentName.parse(entry.name)
+        if parsed is None or parsed.uid != uid:
+            continue
+        try:
+            info = entry.stat(follow_symlinks=False)
+        except FileNotFoundError:
+            continue
+        if info.st_uid == uid and stat.S_ISREG(info.st_mode):
+            found.append((Path(entry.path), parsed))
+    return found
+
+
+def remove_dead_segments(directory: Path | None = None) -> list[Path]:
+    """Unlinks this user's segments whose creating process has ended.
+
+    A live job's segments are never touched: only the creator of a segment, or this
+    function once the creator is gone, removes one. Unlinking a segment a reader
+    still maps is safe: the mapping keeps the memory until it is dropped.
+
+    Returns:
+        The segments removed.
+    """
+    removed = []
+    for path, parsed in list_segments(directory):
+        if parsed.creator_alive():
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+            removed.append(path)
+            logger.info("removed shared-memory segment %s of dead process %d", path, parsed.pid)
+    return removed
