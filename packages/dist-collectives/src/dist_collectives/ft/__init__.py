@@ -6,10 +6,16 @@ A :class:`Manager` forms a quorum of live replicas through that store, heals rep
 that join, and decides per step whether it may be committed.
 """
 
+from dist_collectives.ft.ddp import DistributedDataParallel, ft_allreduce_hook
+from dist_collectives.ft.device_mesh import extend_device_mesh
 from dist_collectives.ft.dummy import ProcessGroupDummy
 from dist_collectives.ft.gloo import ProcessGroupGloo
+from dist_collectives.ft.managed import ManagedProcessGroup
+from dist_collectives.ft.manager import Manager, ManagerConfigError, ReplicaError
 from dist_collectives.ft.nccl import ProcessGroupNCCL
 from dist_collectives.ft.process_group import ProcessGroup, StoreAddressReusedError
+from dist_collectives.ft.quorum import Quorum, QuorumTimeoutError
+from dist_collectives.ft.state_transfer import StateTransferError
 from dist_collectives.ft.store import StoreAddressError, create_store_client
 from dist_collectives.ft.work import DummyWork, FutureWork
 from dist_collectives.ft.wrappers import ErrorSwallowingProcessGroupWrapper, ProcessGroupWrapper
@@ -21,9 +27,19 @@ __all__ = [
     "ProcessGroupNCCL",
     "ErrorSwallowingProcessGroupWrapper",
     "ProcessGroupDummy",
+    "Manager",
+    "ManagedProcessGroup",
+    "DistributedDataParallel",
+    "ft_allreduce_hook",
+    "extend_device_mesh",
+    "Quorum",
     "DummyWork",
     "FutureWork",
     "create_store_client",
     "StoreAddressError",
     "StoreAddressReusedError",
+    "ManagerConfigError",
+    "ReplicaError",
+    "QuorumTimeoutError",
+    "StateTransferError",
 ]

@@ -57,3 +57,21 @@ def _completing(operation: str) -> Any:
 
 for _operation in OPERATIONS:
     setattr(ProcessGroupDummy, _operation, _completing(_operation))
+
+
+def _allgather(self: ProcessGroupDummy, *args: Any) -> dist.Work:
+    # With one member, gathering copies each input into the single output slot.
+    outputs, inputs = args[0], args[1]
+    for output_list, tensor in zip(outputs, inputs, strict=True):
+        output_list[0].copy_(tensor)
+    return DummyWork(outputs)
+
+
+def _allgather_base(self: ProcessGroupDummy, *args: Any) -> dist.Work:
+    output, tensor = args[0], args[1]
+    output.copy_(tensor.reshape(output.shape))
+    return DummyWork([output])
+
+
+setattr(ProcessGroupDummy, "allgather", _allgather)  # noqa: B010 (overrides the loop's)
+setattr(ProcessGroupDummy, "_allgather_base", _allgather_base)  # noqa: B010

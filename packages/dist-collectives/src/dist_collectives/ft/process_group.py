@@ -140,41 +140,6 @@ class ProcessGroup(dist.ProcessGroup):
     def __repr__(self) -> str:
         return f"{type(self).__name__}(rank={self.rank()}, world_size={self.size()})"
 
-    # -- operations: subclasses override what they support -------------------------------
-
-    def _unsupported(self, operation: str) -> dist.Work:
-        raise NotImplementedError(f"{type(self).__name__} does not support {operation}")
-
-    def allreduce(self, *args: Any) -> dist.Work:  # noqa: D102 (torch's overloads)
-        return self._unsupported("allreduce")
-
-    def allreduce_coalesced(self, *args: Any) -> dist.Work:  # noqa: D102
-        return self._unsupported("allreduce_coalesced")
-
-    def allgather(self, *args: Any) -> dist.Work:  # noqa: D102
-        return self._unsupported("allgather")
-
-    def _allgather_base(self, *args: Any) -> dist.Work:
-        return self._unsupported("allgather_into_tensor")
-
-    def broadcast(self, *args: Any) -> dist.Work:  # noqa: D102
-        return self._unsupported("broadcast")
-
-    def reduce_scatter(self, *args: Any) -> dist.Work:  # noqa: D102
-        return self._unsupported("reduce_scatter")
-
-    def alltoall_base(self, *args: Any) -> dist.Work:  # noqa: D102
-        return self._unsupported("alltoall_base")
-
-    def barrier(self, *args: Any) -> dist.Work:  # noqa: D102
-        return self._unsupported("barrier")
-
-    def send(self, *args: Any) -> dist.Work:  # noqa: D102
-        return self._unsupported("send")
-
-    def recv(self, *args: Any) -> dist.Work:  # noqa: D102
-        return self._unsupported("recv")
-
 
 # Operations every wrapper forwards by name; they are torch ProcessGroup/Backend methods.
 OPERATIONS = (
@@ -189,6 +154,20 @@ OPERATIONS = (
     "send",
     "recv",
 )
+
+
+def _unsupported(operation: str) -> Any:
+    def refuse(self: ProcessGroup, *args: Any) -> dist.Work:
+        raise NotImplementedError(f"{type(self).__name__} does not support {operation}")
+
+    refuse.__name__ = operation
+    return refuse
+
+
+# Subclasses override what they support; the rest says so instead of reaching torch's
+# base, which is a group of one member.
+for _operation in OPERATIONS:
+    setattr(ProcessGroup, _operation, _unsupported(_operation))
 
 
 def tensors_of(args: tuple[Any, ...]) -> list[torch.Tensor]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import queue
 import threading
@@ -24,18 +25,40 @@ from dist_collectives.ft.work import DummyWork, completed_future
 
 logger = logging.getLogger(__name__)
 
+# How long the interpreter's exit waits for groups still being torn down. A group
+# destroyed while the interpreter finalises aborts the process (a joinable C++ thread).
+EXIT_DRAIN_SECONDS = 10.0
+
 _graveyard: queue.SimpleQueue[object] = queue.SimpleQueue()
-_reaper_started = threading.Event()
+_reaper: threading.Thread | None = None
 _reaper_lock = threading.Lock()
+_STOP = object()
 
 
 def _reap_forever() -> None:
     while True:
         retired = _graveyard.get()
+        if retired is _STOP:
+            return
         # The last reference goes here: a gloo group's destructor joins its worker
         # threads, which may sit in an operation on a dead peer until the group's
         # timeout. torch releases the GIL in that destructor, so only this thread waits.
         del retired
+
+
+def _drain_at_exit() -> None:
+    with _reaper_lock:
+        reaper = _reaper
+    if reaper is None:
+        return
+    _graveyard.put(_STOP)
+    reaper.join(EXIT_DRAIN_SECONDS)
+    if reaper.is_alive():
+        logger.warning(
+            "a retired process group is still being torn down after %.0f s (a peer died "
+            "mid-operation); the interpreter may abort on exit",
+            EXIT_DRAIN_SECONDS,
+        )
 
 
 def retire_in_background(backend: object) -> None:
@@ -44,10 +67,12 @@ def retire_in_background(backend: object) -> None:
     Tearing down a group whose peers died can take as long as its timeout; doing it here
     lets the caller go on with the new configuration at once.
     """
+    global _reaper
     with _reaper_lock:
-        if not _reaper_started.is_set():
-            threading.Thread(target=_reap_forever, name="ft-group-reaper", daemon=True).start()
-            _reaper_started.set()
+        if _reaper is None:
+            _reaper = threading.Thread(target=_reap_forever, name="ft-group-reaper", daemon=True)
+            _reaper.start()
+            atexit.register(_drain_at_exit)
     _graveyard.put(backend)
 
 

@@ -1,0 +1,73 @@
+"""A process group whose collectives go through a :class:`Manager`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.futures import Future, collect_all
+
+from dist_collectives.ft.manager import Manager
+from dist_collectives.ft.process_group import ProcessGroup
+from dist_collectives.ft.work import FutureWork
+
+_AVERAGING_OPS = (dist.ReduceOp.SUM, dist.ReduceOp.AVG)
+
+
+class ManagedProcessGroup(ProcessGroup):
+    """Allreduce through a :class:`Manager`: averaged over the live participants.
+
+    Its size is the number of participants of the current step. Errors never raise
+    here: they go to the manager (and through the store to every replica), and
+    :meth:`Manager.should_commit` turns them into a discarded step. The manager
+    configures the underlying group, so :meth:`configure` refuses.
+
+    Args:
+        manager: The manager of this replica.
+    """
+
+    def __init__(self, manager: Manager) -> None:
+        super().__init__()
+        self._manager = manager
+
+    def configure(self, store_addr: str, rank: int, world_size: int) -> None:
+        """Refuses: the manager reconfigures the group it was given."""
+        raise RuntimeError(
+            "ManagedProcessGroup is configured by its Manager at start_quorum(); do not "
+            "call configure on it"
+        )
+
+    def size(self) -> int:
+        """The number of participants of the current step."""
+        return self._manager.num_participants()
+
+    def rank(self) -> int:
+        """This replica's rank in the current quorum."""
+        return self._manager.replica_rank()
+
+    def getBackendName(self) -> str:  # torch's name
+        """``"ft-managed"``."""
+        return "ft-managed"
+
+    def allreduce(self, *args: Any) -> dist.Work:
+        """Averages the tensors over the participants (``SUM`` and ``AVG`` both average).
+
+        Accepts torch's overloads: ``(tensors, AllreduceOptions)``, ``(tensors, ReduceOp)``
+        or ``(tensor, ReduceOp)``.
+        """
+        first = args[0]
+        tensors = [first] if isinstance(first, torch.Tensor) else list(first)
+        op: Any = args[1] if len(args) > 1 else dist.ReduceOp.SUM
+        if isinstance(op, dist.AllreduceOptions):
+            op = op.reduceOp
+        if op not in _AVERAGING_OPS:
+            raise ValueError(
+                f"ManagedProcessGroup.allreduce averages over live replicas; op={op} is not "
+                "supported (use SUM or AVG)"
+            )
+        futures = [self._manager.allreduce(tensor) for tensor in tensors]
+        combined: Future[list[torch.Tensor]] = collect_all(futures).then(
+            lambda _: tensors  # every future holds its own tensor, averaged in place
+        )
+        return FutureWork(combined)

@@ -1,0 +1,491 @@
+"""The Manager: a quorum of live replicas per step, healing, and a commit decision.
+
+One Manager runs in each replica (a process that holds a full copy of the model). Per
+step the training loop calls::
+
+    manager.start_quorum()               # returns at once; the quorum forms meanwhile
+    loss = model(batch); loss.backward()
+    for p in model.parameters():
+        manager.allreduce(p.grad)        # averaged over participants; returns a future
+    if manager.should_commit():          # False everywhere if the step failed anywhere
+        optimizer.step()
+
+Replicas agree through the job's TCPStore (``MASTER_ADDR:MASTER_PORT`` by default), see
+:mod:`dist_collectives.ft.quorum`. A replica that sees an error writes it to the store
+under the current quorum id; every other replica polls that key while a step is in
+flight, so all of them stop waiting within the poll interval, not the group's timeout.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import PrefixStore, Store
+from torch.futures import Future
+
+from dist_collectives.ft.process_group import ProcessGroup
+from dist_collectives.ft.quorum import Liveness, Quorum, compute_quorum, wait_for_key
+from dist_collectives.ft.state_transfer import recv_state, send_state
+from dist_collectives.ft.store import connect_tcp_store
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_NAMESPACE = "dist_collectives_ft"
+_WAIT_SLICE_SECONDS = 0.05
+
+
+class ReplicaError(RuntimeError):
+    """Another replica reported an error in this step, or stopped beating its heartbeat."""
+
+
+class ManagerConfigError(ValueError):
+    """The Manager was built with arguments or environment it cannot work with."""
+
+
+@dataclasses.dataclass
+class _Pending:
+    future: Future[torch.Tensor]
+    tensor: torch.Tensor
+    done: bool = False
+
+
+def _default_replica_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def _resolve_store(store_addr: str | None, store_port: int | None) -> tuple[str, int]:
+    host = store_addr or os.environ.get("MASTER_ADDR")
+    port_text = str(store_port) if store_port is not None else os.environ.get("MASTER_PORT")
+    if not host or not port_text:
+        raise ManagerConfigError(
+            "Manager needs the job's store: pass store_addr and store_port, or set "
+            f"MASTER_ADDR and MASTER_PORT (found MASTER_ADDR={os.environ.get('MASTER_ADDR')!r}, "
+            f"MASTER_PORT={os.environ.get('MASTER_PORT')!r})"
+        )
+    try:
+        port = int(port_text)
+    except ValueError:
+        raise ManagerConfigError(f"MASTER_PORT={port_text!r} is not an integer") from None
+    return host, port
+
+
+class Manager:
+    """Forms a quorum of live replicas each step, heals joiners, decides commits.
+
+    Reads ``MASTER_ADDR`` and ``MASTER_PORT`` when ``store_addr``/``store_port`` are
+    None. A TCPStore server must already run there (torchrun and dist-launch host one);
+    the Manager only connects to it.
+
+    Args:
+        pg: The reconfigurable group the replicas average gradients over; the Manager
+            configures it whenever the quorum changes.
+        load_state_dict: Called with a healthy peer's state when this replica heals.
+        state_dict: Returns this replica's state, sent to replicas that heal.
+        min_replica_size: A quorum needs at least this many replicas.
+        replica_id: This replica's name, stable across restarts if given (default: host,
+            pid and a random suffix).
+        store_addr: Host of the job's store.
+        store_port: Port of the job's store.
+        timeout: How long a quorum, a collective or a commit may take.
+        heartbeat_interval: How often this replica beats its heartbeat and polls for
+            errors of other replicas.
+        heartbeat_timeout: A replica whose heartbeat did not move for this long counts
+            as dead.
+        join_timeout: Form a quorum without a replica that looks alive but did not ask
+            to join within this time.
+        namespace: Key prefix in the store, to keep several managed groups apart.
+    """
+
+    def __init__(
+        self,
+        pg: ProcessGroup,
+        *,
+        load_state_dict: Callable[[Any], None],
+        state_dict: Callable[[], Any],
+        min_replica_size: int = 1,
+        replica_id: str | None = None,
+        store_addr: str | None = None,
+        store_port: int | None = None,
+        timeout: timedelta = timedelta(seconds=60),
+        heartbeat_interval: timedelta = timedelta(milliseconds=50),
+        heartbeat_timeout: timedelta = timedelta(seconds=2),
+        join_timeout: timedelta = timedelta(seconds=10),
+        namespace: str = DEFAULT_NAMESPACE,
+    ) -> None:
+        if min_replica_size < 1:
+            raise ManagerConfigError(f"min_replica_size={min_replica_size} must be at least 1")
+        self._pg = pg
+        self._load_state_dict = load_state_dict
+        self._state_dict = state_dict
+        self._min_replica_size = min_replica_size
+        self._replica_id = replica_id or _default_replica_id()
+        self._timeout = timeout
+        self._heartbeat_interval = heartbeat_interval
+        self._join_timeout = join_timeout
+        self._namespace = namespace
+        self._host, self._port = _resolve_store(store_addr, store_port)
+
+        # Separate connections: a shared TCPStore client serialises its callers, and
+        # the quorum thread blocks in waits that must not delay the error watcher.
+        self._store = self._connect()
+        self._quorum_store = self._connect()
+        self._monitor_store = self._connect()
+        self._quorum_liveness = Liveness(self._quorum_store, heartbeat_timeout)
+        self._monitor_liveness = Liveness(self._monitor_store, heartbeat_timeout)
+
+        self._lock = threading.Condition()
+        self._generation = 0
+        self._step = 0
+        self._quorum: Quorum | None = None
+        self._quorum_future: concurrent.futures.Future[Quorum] | None = None
+        self._configured_quorum_id: int | None = None
+        self._healed: tuple[Any, int] | None = None
+        self._pending: list[_Pending] = []
+        self._error: Exception | None = None
+        self._error_wall_time: float | None = None
+        self._step_active = False
+        self._closed = False
+
+        self._monitor_liveness.announce(self._replica_id)
+        self._stop = threading.Event()
+        self._monitor = threading.Thread(
+            target=self._monitor_loop, name=f"ft-monitor-{self._replica_id}", daemon=True
+        )
+        self._monitor.start()
+
+    def _connect(self) -> Store:
+        client = connect_tcp_store(self._host, self._port, self._timeout, shared=False)
+        return PrefixStore(self._namespace, client)
+
+    # -- queries ------------------------------------------------------------------------
+
+    @property
+    def replica_id(self) -> str:
+        """This replica's name in the quorum."""
+        return self._replica_id
+
+    def current_step(self) -> int:
+        """The number of steps committed so far (a healed replica takes its source's)."""
+        return self._step
+
+    def errored(self) -> Exception | None:
+        """The error of the current step, if any replica reported one."""
+        return self._error
+
+    def _current_quorum(self) -> Quorum:
+        quorum = self._wait_for_quorum()
+        if quorum is None:
+            raise ReplicaError(f"replica {self._replica_id}: no quorum: {self._error}")
+        return quorum
+
+    def num_participants(self) -> int:
+        """Replicas whose gradients count in this step (healing replicas do not)."""
+        return len(self._current_quorum().participants)
+
+    def quorum_id(self) -> int:
+        """The id of this step's quorum; it changes whenever the group is reconfigured."""
+        return self._current_quorum().quorum_id
+
+    def replica_rank(self) -> int:
+        """This replica's rank in this step's quorum."""
+        return self._current_quorum().replica_rank(self._replica_id)
+
+    def replica_count(self) -> int:
+        """Members of this step's quorum, healing ones included."""
+        return len(self._current_quorum().members)
+
+    def is_healing(self) -> bool:
+        """Whether this replica receives a peer's state in this step."""
+        quorum = self._current_quorum()
+        return quorum.step_of(self._replica_id) < quorum.max_step
+
+    # -- the step -----------------------------------------------------------------------
+
+    def start_quorum(self) -> None:
+        """Starts forming this step's quorum in the background and forgets the last error.
+
+        The quorum, a reconfiguration of the group and healing all happen on a
+        background thread; :meth:`allreduce` and :meth:`should_commit` wait for it.
+        """
+        if self._closed:
+            raise RuntimeError(f"replica {self._replica_id}: the Manager was shut down")
+        with self._lock:
+            self._generation += 1
+            self._error = None
+            self._error_wall_time = None
+            self._quorum = None
+            self._healed = None
+            self._pending = []
+            self._step_active = True
+            generation = self._generation
+        future: concurrent.futures.Future[Quorum] = concurrent.futures.Future()
+
+        def run() -> None:
+            try:
+                future.set_result(self._form_quorum(generation))
+            except BaseException as error:
+                future.set_exception(error)
+
+        self._quorum_future = future
+        threading.Thread(target=run, name=f"ft-quorum-{generation}", daemon=True).start()
+
+    def _form_quorum(self, generation: int) -> Quorum:
+        quorum = compute_quorum(
+            self._quorum_store,
+            self._replica_id,
+            self._step,
+            liveness=self._quorum_liveness,
+            min_replicas=self._min_replica_size,
+            join_timeout=self._join_timeout,
+            timeout=self._timeout,
+        )
+        with self._lock:
+            if generation != self._generation:
+                return quorum
+            self._quorum = quorum
+        rank = quorum.replica_rank(self._replica_id)
+        if quorum.quorum_id != self._configured_quorum_id:
+            address = f"{self._host}:{self._port}/{self._namespace}/pg/{quorum.quorum_id}"
+            started = time.perf_counter()
+            self._pg.configure(address, rank, len(quorum.members))
+            self._configured_quorum_id = quorum.quorum_id
+            logger.info(
+                "replica %s: quorum %d, rank %d of %d, step %d, configured in %.1f ms",
+                self._replica_id,
+                quorum.quorum_id,
+                rank,
+                len(quorum.members),
+                quorum.max_step,
+                1000 * (time.perf_counter() - started),
+            )
+        if quorum.step_of(self._replica_id) < quorum.max_step:
+            source = quorum.replica_rank(quorum.heal_source(self._replica_id))
+            self._healed = recv_state(self._pg, source)
+        else:
+            healers = quorum.healers_of(self._replica_id)
+            if healers:
+                state = self._state_dict()
+                for healer in healers:
+                    send_state(self._pg, state, self._step, quorum.replica_rank(healer))
+        return quorum
+
+    def _wait_for_quorum(self) -> Quorum | None:
+        future = self._quorum_future
+        if future is None:
+            raise RuntimeError("call start_quorum() before allreduce() or should_commit()")
+        deadline = time.monotonic() + self._timeout.total_seconds()
+        while True:
+            done, _ = concurrent.futures.wait([future], timeout=0.01)
+            if done:
+                break
+            if self._error is not None:
+                return None
+            if time.monotonic() > deadline:
+                self.report_error(TimeoutError(f"no quorum within {self._timeout}"))
+                return None
+        error = future.exception()
+        if error is not None:
+            self.report_error(error if isinstance(error, Exception) else RuntimeError(error))
+            return None
+        return future.result()
+
+    def allreduce(self, tensor: torch.Tensor) -> Future[torch.Tensor]:
+        """Averages ``tensor`` in place over this step's participants.
+
+        Returns:
+            A future of ``tensor``. It never raises: after an error anywhere it holds the
+            tensor as it was (for a healing replica, zeros) and :meth:`should_commit`
+            answers False.
+        """
+        result: Future[torch.Tensor] = Future()
+        quorum = self._wait_for_quorum()
+        if quorum is None or self._error is not None:
+            result.set_result(tensor)
+            return result
+        if quorum.step_of(self._replica_id) < quorum.max_step:
+            tensor.zero_()  # computed from stale weights: contributes nothing
+        # The collective runs on a copy: after a failure gloo may still write into its
+        # buffer until its own timeout, and the caller's tensor must stay untouched.
+        buffer = tensor.detach().clone()
+        pending = _Pending(result, tensor)
+        generation = self._generation
+        with self._lock:
+            if self.errored() is not None:  # failed while the tensor was copied
+                result.set_result(tensor)
+                return result
+            self._pending.append(pending)
+        participants = len(quorum.participants)
+        options = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]
+        try:
+            work = self._pg.allreduce([buffer], options)
+        except Exception as error:
+            self._fail(error, generation)
+            return result
+
+        def finish(future: Future[Any]) -> None:
+            try:
+                future.value()
+            except Exception as error:
+                self._fail(error, generation)
+                return
+            with self._lock:
+                if pending.done:
+                    return
+                if buffer.is_floating_point() or buffer.is_complex():
+                    buffer.div_(participants)
+                else:
+                    buffer.floor_divide_(participants)
+                tensor.copy_(buffer)
+                self._complete(pending)
+
+        work.get_future().then(finish)
+        return result
+
+    def _complete(self, pending: _Pending) -> None:
+        """Marks ``pending`` done and sets its future; the caller holds the lock."""
+        pending.done = True
+        if pending in self._pending:
+            self._pending.remove(pending)
+        pending.future.set_result(pending.tensor)
+        self._lock.notify_all()
+
+    def report_error(self, error: Exception) -> None:
+        """Fails this step here and, through the store, on every replica of the quorum."""
+        self._fail(error, None)
+
+    def _fail(self, error: Exception, generation: int | None, *, publish: bool = True) -> None:
+        with self._lock:
+            if generation is not None and generation != self._generation:
+                return  # a late failure of an earlier step's group
+            if self._error is not None:
+                return
+            self._error = error
+            self._error_wall_time = time.time()
+            quorum = self._quorum
+            for pending in list(self._pending):
+                self._complete(pending)
+            self._lock.notify_all()
+        logger.warning("replica %s: step failed: %s", self._replica_id, error)
+        if publish and quorum is not None:
+            try:
+                message = f"{self._replica_id}: {type(error).__name__}: {error}"[:1000]
+                self._monitor_store.set(f"err/{quorum.quorum_id}", message)
+                self._monitor_store.compare_set(self._commit_key(quorum), "", "fail")
+            except Exception:
+                logger.warning("could not publish the error to the store", exc_info=True)
+
+    @staticmethod
+    def _commit_key(quorum: Quorum) -> str:
+        return f"commit/{quorum.quorum_id}/{quorum.max_step}"
+
+    def should_commit(self) -> bool:
+        """Whether every replica of the quorum finished this step without an error.
+
+        Waits for this replica's pending allreduces, applies a healed state, then votes;
+        the decision is written once in the store, so every replica gets the same answer.
+        """
+        deadline = time.monotonic() + self._timeout.total_seconds()
+        quorum = self._wait_for_quorum()
+        with self._lock:
+            finished = self._lock.wait_for(
+                lambda: not self._pending or self._error is not None,
+                timeout=max(0.0, deadline - time.monotonic()),
+            )
+        if not finished:
+            self.report_error(TimeoutError(f"allreduce did not finish within {self._timeout}"))
+        if quorum is None:
+            self._step_active = False
+            return False
+        healed_step: int | None = None
+        if self._healed is not None and self._error is None:
+            state, healed_step = self._healed
+            try:
+                self._load_state_dict(state)
+            except Exception as error:
+                self.report_error(error)
+                healed_step = None
+        committed = self._vote(quorum, deadline)
+        with self._lock:
+            self._step_active = False
+        if healed_step is not None:
+            self._step = healed_step
+        if committed:
+            self._step = quorum.max_step + 1
+        logger.debug(
+            "replica %s: step %d %s",
+            self._replica_id,
+            quorum.max_step,
+            "committed" if committed else "discarded",
+        )
+        return committed
+
+    def _vote(self, quorum: Quorum, deadline: float) -> bool:
+        key = self._commit_key(quorum)
+        if self._error is None:
+            votes = self._store.add(f"votes/{quorum.quorum_id}/{quorum.max_step}", 1)
+            if votes >= len(quorum.members):
+                self._store.compare_set(key, "", "ok")
+        while not self._store.check([key]):
+            if self._error is not None:
+                self._store.compare_set(key, "", "fail")
+                break
+            if time.monotonic() > deadline:
+                self.report_error(TimeoutError(f"no commit decision within {self._timeout}"))
+                self._store.compare_set(key, "", "fail")
+                break
+            wait_for_key(self._store, key, _WAIT_SLICE_SECONDS)
+        return bool(self._store.get(key) == b"ok")
+
+    # -- the watcher --------------------------------------------------------------------
+
+    def _monitor_loop(self) -> None:
+        interval = self._heartbeat_interval.total_seconds()
+        while not self._stop.wait(interval):
+            try:
+                self._monitor_liveness.beat(self._replica_id)
+                self._watch_step()
+            except Exception:
+                if not self._stop.is_set():
+                    logger.warning("ft monitor: store call failed", exc_info=True)
+
+    def _watch_step(self) -> None:
+        with self._lock:
+            quorum, generation = self._quorum, self._generation
+            watching = self._step_active and self._error is None
+        if quorum is None or not watching:
+            return
+        key = f"err/{quorum.quorum_id}"
+        if self._monitor_store.check([key]):
+            message = self._monitor_store.get(key).decode(errors="replace")
+            self._fail(ReplicaError(f"reported by replica {message}"), generation)
+            return
+        alive = self._monitor_liveness.alive()
+        lost = [m for m in quorum.members if m not in alive and m != self._replica_id]
+        if lost:
+            self._fail(ReplicaError(f"replicas {lost} stopped beating their heartbeat"), generation)
+
+    def shutdown(self) -> None:
+        """Leaves the quorum for good, stops the watcher and releases the group."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        self._monitor.join(timeout=5)
+        try:
+            Liveness(self._store, timedelta(seconds=1)).leave(self._replica_id)
+        except Exception:
+            logger.warning("could not tell the store that %s left", self._replica_id, exc_info=True)
+        self._pg.shutdown()

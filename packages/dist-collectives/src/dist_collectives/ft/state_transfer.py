@@ -1,0 +1,143 @@
+"""Sending a state dict to a healing replica over a process group, without pickle.
+
+The structure of the state dict (nested dicts, lists, tuples, scalars, strings) travels
+as JSON with each tensor replaced by its index, shape and dtype; the tensors follow as
+raw bytes over point-to-point sends. The receiver rebuilds everything from that
+description alone, so it needs no state of its own (a fresh optimizer has none yet)
+and never executes anything it receives.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+import torch
+
+from dist_collectives.ft.process_group import ProcessGroup
+
+logger = logging.getLogger(__name__)
+
+_SCALARS = (bool, int, float, str, type(None))
+
+
+class StateTransferError(RuntimeError):
+    """A state dict could not be encoded, or what arrived does not describe one."""
+
+
+def _encode(value: Any, tensors: list[torch.Tensor], path: str) -> Any:
+    if isinstance(value, torch.Tensor):
+        tensors.append(value.detach().to("cpu").contiguous())
+        return {"tensor": len(tensors) - 1, "shape": list(value.shape), "dtype": str(value.dtype)}
+    if isinstance(value, dict):
+        items = []
+        for key, item in value.items():
+            if not isinstance(key, str | int):
+                raise StateTransferError(
+                    f"state dict key {path}[{key!r}] is a {type(key).__name__}; only str "
+                    "and int keys can be sent"
+                )
+            items.append([key, _encode(item, tensors, f"{path}[{key!r}]")])
+        return {"dict": items}
+    if isinstance(value, list | tuple):
+        kind = "list" if isinstance(value, list) else "tuple"
+        return {kind: [_encode(v, tensors, f"{path}[{i}]") for i, v in enumerate(value)]}
+    if isinstance(value, _SCALARS):
+        if isinstance(value, float) and value != value:
+            return {"float": "nan"}
+        return {"scalar": value}
+    raise StateTransferError(
+        f"state dict entry {path} is a {type(value).__name__}; only tensors, dicts, "
+        "lists, tuples, numbers, strings and None can be sent"
+    )
+
+
+def _dtype(name: str) -> torch.dtype:
+    candidate = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(candidate, torch.dtype):
+        raise StateTransferError(f"received an unknown dtype {name!r}")
+    return candidate
+
+
+def _decode(node: Any, tensors: list[torch.Tensor]) -> Any:
+    if not isinstance(node, dict) or len(node) == 0:
+        raise StateTransferError(f"received a malformed state description: {node!r:.80}")
+    if "tensor" in node:
+        return tensors[int(node["tensor"])]
+    if "dict" in node:
+        return {key: _decode(item, tensors) for key, item in node["dict"]}
+    if "list" in node:
+        return [_decode(item, tensors) for item in node["list"]]
+    if "tuple" in node:
+        return tuple(_decode(item, tensors) for item in node["tuple"])
+    if "float" in node:
+        return float("nan")
+    if "scalar" in node:
+        return node["scalar"]
+    raise StateTransferError(f"received a malformed state description: {node!r:.80}")
+
+
+def _tensor_specs(node: Any, specs: dict[int, tuple[list[int], torch.dtype]]) -> None:
+    if isinstance(node, dict):
+        if "tensor" in node:
+            specs[int(node["tensor"])] = ([int(d) for d in node["shape"]], _dtype(node["dtype"]))
+            return
+        for value in node.values():
+            _tensor_specs(value, specs)
+    elif isinstance(node, list):
+        for value in node:
+            _tensor_specs(value, specs)
+
+
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.reshape(-1).view(torch.uint8)
+
+
+def send_state(pg: ProcessGroup, state: Any, step: int, dst: int) -> None:
+    """Sends ``state`` (and the step it belongs to) to rank ``dst`` of ``pg``; blocks.
+
+    Raises:
+        StateTransferError: ``state`` holds something other than tensors, containers
+            and scalars.
+    """
+    tensors: list[torch.Tensor] = []
+    header = json.dumps({"step": step, "state": _encode(state, tensors, "state")}).encode()
+    header_tensor = torch.frombuffer(bytearray(header), dtype=torch.uint8)
+    pg.send([torch.tensor([header_tensor.numel()], dtype=torch.int64)], dst, 0).wait()
+    pg.send([header_tensor], dst, 1).wait()
+    for index, tensor in enumerate(tensors):
+        if tensor.numel() > 0:
+            pg.send([_as_bytes(tensor)], dst, 2 + index).wait()
+    logger.info("sent step %d (%d tensors) to rank %d", step, len(tensors), dst)
+
+
+def recv_state(pg: ProcessGroup, src: int) -> tuple[Any, int]:
+    """Receives what :func:`send_state` sent from rank ``src``; returns (state, step).
+
+    Raises:
+        StateTransferError: what arrived is not a state description.
+    """
+    length = torch.zeros(1, dtype=torch.int64)
+    pg.recv([length], src, 0).wait()
+    header_tensor = torch.empty(int(length), dtype=torch.uint8)
+    pg.recv([header_tensor], src, 1).wait()
+    try:
+        header = json.loads(bytes(header_tensor.numpy()).decode())
+        step = int(header["step"])
+        description = header["state"]
+    except (ValueError, KeyError, TypeError) as error:
+        raise StateTransferError(f"rank {src} sent a malformed state header: {error}") from None
+    specs: dict[int, tuple[list[int], torch.dtype]] = {}
+    _tensor_specs(description, specs)
+    tensors: list[torch.Tensor] = []
+    for index in range(len(specs)):
+        if index not in specs:
+            raise StateTransferError(f"rank {src} described no tensor number {index}")
+        shape, dtype = specs[index]
+        tensor = torch.empty(shape, dtype=dtype)
+        if tensor.numel() > 0:
+            pg.recv([_as_bytes(tensor)], src, 2 + index).wait()
+        tensors.append(tensor)
+    logger.info("received step %d (%d tensors) from rank %d", step, len(tensors), src)
+    return _decode(description, tensors), step
