@@ -1,0 +1,40 @@
+"""dist-launch: start N workers fast, stop them all when one fails, name the root cause.
+
+Library: :func:`launch_subprocesses` and :func:`init_and_run`. Command line:
+``dist-launch -n 4 train.py ARGS`` or ``python -m dist_launch ...``.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from importlib.metadata import PackageNotFoundError, version
+from typing import TYPE_CHECKING, Any
+
+from dist_launch.errors import LaunchError
+
+if TYPE_CHECKING:
+    from dist_launch.spawn import init_and_run, launch_subprocesses
+
+# Imported on first use: the CLI and the worker bootstrap must not pay for torch.
+_LAZY = {"init_and_run": "dist_launch.spawn", "launch_subprocesses": "dist_launch.spawn"}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'dist_launch' has no attribute {name!r}")
+    value = getattr(import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])
+
+
+try:
+    __version__ = version("dist-launch")
+except PackageNotFoundError:  # running from a source tree that is not installed
+    __version__ = "0+unknown"
+
+__all__ = ["LaunchError", "__version__", "init_and_run", "launch_subprocesses"]

@@ -1,0 +1,5 @@
+"""``python -m dist_launch``: the ``dist-launch`` command."""
+
+from dist_launch.cli import main
+
+raise SystemExit(main())

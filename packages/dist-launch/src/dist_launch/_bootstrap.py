@@ -1,0 +1,101 @@
+"""In-worker entry point of the CLI: ``python -m dist_launch._bootstrap TARGET ARGS``.
+
+Runs an unmodified script (``script.py ARGS``) or module (``-m pkg.module ARGS``)
+exactly as ``python`` would (``sys.argv``, ``sys.path[0]``, ``__main__``), after
+installing the worker guards (:mod:`dist_launch.guards`), and records an uncaught
+exception or a non-zero ``sys.exit`` in the rank's error file with the worker's own
+timestamp. Reads (and removes from ``os.environ``, so grandchildren do not inherit
+them) ``DIST_LAUNCH_RUN_DIR`` and ``DIST_LAUNCH_PARENT_PID``; reads ``RANK``.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+from types import TracebackType
+
+from dist_launch.guards import die_quietly_of_sigint, install_worker_guards, record_and_print
+from dist_launch.records import RankFiles
+
+RUN_DIR_VARIABLE = "DIST_LAUNCH_RUN_DIR"
+PARENT_PID_VARIABLE = "DIST_LAUNCH_PARENT_PID"
+
+_OWN_FILES = {
+    os.path.abspath(__file__),
+    os.path.abspath(runpy.__file__),
+    os.path.abspath(os.path.join(os.path.dirname(__file__), "_zygote.py")),
+    "<frozen runpy>",
+}
+
+
+def _is_own(filename: str) -> bool:
+    return filename in _OWN_FILES or os.path.abspath(filename) in _OWN_FILES
+
+
+def _without_launcher_frames(error: BaseException) -> BaseException:
+    """Drops the bootstrap's and runpy's frames, so the traceback starts in the script."""
+    tb: TracebackType | None = error.__traceback__
+    while tb is not None and _is_own(tb.tb_frame.f_code.co_filename):
+        tb = tb.tb_next
+    return error.with_traceback(tb) if tb is not None else error
+
+
+def prepare_target(argv: list[str]) -> tuple[str, str]:
+    """Sets ``sys.argv`` and ``sys.path[0]`` for the target; returns (kind, name).
+
+    Raises:
+        SystemExit: No target was given.
+    """
+    if not argv or (argv[0] == "-m" and len(argv) < 2):
+        raise SystemExit("usage: python -m dist_launch._bootstrap (-m MODULE | SCRIPT) [ARGS...]")
+    if argv[0] == "-m":
+        # As `python -m`: sys.path[0] is the working directory, argv[0] set by runpy.
+        sys.argv = [argv[1], *argv[2:]]
+        sys.path[0] = os.getcwd()
+        return "module", argv[1]
+    script = argv[0]
+    sys.argv = list(argv)
+    sys.path[0] = os.path.dirname(os.path.abspath(script))
+    return "script", script
+
+
+def run_target(kind: str, name: str, files: RankFiles, rank: int) -> int:
+    """Runs the script or module as ``__main__``; returns the process's exit status."""
+    try:
+        if kind == "module":
+            runpy.run_module(name, run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(name, run_name="__main__")
+    except KeyboardInterrupt:
+        die_quietly_of_sigint()
+    except SystemExit as error:
+        if error.code is None or error.code == 0:
+            return 0
+        return record_and_print(files, rank, _without_launcher_frames(error))
+    except BaseException as error:
+        return record_and_print(files, rank, _without_launcher_frames(error))
+    return 0
+
+
+def worker_setup() -> tuple[RankFiles, int]:
+    """Reads the launcher's variables and installs the guards; returns (files, rank)."""
+    run_dir = os.environ.pop(RUN_DIR_VARIABLE, None)
+    parent = os.environ.pop(PARENT_PID_VARIABLE, "")
+    if run_dir is None:
+        raise SystemExit(f"{RUN_DIR_VARIABLE} is not set: this module is started by dist-launch")
+    rank = int(os.environ.get("RANK", "0"))
+    files = RankFiles.for_rank(run_dir, rank)
+    install_worker_guards(files, int(parent) if parent else None)
+    return files, rank
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Guards, then the target; returns its exit status."""
+    files, rank = worker_setup()
+    kind, name = prepare_target(list(sys.argv[1:] if argv is None else argv))
+    return run_target(kind, name, files, rank)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""The CLI's fork server: one interpreter imports torch once, then forks every worker.
+
+Started by :class:`dist_launch.zygote.Zygote` as ``python -m dist_launch._zygote FD``
+where FD is its end of a ``SOCK_SEQPACKET`` socket pair. Each request is a JSON
+message (the worker's environment, working directory and bootstrap arguments) with
+the worker's stdout and stderr pipes attached (``SCM_RIGHTS``). The server replies
+``{"rank": r, "pid": p}``, and ``{"rank": r, "exit": status}`` when it reaps the
+worker (``-N`` for signal N). The server dies with the launcher (parent-death
+signal), and each worker dies with the server, so the chain holds under SIGKILL.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import os
+import selectors
+import signal
+import socket
+import sys
+from typing import Any
+
+from dist_core.proc import set_parent_death_signal
+
+PRELOAD_VARIABLE = "DIST_LAUNCH_PRELOAD"
+DEFAULT_PRELOAD = "torch,torch.distributed"
+MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+
+
+def _send(sock: socket.socket, message: dict[str, Any]) -> None:
+    with contextlib.suppress(OSError):
+        sock.send(json.dumps(message).encode())
+
+
+def _preload() -> None:
+    names = os.environ.get(PRELOAD_VARIABLE, DEFAULT_PRELOAD)
+    for name in filter(None, (part.strip() for part in names.split(","))):
+        # A module that fails to import here fails again, visibly, in the worker.
+        with contextlib.suppress(Exception):
+            importlib.import_module(name)
+
+
+def serve(sock: socket.socket) -> tuple[dict[str, Any], list[int]] | None:
+    """Forks workers on request; returns (request, fds) in a new worker, None at EOF."""
+    ranks: dict[int, int] = {}  # pid -> rank
+    wake_read, wake_write = os.pipe()
+    os.set_blocking(wake_read, False)
+    os.set_blocking(wake_write, False)
+    signal.set_wakeup_fd(wake_write)
+    signal.signal(signal.SIGCHLD, lambda signum, frame: None)
+    selector = selectors.DefaultSelector()
+    selector.register(sock, selectors.EVENT_READ, "request")
+    selector.register(wake_read, selectors.EVENT_READ, "child")
+    while True:
+        for key, _ in selector.select():
+            if key.data == "child":
+                with contextlib.suppress(OSError):
+                    os.read(wake_read, 4096)
+                while ranks:
+                    pid, status = os.waitpid(-1, os.WNOHANG)
+                    if pid == 0:
+                        break
+                    rank = ranks.pop(pid, None)
+                    if rank is not None:
+                        _send(sock, {"rank": rank, "exit": os.waitstatus_to_exitcode(status)})
+                continue
+            data, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE_BYTES, 2)
+            if not data:
+                return None  # the launcher closed its end
+            request = json.loads(data)
+            pid = os.fork()
+            if pid == 0:
+                selector.close()
+                signal.set_wakeup_fd(-1)
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                os.close(wake_read)
+                os.close(wake_write)
+                sock.close()
+                return request, list(fds)
+            for fd in fds:
+                os.close(fd)
+            ranks[pid] = int(request["rank"])
+            _send(sock, {"rank": request["rank"], "pid": pid})
+
+
+def _become_worker(request: dict[str, Any], fds: list[int], server_pid: int) -> int:
+    from dist_launch import _bootstrap  # noqa: PLC0415 - preloaded before the fork
+
+    os.dup2(fds[0], 1)
+    os.dup2(fds[1], 2)
+    for fd in fds:
+        os.close(fd)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    os.environ[_bootstrap.PARENT_PID_VARIABLE] = str(server_pid)
+    files, rank = _bootstrap.worker_setup()
+    kind, name = _bootstrap.prepare_target(list(request["argv"]))
+    return _bootstrap.run_target(kind, name, files, rank)
+
+
+def main() -> int:
+    """Runs the server; in each forked worker, runs the worker's target instead."""
+    set_parent_death_signal(signal.SIGKILL)
+    launcher = os.environ.get("DIST_LAUNCH_PARENT_PID", "")
+    if launcher and os.getppid() != int(launcher):
+        return 125  # the launcher died before the parent-death signal was armed
+    sock = socket.socket(fileno=int(sys.argv[1]))
+    _preload()
+    import dist_launch._bootstrap  # noqa: F401, PLC0415 - ready for the workers
+
+    server_pid = os.getpid()
+    got = serve(sock)
+    if got is None:
+        return 0
+    request, fds = got
+    return _become_worker(request, fds, server_pid)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,284 @@
+"""Run a function on N processes of this node, each in the process group.
+
+:func:`launch_subprocesses` is the library form of the launcher: it starts
+``cfg.local_world_size`` processes with ``multiprocessing`` (start method
+``cfg.launch_method``), each calls :func:`init_and_run`, and when one fails the others
+are stopped and :class:`~dist_launch.errors.LaunchError` is raised with the failing
+rank's traceback first.
+
+What must be picklable:
+
+- ``forkserver`` (the default) and ``spawn``: ``func`` and ``setup`` (module-level
+  functions, pickled by reference: their module must be importable, or be the
+  ``__main__`` script), ``cfg``, ``*args`` and ``**kwargs``.
+- ``fork``: nothing; the child is a copy of the caller. Do not use it after CUDA or
+  threads were started in the caller.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import sys
+import tempfile
+from collections.abc import Callable
+from importlib import import_module
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+from dist_core.config import MultiprocessConfig
+from dist_core.ports import release_port
+from dist_launch.errors import LaunchError
+from dist_launch.guards import die_quietly_of_sigint, install_worker_guards, record_and_print
+from dist_launch.records import RankFiles
+from dist_launch.report import format_report, group_exit_status
+from dist_launch.supervisor import Supervisor
+
+logger = logging.getLogger(__name__)
+
+START_METHODS = ("forkserver", "spawn", "fork")
+DEFAULT_GRACE_PERIOD = 5.0
+GRACE_PERIOD_VARIABLE = "DIST_LAUNCH_GRACE_PERIOD"
+TIMEOUT_VARIABLE = "DIST_LAUNCH_TIMEOUT"
+
+
+def _seconds_from_env(name: str, default: float | None) -> float | None:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise LaunchError(f"{name}={raw} is not a number of seconds") from None
+    if value <= 0:
+        raise LaunchError(f"{name}={raw} must be a positive number of seconds")
+    return value
+
+
+def init_and_run(
+    func: Callable[..., Any], cfg: MultiprocessConfig, *args: Any, **kwargs: Any
+) -> Any:
+    """Initializes the process group from ``cfg``, then parallel groups, then runs ``func``.
+
+    The default group comes from :func:`dist_core.init_dist` (which writes ``RANK``,
+    ``WORLD_SIZE``, ``MASTER_ADDR``, ... to ``os.environ``; the backend is
+    ``cfg.backend``, else ``TORCH_DISTRIBUTED_BACKEND``, else the devices' default).
+    When ``cfg.model_parallelism`` or ``cfg.pipeline_parallelism`` is above 1, the
+    model, pipeline and data parallel groups come from
+    ``dist_collectives.init_parallelism``; dist-collectives is then required. The group
+    is destroyed after ``func`` returns.
+
+    Returns:
+        What ``func`` returned.
+
+    Raises:
+        LaunchError: Parallelism was asked for and dist-collectives is not installed.
+    """
+    from dist_core.backend import destroy_dist, init_dist  # noqa: PLC0415 - imports torch
+
+    wants_parallelism = cfg.model_parallelism > 1 or cfg.pipeline_parallelism > 1
+    init_parallelism: Callable[..., Any] | None = None
+    if wants_parallelism:
+        try:
+            # An optional sibling: imported by name so that dist-launch never needs it.
+            init_parallelism = import_module("dist_collectives").init_parallelism
+        except (ImportError, AttributeError) as error:
+            raise LaunchError(
+                f"model_parallelism={cfg.model_parallelism} and pipeline_parallelism="
+                f"{cfg.pipeline_parallelism} need the dist-collectives package, which is not "
+                "installed: pip install dist-collectives (or set both to 1)"
+            ) from error
+    init_dist(
+        rank=cfg.rank,
+        local_rank=cfg.local_rank,
+        world_size=cfg.world_size,
+        local_world_size=cfg.local_world_size,
+        master_addr=cfg.master_addr,
+        master_port=cfg.master_port,
+        init_method=cfg.init_method,
+        backend=cfg.backend,
+    )
+    if init_parallelism is not None:
+        init_parallelism(
+            model_parallelism=cfg.model_parallelism,
+            pipeline_parallelism=cfg.pipeline_parallelism,
+            mp_backend=cfg.model_parallel_backend,
+            pp_backend=cfg.pipeline_parallel_backend,
+            dp_backend=cfg.data_parallel_backend,
+        )
+    result = func(*args, **kwargs)
+    destroy_dist()
+    return result
+
+
+def _worker_main(
+    func: Callable[..., Any],
+    cfg: MultiprocessConfig,
+    setup: Callable[[], Any] | None,
+    run_dir: str,
+    parent_pid: int | None,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> None:
+    """Body of one worker process: guards, ``setup``, :func:`init_and_run`, report."""
+    files = RankFiles.for_rank(run_dir, cfg.rank)
+    install_worker_guards(files, parent_pid)
+    try:
+        if setup is not None:
+            setup()
+        init_and_run(func, cfg, *args, **kwargs)
+    except KeyboardInterrupt:
+        die_quietly_of_sigint()
+    except BaseException as error:
+        if isinstance(error, SystemExit) and error.code in (None, 0):
+            return
+        status = record_and_print(files, cfg.rank, error)
+        sys.stdout.flush()
+        # Skip interpreter teardown: peers may be gone and a destructor could block.
+        os._exit(status or 1)
+
+
+class _ProcessWorker:
+    """A ``multiprocessing`` worker as the supervisor sees it."""
+
+    def __init__(self, process: BaseProcess, rank: int, local_rank: int, node_rank: int) -> None:
+        self.process = process
+        self.rank = rank
+        self.local_rank = local_rank
+        self.node_rank = node_rank
+
+    @property
+    def pid(self) -> int | None:
+        """The process id (None until the server replied)."""
+        return self.process.pid
+
+    def returncode(self) -> int | None:
+        """None while running; the exit status, or -N after signal N."""
+        return self.process.exitcode
+
+    def exit_fd(self) -> int | None:
+        """A descriptor readable once the process exited, if there is one."""
+        return self.process.sentinel
+
+
+def _context(method: str, func: Callable[..., Any]) -> Any:
+    if method not in START_METHODS:
+        raise LaunchError(
+            f"launch_method={method!r} is not a start method; use one of {', '.join(START_METHODS)}"
+        )
+    context = mp.get_context(method)
+    if method == "forkserver":
+        preload = ["torch", "torch.distributed", "dist_launch.spawn"]
+        module = getattr(func, "__module__", None)
+        if module and module != "__main__":
+            preload.append(module)
+        # Applies when this process starts its fork server; one already running (for
+        # instance dist_core.testing's) keeps its own preloads.
+        context.set_forkserver_preload(preload)
+    return context
+
+
+def launch_subprocesses(
+    func: Callable[..., Any],
+    cfg: MultiprocessConfig,
+    setup: Callable[[], Any] | None = None,
+    rank_offset: int = 0,
+    *args: Any,
+    **kwargs: Any,
+) -> None:
+    """Runs ``func(*args, **kwargs)`` on this node's ranks, each in the process group.
+
+    Resolves ``cfg`` (:meth:`MultiprocessConfig.resolve`), then starts
+    ``cfg.local_world_size`` processes with global ranks ``rank_offset + i`` and
+    local ranks ``i``; ``cfg.world_size`` is the total over all nodes. Each process
+    runs ``setup()`` (when given), then :func:`init_and_run`. With
+    ``cfg.world_size <= 1`` everything runs in this process (``setup``, then
+    :func:`init_and_run` with a group of one, destroyed afterwards).
+
+    When a rank fails, the others are asked for their stacks, sent SIGTERM, and after
+    the grace period SIGKILL; this raises within the grace period plus a few seconds.
+    Workers are tied to this process (``PR_SET_PDEATHSIG``): none outlives it, even
+    when it is killed.
+
+    Reads ``DIST_LAUNCH_GRACE_PERIOD`` (seconds between SIGTERM and SIGKILL, default
+    5) and ``DIST_LAUNCH_TIMEOUT`` (seconds the whole group may run, default none):
+    environment variables rather than parameters, so that every keyword argument
+    still reaches ``func`` as in the seed's signature.
+
+    Args:
+        func: The function each rank runs (picklable: see the module docstring).
+        cfg: The configuration; missing fields are filled in place.
+        setup: Run first in each worker, before the process group exists.
+        rank_offset: Added to every local index to form the global rank.
+        *args: Positional arguments of ``func``.
+        **kwargs: Keyword arguments of ``func``.
+
+    Raises:
+        LaunchError: A rank failed (its traceback first, then the other ranks), the
+            timeout expired (every rank's stack), or the configuration is invalid.
+        KeyboardInterrupt: Ctrl-C; the workers were stopped first.
+    """
+    MultiprocessConfig.resolve(cfg)
+    if cfg.world_size <= 1:
+        cfg.rank = rank_offset
+        cfg.local_rank = 0
+        if setup is not None:
+            setup()
+        init_and_run(func, cfg, *args, **kwargs)
+        return
+    local = cfg.local_world_size
+    if local < 1 or rank_offset < 0 or rank_offset + local > cfg.world_size:
+        raise LaunchError(
+            f"cannot place local_world_size={local} ranks at rank_offset={rank_offset} in "
+            f"world_size={cfg.world_size}: the global ranks must lie in [0, world_size)"
+        )
+    grace_period = _seconds_from_env(GRACE_PERIOD_VARIABLE, DEFAULT_GRACE_PERIOD)
+    timeout = _seconds_from_env(TIMEOUT_VARIABLE, None)
+    context = _context(cfg.launch_method, func)
+    parent_pid = None if cfg.launch_method == "forkserver" else os.getpid()
+    run_dir = tempfile.mkdtemp(prefix="dist-launch-")
+    workers: list[_ProcessWorker] = []
+    supervisor: Supervisor | None = None
+    try:
+        for local_rank in range(local):
+            rank = rank_offset + local_rank
+            worker_cfg = cfg.replace(rank=rank, local_rank=local_rank)
+            process = context.Process(
+                target=_worker_main,
+                args=(func, worker_cfg, setup, run_dir, parent_pid, args, kwargs),
+                name=f"dist-launch-rank{rank}",
+            )
+            process.start()
+            workers.append(_ProcessWorker(process, rank, local_rank, rank // local))
+        files = {w.rank: RankFiles.for_rank(run_dir, w.rank) for w in workers}
+        supervisor = Supervisor(
+            workers, files, grace_period=grace_period or DEFAULT_GRACE_PERIOD, timeout=timeout
+        )
+        try:
+            outcome = supervisor.run()
+        except KeyboardInterrupt:
+            supervisor.interrupt(signal.SIGINT)
+            supervisor.run()
+            raise
+        if outcome.status != "succeeded":
+            root = outcome.root_cause
+            raise LaunchError(
+                format_report(outcome, "launch_subprocesses"),
+                rank=None if root is None else root.rank,
+                exitcode=group_exit_status(outcome),
+            )
+    finally:
+        for worker in workers:
+            if worker.process.is_alive():
+                worker.process.kill()
+            worker.process.join(5.0)
+            with contextlib.suppress(ValueError):
+                worker.process.close()
+        if supervisor is not None:
+            supervisor.selector.close()
+        shutil.rmtree(run_dir, ignore_errors=True)
+        release_port(cfg.master_port)

@@ -1,0 +1,35 @@
+"""Worker functions of dist-launch's library tests (imported by name in the workers)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def write_rank_and_sum(out_dir: str, scale: int = 1) -> None:
+    import torch
+    import torch.distributed as dist
+
+    value = torch.tensor([float(dist.get_rank() * scale)])
+    dist.all_reduce(value)
+    Path(out_dir, f"rank{dist.get_rank()}").write_text(
+        f"{dist.get_rank()} {dist.get_world_size()} {int(value.item())} {os.environ['LOCAL_RANK']}"
+    )
+
+
+def fail_on_rank(bad_rank: int) -> None:
+    """``bad_rank`` raises; the others block in a barrier, then fail *because of it*.
+
+    The others raise an error of their own (with the peer's message dropped), so only
+    the workers' timestamps can tell which rank failed first.
+    """
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    if rank == bad_rank:
+        raise ValueError(f"deliberate failure on rank {rank}")
+    try:
+        dist.barrier()
+    except Exception:
+        raise RuntimeError(f"rank {rank} lost its barrier") from None
+    raise AssertionError("the barrier cannot complete without the failed rank")

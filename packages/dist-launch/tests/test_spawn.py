@@ -1,0 +1,89 @@
+"""launch_subprocesses / init_and_run with real processes."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from dist_core.config import MultiprocessConfig
+from dist_launch import LaunchError, init_and_run, launch_subprocesses
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _cfg(world_size: int, method: str = "forkserver") -> MultiprocessConfig:
+    return MultiprocessConfig(
+        world_size=world_size, local_world_size=world_size, launch_method=method
+    )
+
+
+@pytest.mark.parametrize("method", ["forkserver", "spawn", "fork"])
+def test_every_rank_runs_in_one_group(tmp_path: Path, method: str) -> None:
+    from dist_launch_test_workers import write_rank_and_sum
+
+    launch_subprocesses(write_rank_and_sum, _cfg(3, method), None, 0, str(tmp_path), scale=2)
+    lines = sorted(path.read_text() for path in tmp_path.iterdir())
+    assert lines == ["0 3 6 0", "1 3 6 1", "2 3 6 2"]
+
+
+def test_failing_rank_is_named_with_its_traceback() -> None:
+    from dist_launch_test_workers import fail_on_rank
+
+    with pytest.raises(LaunchError) as caught:
+        launch_subprocesses(fail_on_rank, _cfg(3), None, 0, 2)
+    message = str(caught.value)
+    assert caught.value.rank == 2
+    assert isinstance(caught.value, RuntimeError)
+    assert message.splitlines()[0].startswith("launch_subprocesses: rank 2 ")
+    assert "ValueError: deliberate failure on rank 2" in message
+    assert "in fail_on_rank" in message  # the real traceback, captured in the worker
+    assert "rank 0 (local rank 0, node 0)" in message and "rank 1 (local rank 1" in message
+
+
+def test_root_cause_is_right_ten_times_in_a_row() -> None:
+    from dist_launch_test_workers import fail_on_rank
+
+    named = []
+    for _ in range(10):
+        with pytest.raises(LaunchError) as caught:
+            launch_subprocesses(fail_on_rank, _cfg(4), None, 0, 1)
+        named.append(caught.value.rank)
+    assert named == [1] * 10
+
+
+def test_rank_offset_places_local_ranks_in_a_larger_world(tmp_path: Path) -> None:
+    """Two calls with rank_offset 0 and 2 would form one 4-rank world; here the
+    offset call alone must refuse ranks outside the world."""
+    from dist_launch_test_workers import write_rank_and_sum
+
+    cfg = MultiprocessConfig(world_size=2, local_world_size=2)
+    with pytest.raises(LaunchError, match="rank_offset=1"):
+        launch_subprocesses(write_rank_and_sum, cfg, None, 1, str(tmp_path))
+
+
+def test_single_rank_runs_in_this_process(tmp_path: Path) -> None:
+    from dist_launch_test_workers import write_rank_and_sum
+
+    calls = []
+    launch_subprocesses(write_rank_and_sum, _cfg(1), lambda: calls.append(1), 0, str(tmp_path))
+    assert calls == [1]
+    assert (tmp_path / "rank0").read_text() == "0 1 0 0"
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("dist_collectives") is not None,
+    reason="dist-collectives is installed here",
+)
+def test_parallelism_without_dist_collectives_names_the_package() -> None:
+    cfg = MultiprocessConfig(world_size=1, local_world_size=1, model_parallelism=2)
+    MultiprocessConfig.resolve(cfg)
+    cfg.rank, cfg.local_rank = 0, 0
+    with pytest.raises(LaunchError, match="dist-collectives"):
+        init_and_run(print, cfg)
+
+
+def test_unknown_start_method_is_named() -> None:
+    with pytest.raises(LaunchError, match="'threads'"):
+        launch_subprocesses(print, _cfg(2, "threads"))
