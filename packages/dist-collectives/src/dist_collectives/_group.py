@@ -66,7 +66,12 @@ def resolve_group(group: ProcessGroup | None, operation: str) -> GroupView:
                 "dist-launch's init_and_run) before using collectives"
             )
         return GroupView(group=None, size=1, rank=0)
-    if group is not None and group is dist.GroupMember.NON_GROUP_MEMBER:
+    if group is None:
+        world = dist.group.WORLD
+        assert world is not None  # initialized above
+        return GroupView(group=world, size=dist.get_world_size(), rank=dist.get_rank())
+    non_member: object = dist.GroupMember.NON_GROUP_MEMBER  # typed int in torch's stubs
+    if group is non_member:
         raise ValueError(
             f"{operation}: global rank {dist.get_rank()} is not a member of the given group "
             "(new_group returns a placeholder on ranks outside the group); call it only "
@@ -76,11 +81,9 @@ def resolve_group(group: ProcessGroup | None, operation: str) -> GroupView:
     if rank < 0:
         raise ValueError(
             f"{operation}: global rank {dist.get_rank()} is not a member of the group with "
-            f"ranks {dist.get_process_group_ranks(group) if group is not None else '?'}"
+            f"ranks {dist.get_process_group_ranks(group)}"
         )
-    resolved = group if group is not None else dist.group.WORLD
-    assert resolved is not None  # initialized above
-    return GroupView(group=resolved, size=dist.get_world_size(group), rank=rank)
+    return GroupView(group=group, size=dist.get_world_size(group), rank=rank)
 
 
 def group_ranks(view: GroupView) -> list[int]:
