@@ -16,7 +16,7 @@ import torch.distributed as dist
 from dist_core.ports import get_unused_port
 
 WORKER = Path(__file__).with_name("replica_worker.py")
-PROCESS_TIMEOUT = 150
+PROCESS_TIMEOUT = 90
 
 
 def _spawn(port: int, replica: str, out: Path, *extra: str) -> subprocess.Popen[bytes]:

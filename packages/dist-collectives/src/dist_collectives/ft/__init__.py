@@ -6,7 +6,7 @@ A :class:`Manager` forms a quorum of live replicas through that store, heals rep
 that join, and decides per step whether it may be committed.
 """
 
-from dist_collectives.ft.ddp import DistributedDataParallel, ft_allreduce_hook
+from dist_collectives.ft.ddp import DistributedDataParallel, ReplicaAveraging, ft_allreduce_hook
 from dist_collectives.ft.device_mesh import extend_device_mesh
 from dist_collectives.ft.dummy import ProcessGroupDummy
 from dist_collectives.ft.gloo import ProcessGroupGloo
@@ -31,6 +31,7 @@ __all__ = [
     "ManagedProcessGroup",
     "DistributedDataParallel",
     "ft_allreduce_hook",
+    "ReplicaAveraging",
     "extend_device_mesh",
     "Quorum",
     "DummyWork",

@@ -420,6 +420,12 @@ class Manager:
         committed = self._vote(quorum, deadline)
         with self._lock:
             self._step_active = False
+            if committed:
+                # Every replica voted before any error was seen; what failed since (a
+                # peer that left or died after voting) belongs to the next step, whose
+                # quorum will not include it.
+                self._error = None
+                self._error_wall_time = None
         if healed_step is not None:
             self._step = healed_step
         if committed:
