@@ -1,0 +1,385 @@
+"""The dist-launch command with real processes, real signals and real failures."""
+
+from __future__ import annotations
+
+import os
+import re
+import select
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from dist_core.ports import get_unused_port
+
+pytestmark = pytest.mark.timeout(240)
+
+LAUNCH = [sys.executable, "-m", "dist_launch"]
+
+TORCHRUN_SCRIPT = """\
+import os
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")  # env://, as under torchrun
+value = torch.tensor([float(dist.get_rank())])
+dist.all_reduce(value)
+names = ["RANK", "LOCAL_RANK", "GROUP_RANK", "NODE_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+         "ROLE_RANK", "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+         "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS",
+         "OMP_NUM_THREADS"]
+print("env", " ".join(f"{name}={os.environ.get(name, '<unset>')}" for name in names))
+print("sum", int(value.item()), "world", dist.get_world_size(), "argv", os.sys.argv[1:])
+dist.destroy_process_group()
+"""
+
+# Rank BAD fails in the way named by argv[1]; the other ranks block in a barrier.
+FAILING_SCRIPT = """\
+import ctypes, os, signal, sys
+import torch.distributed as dist
+
+mode, bad = sys.argv[1], int(sys.argv[2])
+dist.init_process_group("gloo")
+if dist.get_rank() == bad:
+    if mode == "raise":
+        raise RuntimeError(f"deliberate failure on rank {bad}")
+    if mode == "exit":
+        sys.exit(3)
+    if mode == "_exit":
+        os._exit(7)
+    if mode == "sigkill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if mode == "segfault":
+        ctypes.string_at(0)
+dist.barrier()
+"""
+
+# Each rank prints its pid, then waits (bounded) for the file named by argv[1].
+WAITING_SCRIPT = """\
+import os, sys, time
+
+print("ready", os.getpid(), flush=True)
+deadline = time.monotonic() + 120
+while not os.path.exists(sys.argv[1]) and time.monotonic() < deadline:
+    time.sleep(0.05)
+print("done", flush=True)
+"""
+
+
+def _script(tmp_path: Path, name: str, text: str) -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def _launch(*args: str, cwd: Path, timeout: float = 150) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*LAUNCH, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+def _read_ready_pids(
+    process: subprocess.Popen[bytes], count: int, timeout: float = 90
+) -> list[int]:
+    """Reads the launcher's stdout until ``count`` ranks said ``ready PID``."""
+    assert process.stdout is not None
+    fd = process.stdout.fileno()
+    seen = b""
+    deadline = time.monotonic() + timeout
+    while True:
+        pids = [int(pid) for pid in re.findall(rb"\[rank\d+\]: ready (\d+)\n", seen)]
+        if len(pids) >= count:
+            return pids
+        remaining = deadline - time.monotonic()
+        assert remaining > 0, f"ranks did not start in time; output so far:\n{seen!r}"
+        ready, _, _ = select.select([fd], [], [], remaining)
+        if ready:
+            chunk = os.read(fd, 65536)
+            assert chunk, f"launcher ended early (status {process.wait()}): {seen!r}"
+            seen += chunk
+
+
+def _alive(pid: int) -> bool:
+    """True while ``pid`` exists in /proc and is not a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _wait_until_gone(pids: list[int], timeout: float = 20) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        alive = [pid for pid in pids if _alive(pid)]
+        if not alive:
+            return []
+        time.sleep(0.05)
+    return [pid for pid in pids if _alive(pid)]
+
+
+def test_unmodified_torchrun_script_runs(tmp_path: Path) -> None:
+    script = _script(tmp_path, "train.py", TORCHRUN_SCRIPT)
+    logs = tmp_path / "logs"
+    result = _launch("-n", "2", "--log-dir", str(logs), script, "--lr", "0.1", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    for rank in (0, 1):
+        assert f"[rank{rank}]: sum 1 world 2 argv ['--lr', '0.1']" in result.stdout
+        env_line = next(
+            line for line in result.stdout.splitlines() if line.startswith(f"[rank{rank}]: env")
+        )
+        for expected in (
+            f"RANK={rank}",
+            f"LOCAL_RANK={rank}",
+            "GROUP_RANK=0",
+            "NODE_RANK=0",
+            "WORLD_SIZE=2",
+            "LOCAL_WORLD_SIZE=2",
+            f"ROLE_RANK={rank}",
+            "ROLE_WORLD_SIZE=2",
+            "GROUP_WORLD_SIZE=1",
+            "MASTER_ADDR=127.0.0.1",
+            "TORCHELASTIC_RESTART_COUNT=0",
+            "TORCHELASTIC_MAX_RESTARTS=0",
+            "OMP_NUM_THREADS=1",
+        ):
+            assert f" {expected}" in env_line, (expected, env_line)
+        assert "<unset>" not in env_line
+        log = (logs / f"rank{rank}.log").read_text()
+        assert "sum 1 world 2" in log and "[rank" not in log
+
+
+def test_module_target_and_python_dash_m(tmp_path: Path) -> None:
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "job.py").write_text(
+        "import os, sys\nprint('module', __name__, os.environ['RANK'], sys.argv[1:])\n"
+    )
+    result = _launch("-n", "2", "--start-method", "spawn", "-m", "pkg.job", "x", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "[rank1]: module __main__ 1 ['x']" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("mode", "status", "shown"),
+    [
+        ("raise", 1, "RuntimeError: deliberate failure on rank 1"),
+        ("exit", 3, "SystemExit: 3"),
+        ("_exit", 7, "exit code 7"),
+        ("sigkill", 128 + signal.SIGKILL, "signal SIGKILL"),
+        ("segfault", 128 + signal.SIGSEGV, "string_at"),
+    ],
+)
+def test_failing_rank_stops_the_others_and_comes_first(
+    tmp_path: Path, mode: str, status: int, shown: str
+) -> None:
+    script = _script(tmp_path, "fail.py", FAILING_SCRIPT)
+    result = _launch("-n", "3", "--grace-period", "2", script, mode, "1", cwd=tmp_path)
+    assert result.returncode == status, result.stderr
+    report = result.stderr[result.stderr.index("dist-launch: rank") :]
+    head, _, others = report.partition("other ranks:")
+    assert head.startswith("dist-launch: rank 1 (local rank 1, node 0) failed first"), report
+    assert shown in head, report
+    assert "rank 0 (local rank 0, node 0)" in others and "rank 2 (local rank 2, node 0)" in others
+
+
+def test_root_cause_through_the_cli(tmp_path: Path) -> None:
+    """Rank 2 fails; the others fail after it, because of it. (The library test repeats
+    this ten times; both go through the same supervisor.)"""
+    script = _script(tmp_path, "fail.py", FAILING_SCRIPT)
+    result = _launch("-n", "3", script, "raise", "2", cwd=tmp_path)
+    assert "dist-launch: rank 2 (local rank 2, node 0) failed first" in result.stderr
+
+
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+def test_no_worker_outlives_a_sigkilled_launcher(tmp_path: Path, method: str) -> None:
+    script = _script(tmp_path, "wait.py", WAITING_SCRIPT)
+    launcher = subprocess.Popen(
+        [*LAUNCH, "-n", "2", "--start-method", method, script, str(tmp_path / "never")],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        pids = _read_ready_pids(launcher, 2)
+        launcher.kill()
+        launcher.wait(30)
+        assert _wait_until_gone(pids) == [], "workers survived the launcher's SIGKILL"
+    finally:
+        launcher.kill()
+        launcher.wait(30)
+
+
+def test_sigint_stops_every_rank_with_one_line(tmp_path: Path) -> None:
+    script = _script(tmp_path, "wait.py", WAITING_SCRIPT)
+    launcher = subprocess.Popen(
+        [*LAUNCH, "-n", "2", script, str(tmp_path / "never")],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        pids = _read_ready_pids(launcher, 2)
+        launcher.send_signal(signal.SIGINT)
+        _, raw_stderr = launcher.communicate(timeout=60)
+        stderr = raw_stderr.decode()
+        assert launcher.returncode == 130, stderr
+        assert "interrupted by SIGINT" in stderr
+        assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr
+        assert _wait_until_gone(pids) == []
+    finally:
+        launcher.kill()
+        launcher.wait(30)
+
+
+def test_ignored_sighup_stays_ignored(tmp_path: Path) -> None:
+    """As under nohup: SIGHUP ignored at start is ignored by the launcher and the ranks."""
+    script = _script(tmp_path, "wait.py", WAITING_SCRIPT)
+    go = tmp_path / "go"
+    launcher = subprocess.Popen(
+        [*LAUNCH, "-n", "2", "--start-method", "spawn", script, str(go)],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN),
+    )
+    try:
+        pids = _read_ready_pids(launcher, 2)
+        for pid in [launcher.pid, *pids]:
+            os.kill(pid, signal.SIGHUP)
+        go.touch()
+        stdout, stderr = launcher.communicate(timeout=60)
+        assert launcher.returncode == 0, stderr
+        assert stdout.count(b"done") == 2
+    finally:
+        launcher.kill()
+        launcher.wait(30)
+
+
+def test_two_launchers_form_one_group(tmp_path: Path) -> None:
+    script = _script(tmp_path, "train.py", TORCHRUN_SCRIPT)
+    port = get_unused_port()
+    common = ["-n", "2", "--nnodes", "2", "--master-port", str(port)]
+    nodes = [
+        subprocess.Popen(
+            [*LAUNCH, *common, "--node-rank", str(node), script],
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for node in (0, 1)
+    ]
+    try:
+        outputs = [node.communicate(timeout=150) for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+            node.wait(30)
+    for node, (stdout, stderr) in zip(nodes, outputs, strict=True):
+        assert node.returncode == 0, stderr
+        assert stdout.count("sum 6 world 4") == 2, stdout
+    assert "[rank2]: env RANK=2 LOCAL_RANK=0 GROUP_RANK=1 NODE_RANK=1" in outputs[1][0]
+
+
+def test_max_restarts_succeeds_on_the_second_attempt(tmp_path: Path) -> None:
+    script = _script(
+        tmp_path,
+        "flaky.py",
+        textwrap.dedent(
+            """\
+            import os, sys
+            attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+            if attempt == 0 and os.environ["RANK"] == "1":
+                sys.exit("first attempt fails on purpose")
+            print("attempt", attempt, "ok")
+            """
+        ),
+    )
+    result = _launch(
+        "-n", "2", "--max-restarts", "1", "--start-method", "spawn", script, cwd=tmp_path
+    )
+    assert result.returncode == 0, result.stderr
+    assert "restarting the local worker group (restart 1 of 1)" in result.stderr
+    assert "rank 1 failed with exit code 1" in result.stderr
+    assert result.stdout.count("attempt 1 ok") == 2
+
+
+def test_timeout_shows_where_each_rank_was(tmp_path: Path) -> None:
+    script = _script(
+        tmp_path,
+        "stuck.py",
+        textwrap.dedent(
+            """\
+            import os, threading, time
+
+            def stuck_in_a_loop():
+                while True:
+                    time.sleep(0.1)
+
+            def waiting_for_the_others():
+                threading.Event().wait()
+
+            if os.environ["RANK"] == "0":
+                stuck_in_a_loop()
+            waiting_for_the_others()
+            """
+        ),
+    )
+    result = _launch(
+        "-n",
+        "2",
+        "--start-method",
+        "spawn",
+        "--timeout",
+        "4",
+        "--grace-period",
+        "1",
+        script,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 124, result.stderr
+    assert "timed out after 4 s" in result.stderr
+    rank0 = result.stderr[result.stderr.index("rank 0 (local rank 0") :]
+    rank0 = rank0[: rank0.index("rank 1 (local rank 1")]
+    assert "stuck_in_a_loop" in rank0, result.stderr
+    rank1 = result.stderr[result.stderr.index("rank 1 (local rank 1") :]
+    assert "waiting_for_the_others" in rank1, result.stderr
+
+
+def test_taken_explicit_port_is_named(tmp_path: Path) -> None:
+    script = _script(tmp_path, "train.py", TORCHRUN_SCRIPT)
+    with socket.socket() as holder:
+        holder.bind(("", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        result = _launch("-n", "2", "--master-port", str(port), script, cwd=tmp_path)
+    assert result.returncode == 2
+    assert f"--master-port {port} is already in use" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (["-n", "0"], "--nproc-per-node=0"),
+        (["--nnodes", "2", "--node-rank", "2"], "--node-rank=2"),
+        (["--grace-period", "0"], "--grace-period=0"),
+    ],
+)
+def test_bad_flags_are_named(tmp_path: Path, args: list[str], named: str) -> None:
+    script = _script(tmp_path, "train.py", TORCHRUN_SCRIPT)
+    result = _launch(*args, script, cwd=tmp_path)
+    assert result.returncode == 2
+    assert named in result.stderr
+
+
+def test_missing_script_is_named(tmp_path: Path) -> None:
+    result = _launch("-n", "2", "nope.py", cwd=tmp_path)
+    assert result.returncode == 2
+    assert "'nope.py' does not exist" in result.stderr
