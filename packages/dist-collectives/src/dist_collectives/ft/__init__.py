@@ -6,6 +6,7 @@ A :class:`Manager` forms a quorum of live replicas through that store, heals rep
 that join, and decides per step whether it may be committed.
 """
 
+from dist_collectives.ft.baby import BabyProcessError, ProcessGroupBaby, ProcessGroupBabyGloo
 from dist_collectives.ft.ddp import DistributedDataParallel, ReplicaAveraging, ft_allreduce_hook
 from dist_collectives.ft.device_mesh import extend_device_mesh
 from dist_collectives.ft.dummy import ProcessGroupDummy
@@ -27,6 +28,9 @@ __all__ = [
     "ProcessGroupNCCL",
     "ErrorSwallowingProcessGroupWrapper",
     "ProcessGroupDummy",
+    "ProcessGroupBaby",
+    "ProcessGroupBabyGloo",
+    "BabyProcessError",
     "Manager",
     "ManagedProcessGroup",
     "DistributedDataParallel",

@@ -6,7 +6,7 @@
 from typing import Any
 
 import torch
-import torch.distributed as dist
+from torch._C._distributed_c10d import GradBucket
 from torch.futures import Future
 
 from dist_collectives.ft.dummy import ProcessGroupDummy
@@ -31,9 +31,9 @@ class ReplicaAveraging:
     def __init__(self, manager: Manager, module: torch.nn.Module) -> None:
         self.manager = manager
         self._order = {id(p): i for i, p in enumerate(module.parameters())}
-        self._pending: list[tuple[dist.GradBucket, Future[torch.Tensor]]] = []
+        self._pending: list[tuple[GradBucket, Future[torch.Tensor]]] = []
 
-    def add(self, bucket: dist.GradBucket) -> Future[torch.Tensor]:
+    def add(self, bucket: GradBucket) -> Future[torch.Tensor]:
         """Takes one bucket; reduces them all when it is the last one."""
         future: Future[torch.Tensor] = Future()
         self._pending.append((bucket, future))
@@ -42,7 +42,7 @@ class ReplicaAveraging:
             self._reduce(pending)
         return future
 
-    def _reduce(self, pending: list[tuple[dist.GradBucket, Future[torch.Tensor]]]) -> None:
+    def _reduce(self, pending: list[tuple[GradBucket, Future[torch.Tensor]]]) -> None:
         # (parameter index, bucket buffer, offset in it, shape)
         slots: list[tuple[int, torch.Tensor, int, torch.Size]] = []
         for bucket, _ in pending:
@@ -66,7 +66,7 @@ class ReplicaAveraging:
         reduced.then(scatter)
 
 
-def ft_allreduce_hook(state: ReplicaAveraging, bucket: dist.GradBucket) -> Future[torch.Tensor]:
+def ft_allreduce_hook(state: ReplicaAveraging, bucket: GradBucket) -> Future[torch.Tensor]:
     """A DDP communication hook that averages gradients over the live replicas.
 
     The futures it returns always hold the bucket's tensor: after a peer fails mid-step
