@@ -6,7 +6,9 @@ ratio to the raw torch call that it wraps, plus a local memcpy of the same bytes
 the machine's floor. Every call is timed on its own, the methods interleaved in a new
 order each iteration, so that load from other processes on the machine falls on all of
 them alike; a ratio is the median of per-iteration ratios (each call over its peer's
-call of the same iteration), averaged over the ranks.
+call of the same iteration), averaged over the ranks. The calling thread's CPU time
+per call is printed too: it is the wrappers' own cost, much less sensitive to other
+processes' load than wall time on a small machine.
 
 Methods:
   raw                    all_to_all_single into a freshly allocated output (what a
@@ -118,6 +120,7 @@ def _bench_size(nbytes: int, iterations: int) -> dict[str, float]:
     for fn in methods.values():  # warm-up: connections, allocator
         fn()
     samples: dict[str, list[float]] = {name: [] for name in methods}
+    cpu: dict[str, list[float]] = {name: [] for name in methods}
     names = list(methods)
     dist.barrier()
     for iteration in range(iterations):
@@ -125,10 +128,13 @@ def _bench_size(nbytes: int, iterations: int) -> dict[str, float]:
         # rank): load from other processes and any order effect fall on all methods.
         random.Random(iteration).shuffle(names)
         for name in names:
+            cpu_start = time.thread_time()
             start = time.perf_counter()
             methods[name]()
             samples[name].append(time.perf_counter() - start)
+            cpu[name].append(time.thread_time() - cpu_start)
     result = {name: statistics.median(times) for name, times in samples.items()}
+    result.update({f"cpu:{name}": statistics.median(times) for name, times in cpu.items()})
     # Paired ratios: each call over its peer's call of the same iteration.
     for name, peer in PEERS.items():
         ratios = [a / b for a, b in zip(samples[name], samples[peer], strict=True)]
@@ -167,9 +173,16 @@ def main() -> None:
     }
     verdicts = []
     for label, row in table.items():
-        print(f"\n{label} per rank: median time per exchange; median of per-round ratios")
+        print(
+            f"\n{label} per rank: median wall time per exchange, median of per-iteration "
+            "ratios, and the calling thread's CPU time per call (the wrapper's own cost: "
+            "gloo moves the bytes on its own threads)"
+        )
         for name, peer in PEERS.items():
-            print(f"  {name:24s} {_format(row[name])}   x{row['ratio:' + name]:5.3f} of {peer}")
+            print(
+                f"  {name:24s} {_format(row[name])}   x{row['ratio:' + name]:5.3f} of "
+                f"{peer:5s}   cpu {_format(row['cpu:' + name])}"
+            )
         floor = row["memcpy (floor)"]
         print(f"  {'memcpy (floor)':24s} {_format(floor)}   x{floor / row['raw']:5.3f} of raw")
         if SIZES[label] >= 1 << 20:
