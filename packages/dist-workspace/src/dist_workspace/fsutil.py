@@ -30,7 +30,12 @@ def make_private_directory(path: Path, mode: int) -> None:
     Raises:
         NotADirectoryError: ``path`` exists and is not a directory (or is a symlink).
     """
-    path.mkdir(mode=mode, parents=True, exist_ok=True)
+    try:
+        path.mkdir(mode=mode, parents=True)
+    except FileExistsError:
+        pass
+    else:
+        os.chmod(path, mode)  # the umask must not change what the caller asked for
     if path.is_symlink() or not path.is_dir():
         raise NotADirectoryError(f"{path} is not a directory")
 

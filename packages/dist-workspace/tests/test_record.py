@@ -1,0 +1,246 @@
+"""Storage correctness: dtypes, views, shared storage, integrity, foreign files."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import struct
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dist_workspace import NFSWorkspace, WorkspaceError
+from dist_workspace.record import supported_dtypes
+
+
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes, for bit-exact comparison of any dtype (NaNs included)."""
+    return tensor.contiguous().reshape(-1).view(torch.uint8)
+
+
+def _random(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(7)
+    raw = torch.randint(0, 256, (int(torch.tensor(shape).prod()) * dtype.itemsize,), dtype=torch.uint8, generator=generator)
+    if dtype == torch.bool:
+        return (raw[: raw.numel()] % 2).bool().reshape(shape)
+    return raw.view(dtype).reshape(shape)
+
+
+def _roundtrip(directory: Path, weights: dict[str, torch.Tensor], config: object = None) -> tuple[object, dict[str, torch.Tensor]]:
+    workspace = NFSWorkspace(directory / "ws")
+    workspace.write_configs_and_weights(config, weights, rank=0)
+    result_config, result = workspace.read_configs_and_weights_from_rank(0)
+    assert result is not None
+    return result_config, result
+
+
+def test_every_dtype_round_trips_bit_exact(any_dir: Path) -> None:
+    weights = {str(dtype): _random(dtype, (3, 5)) for dtype in supported_dtypes()}
+    for name in ("bfloat16", "float16", "float8_e4m3fn", "float8_e5m2"):
+        if hasattr(torch, name):
+            assert str(getattr(torch, name)) in weights
+    # NaN payloads and negative zero must survive: compare bits, not values.
+    weights["nan"] = torch.tensor([float("nan"), -0.0, float("inf")])
+    _, result = _roundtrip(any_dir, weights)
+    assert list(result) == list(weights)
+    for name, tensor in weights.items():
+        assert result[name].dtype == tensor.dtype and result[name].shape == tensor.shape, name
+        assert torch.equal(_bits(result[name]), _bits(tensor)), name
+
+
+def test_noncontiguous_zero_d_and_empty(tmp_path: Path) -> None:
+    base = torch.arange(24, dtype=torch.int64).reshape(4, 6)
+    weights = {
+        "transposed": base.t(),
+        "strided": base[:, ::2],
+        "scalar": torch.tensor(3.5, dtype=torch.float64),
+        "empty": torch.empty(0, 7, dtype=torch.bfloat16),
+        "empty_view": base[:, 6:],
+    }
+    _, result = _roundtrip(tmp_path, weights)
+    for name, tensor in weights.items():
+        assert result[name].shape == tensor.shape and result[name].dtype == tensor.dtype
+        assert torch.equal(result[name], tensor), name
+
+
+def test_view_of_large_buffer_writes_own_elements_only(tmp_path: Path) -> None:
+    big = torch.zeros(4 * 1024 * 1024, dtype=torch.float32)  # 16 MiB
+    pieces = {"narrow": big.narrow(0, 10, 100), "chunk": torch.ones(1000, 1000).chunk(10)[3]}
+    workspace = NFSWorkspace(tmp_path)
+    path = workspace.write_configs_and_weights(None, pieces, rank=0)
+    assert path.stat().st_size < 500_000
+    _, result = workspace.read_configs_and_weights_from_rank(0)
+    assert result is not None
+    assert torch.equal(result["narrow"], pieces["narrow"]) and torch.equal(result["chunk"], pieces["chunk"])
+
+
+def test_shared_storage_is_stored_once_and_sharing_restored(tmp_path: Path) -> None:
+    embedding = torch.randn(50, 8)
+    weights = {
+        "embed.weight": embedding,
+        "lm_head.weight": embedding,  # tied
+        "embed.T": embedding.t(),
+        "row": embedding[3],
+        "other": torch.randn(4),
+    }
+    workspace = NFSWorkspace(tmp_path)
+    path = workspace.write_configs_and_weights({}, weights, rank=0)
+    assert path.stat().st_size < 2 * embedding.nbytes
+    _, result = workspace.read_configs_and_weights_from_rank(0)
+    assert result is not None and list(result) == list(weights)
+    for name, tensor in weights.items():
+        assert torch.equal(result[name], tensor), name
+        assert result[name].stride() == tensor.stride(), name
+    pointer = result["embed.weight"].untyped_storage().data_ptr()
+    for name in ("lm_head.weight", "embed.T", "row"):
+        assert result[name].untyped_storage().data_ptr() == pointer, name
+    result["embed.weight"][3, 0] = 123.0
+    assert result["lm_head.weight"][3, 0] == 123.0 and result["row"][0] == 123.0
+    assert result["other"].untyped_storage().data_ptr() != pointer
+
+
+def test_config_json_values_and_tuples(tmp_path: Path) -> None:
+    config = {"a": (1, (2, 3)), "b": [None, True, 1.5, "x"], "nested": {"k": {"deep": []}}}
+    result, _ = _roundtrip(tmp_path, {}, config)
+    assert result == {"a": [1, [2, 3]], "b": [None, True, 1.5, "x"], "nested": {"k": {"deep": []}}}
+    for scalar in (None, 3, "text", [1, 2]):
+        assert _roundtrip(tmp_path, {}, scalar)[0] == scalar
+
+
+def test_config_with_hundreds_of_tensors(tmp_path: Path) -> None:
+    config = {"layers": [{"scale": torch.full((4,), float(i)), "i": i} for i in range(300)]}
+    result, _ = _roundtrip(tmp_path, {"w": torch.ones(2)}, config)
+    assert isinstance(result, dict) and len(result["layers"]) == 300
+    for i, layer in enumerate(result["layers"]):
+        assert layer["i"] == i and torch.equal(layer["scale"], torch.full((4,), float(i)))
+
+
+@pytest.mark.parametrize(
+    ("config", "path_text"),
+    [
+        ({"a": {"b": [1, {1, 2}]}}, "config['a']['b'][1]"),
+        ({"a": object()}, "config['a']"),
+        ({"x": {3: "int key"}}, "config['x']"),
+        ([1, float("nan")], "config[1]"),
+        ({"bad": {"__dist_workspace_tensor__": "x"}}, "config['bad']"),
+    ],
+)
+def test_non_json_config_raises_type_error_before_writing(
+    tmp_path: Path, config: object, path_text: str
+) -> None:
+    workspace = NFSWorkspace(tmp_path)
+    workspace.write_configs_and_weights({"v": 1}, {}, rank=0)
+    before = (tmp_path / "rank-0.safetensors").read_bytes()
+    with pytest.raises(TypeError) as raised:
+        workspace.write_configs_and_weights(config, {"w": torch.ones(3)}, rank=0)
+    assert path_text in str(raised.value)
+    assert (tmp_path / "rank-0.safetensors").read_bytes() == before
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_bad_weights_are_refused(tmp_path: Path) -> None:
+    workspace = NFSWorkspace(tmp_path)
+    with pytest.raises(TypeError, match="weights\\['w'\\]"):
+        workspace.write_configs_and_weights({}, {"w": [1, 2]}, rank=0)  # type: ignore[dict-item]
+    with pytest.raises(ValueError, match="reserved"):
+        workspace.write_configs_and_weights({}, {"dist_workspace.pad.0": torch.ones(1)}, rank=0)
+    assert not (tmp_path / "rank-0.safetensors").exists()
+
+
+def _data_region(path: Path) -> tuple[int, int]:
+    raw = path.read_bytes()
+    (header_size,) = struct.unpack("<Q", raw[:8])
+    return 8 + header_size, len(raw)
+
+
+def test_one_flipped_byte_is_detected(tmp_path: Path) -> None:
+    workspace = NFSWorkspace(tmp_path)
+    weights = {"a": torch.randn(1000), "b": torch.arange(500, dtype=torch.int16)}
+    path = workspace.write_configs_and_weights({}, weights, rank=3)
+    start, end = _data_region(path)
+    raw = bytearray(path.read_bytes())
+    raw[start + 1234] ^= 0x01  # inside tensor a (its 4000 bytes come first)
+    path.write_bytes(bytes(raw))
+    with pytest.raises(WorkspaceError, match=r"rank 3.*rank-3\.safetensors.*checksum mismatch in tensor 'a'"):
+        workspace.read_configs_and_weights_from_rank(3)
+
+
+def test_truncated_file_names_rank_and_path(tmp_path: Path) -> None:
+    workspace = NFSWorkspace(tmp_path)
+    path = workspace.write_configs_and_weights({}, {"a": torch.randn(1000)}, rank=2)
+    raw = path.read_bytes()
+    for cut in (len(raw) - 100, 100, 5):
+        path.write_bytes(raw[:cut])
+        with pytest.raises(WorkspaceError, match=r"rank 2's file .*rank-2\.safetensors"):
+            workspace.read_configs_and_weights_from_rank(2)
+
+
+class _Planted:
+    """Unpickling it would create the trace file."""
+
+    def __init__(self, trace: str) -> None:
+        self.trace = trace
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (os.system, (f"touch {self.trace}",))
+
+
+def test_planted_pickle_is_rejected_and_never_executed(tmp_path: Path) -> None:
+    workspace = NFSWorkspace(tmp_path / "ws")
+    trace = tmp_path / "pwned"
+    payload = pickle.dumps(_Planted(str(trace)))
+    # Proof that the payload works when unpickled, in a scratch process.
+    import subprocess
+
+    subprocess.run(
+        [sys.executable, "-c", "import pickle,sys; pickle.loads(sys.stdin.buffer.read())"],
+        input=payload,
+        check=True,
+    )
+    assert trace.exists()
+    trace.unlink()
+    for planted in (payload, b"PK\x03\x04" + payload, torch_save_bytes()):
+        (tmp_path / "ws" / "rank-1.safetensors").write_bytes(planted)
+        with pytest.raises(WorkspaceError, match=r"rank 1's file .*not a dist-workspace record"):
+            workspace.read_configs_and_weights_from_rank(1)
+    assert not trace.exists()
+
+
+def torch_save_bytes() -> bytes:
+    import io
+
+    buffer = io.BytesIO()
+    torch.save({"w": torch.ones(3)}, buffer)
+    return buffer.getvalue()
+
+
+def test_foreign_safetensors_and_renamed_file(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    workspace = NFSWorkspace(tmp_path)
+    save_file({"w": torch.ones(3)}, str(tmp_path / "rank-4.safetensors"))
+    with pytest.raises(WorkspaceError, match="rank 4's file .*dist_workspace.format"):
+        workspace.read_configs_and_weights_from_rank(4)
+    path = workspace.write_configs_and_weights({}, {"w": torch.ones(3)}, rank=5)
+    path.rename(tmp_path / "rank-6.safetensors")
+    with pytest.raises(WorkspaceError, match="rank 6's file .*written by rank 5"):
+        workspace.read_configs_and_weights_from_rank(6)
+    header = json.dumps({"__metadata__": {"dist_workspace.format": "1", "dist_workspace.layout": "{}"}, "w": {"dtype": "X9", "shape": [1], "data_offsets": [0, 1]}}).encode()
+    (tmp_path / "rank-7.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + b"\0")
+    with pytest.raises(WorkspaceError, match="unknown dtype"):
+        workspace.read_configs_and_weights_from_rank(7)
+
+
+def test_files_are_plain_safetensors(tmp_path: Path) -> None:
+    from safetensors import safe_open
+
+    workspace = NFSWorkspace(tmp_path)
+    weights = {"a": torch.randn(3, 4).t(), "b": torch.arange(5)}
+    path = workspace.write_configs_and_weights({"lr": 0.1}, weights, rank=0)
+    with safe_open(str(path), "pt") as handle:
+        assert json.loads(handle.metadata()["dist_workspace.config"]) == {"lr": 0.1}
+        assert torch.equal(handle.get_tensor("a"), weights["a"])
+        assert torch.equal(handle.get_tensor("b"), weights["b"])
