@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 
 _WAIT_SLICE_SECONDS = 0.05
 _POLL_FIRST_SECONDS = 0.0005
-_POLL_MAX_SECONDS = 0.01
+_POLL_MAX_SECONDS = 0.002
 
 
 def wait_for_key(store: Store, key: str, seconds: float) -> bool:
