@@ -122,7 +122,7 @@ def factorisations_worker() -> list[tuple[int, int, dict[str, Any]]]:
     return seen
 
 
-@pytest.mark.parametrize("world", [4, 8])
+@pytest.mark.parametrize("world", [1, 4, 8])
 def test_every_factorisation(world: int) -> None:
     results = run_ranks(factorisations_worker, world, timeout=240)
     expected_cases = _factorisations(world)
