@@ -30,7 +30,7 @@ from torch._C._distributed_c10d import Store
 from torch.futures import Future
 
 from dist_collectives.ft.gloo import create_gloo_backend
-from dist_collectives.ft.process_group import DEFAULT_TIMEOUT, ProcessGroup
+from dist_collectives.ft.process_group import DEFAULT_TIMEOUT, ProcessGroup, reduce_op_name
 from dist_collectives.ft.store import create_store_client
 from dist_collectives.ft.work import FutureWork
 from dist_core.proc import set_parent_death_signal
@@ -43,15 +43,6 @@ _STOP_SECONDS = 2.0
 
 class BabyProcessError(RuntimeError):
     """The child process that runs the backend died, hung or failed to start."""
-
-
-def _reduce_op_name(op: Any) -> str:
-    if isinstance(op, dist.AllreduceOptions):
-        op = op.reduceOp
-    for name in ("SUM", "AVG", "PRODUCT", "MIN", "MAX"):
-        if op == getattr(dist.ReduceOp, name):
-            return name
-    raise ValueError(f"reduce op {op!r} is not supported by a baby process group")
 
 
 def _child_main(
@@ -266,7 +257,7 @@ class ProcessGroupBaby(ProcessGroup):
         first = args[0]
         tensors = [first] if isinstance(first, torch.Tensor) else list(first)
         op = args[1] if len(args) > 1 else dist.ReduceOp.SUM
-        return self._submit("allreduce", tensors, _reduce_op_name(op))
+        return self._submit("allreduce", tensors, reduce_op_name(op))
 
     def broadcast(self, *args: Any) -> dist.Work:
         """Broadcast, with torch's overloads: ``(tensors, options)`` or ``(tensor, root)``."""

@@ -9,10 +9,8 @@ import torch.distributed as dist
 from torch.futures import Future, collect_all
 
 from dist_collectives.ft.manager import Manager
-from dist_collectives.ft.process_group import ProcessGroup
+from dist_collectives.ft.process_group import ProcessGroup, reduce_op_name
 from dist_collectives.ft.work import FutureWork
-
-_AVERAGING_OPS = (dist.ReduceOp.SUM, dist.ReduceOp.AVG)
 
 
 class ManagedProcessGroup(ProcessGroup):
@@ -58,10 +56,8 @@ class ManagedProcessGroup(ProcessGroup):
         """
         first = args[0]
         tensors = [first] if isinstance(first, torch.Tensor) else list(first)
-        op: Any = args[1] if len(args) > 1 else dist.ReduceOp.SUM
-        if isinstance(op, dist.AllreduceOptions):
-            op = op.reduceOp
-        if op not in _AVERAGING_OPS:
+        op = reduce_op_name(args[1] if len(args) > 1 else dist.ReduceOp.SUM)
+        if op not in ("SUM", "AVG"):
             raise ValueError(
                 f"ManagedProcessGroup.allreduce averages over live replicas; op={op} is not "
                 "supported (use SUM or AVG)"

@@ -170,6 +170,20 @@ for _operation in OPERATIONS:
     setattr(ProcessGroup, _operation, _unsupported(_operation))
 
 
+def reduce_op_name(op: Any) -> str:
+    """``"SUM"``, ``"AVG"``, ... for a ReduceOp or the ``reduceOp`` of AllreduceOptions.
+
+    Raises:
+        ValueError: the op is none of SUM, AVG, PRODUCT, MIN, MAX.
+    """
+    if isinstance(op, dist.AllreduceOptions):
+        op = op.reduceOp
+    for name in ("SUM", "AVG", "PRODUCT", "MIN", "MAX"):
+        if op == getattr(dist.ReduceOp, name):
+            return name
+    raise ValueError(f"reduce op {op!r} is not supported here")
+
+
 def tensors_of(args: tuple[Any, ...]) -> list[torch.Tensor]:
     """The tensors an operation's positional arguments name, flattened one level deep."""
     found: list[torch.Tensor] = []

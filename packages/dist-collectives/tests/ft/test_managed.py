@@ -1,0 +1,70 @@
+"""ManagedProcessGroup and extend_device_mesh on real processes; Manager argument checks."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dist_collectives.ft import (
+    ManagedProcessGroup,
+    Manager,
+    ManagerConfigError,
+    ProcessGroupGloo,
+    extend_device_mesh,
+)
+from dist_core.testing import run_ranks
+
+
+def _managed_worker() -> list[float]:
+    rank = dist.get_rank()
+    weight = torch.nn.Parameter(torch.zeros(2))
+    manager = Manager(
+        ProcessGroupGloo(timeout=timedelta(seconds=30)),
+        load_state_dict=lambda state: weight.data.copy_(state["w"]),
+        state_dict=lambda: {"w": weight.data},
+        min_replica_size=2,
+        replica_id=f"managed{rank}",
+        timeout=timedelta(seconds=30),
+        namespace="test-managed",
+    )  # the store comes from MASTER_ADDR / MASTER_PORT
+    managed = ManagedProcessGroup(manager)
+    manager.start_quorum()
+    t = torch.tensor([float(rank + 1)])
+    managed.allreduce([t], dist.AllreduceOptions()).wait()
+    size = managed.size()
+    committed = manager.should_commit()
+    manager.shutdown()
+    return [float(t), float(size), float(committed), float(manager.current_step())]
+
+
+def test_managed_group_averages_over_live_participants() -> None:
+    assert run_ranks(_managed_worker, 2, timeout=120) == [[1.5, 2.0, 1.0, 1.0]] * 2
+
+
+def _mesh_worker() -> list[object]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
+    pg = ProcessGroupGloo()
+    with pytest.raises(ValueError, match="not registered"):
+        extend_device_mesh(mesh, pg)
+    pg.register("mesh-test")
+    extended = extend_device_mesh(mesh, pg, name="dp", dim=0)
+    with pytest.raises(ValueError, match="already has a dimension named 'tp'"):
+        extend_device_mesh(mesh, pg, name="tp")
+    pg.unregister()
+    return [list(extended.mesh_dim_names or ()), list(extended.mesh.shape)]
+
+
+def test_extend_device_mesh_inserts_the_replica_dimension() -> None:
+    assert run_ranks(_mesh_worker, 2, timeout=120) == [[["dp", "tp"], [1, 2]]] * 2
+
+
+def test_manager_without_a_store_names_the_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    with pytest.raises(ManagerConfigError, match="MASTER_ADDR"):
+        Manager(ProcessGroupGloo(), load_state_dict=print, state_dict=dict)
