@@ -63,6 +63,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_SECONDS = 300.0
 _POLL_SECONDS = 0.2
+_VERDICT_MARGIN_SECONDS = 10.0
 _sequences: dict[tuple[str, tuple[int, ...]], int] = {}
 
 
@@ -140,7 +141,7 @@ def _start(
         from dist_core.ranks import get_rank  # noqa: PLC0415
 
         rank = get_rank()
-        checked = _check_ranks(ranks, rank, [rank], kind)
+        checked = _check_ranks(ranks, rank, list(ranks) if isinstance(ranks, list) else [], kind)
         if checked == [rank]:
             return None
         raise WorkspaceError(
@@ -193,8 +194,6 @@ def _get(exchange: _Exchange, name: str) -> dict[str, Any]:
 
 def _wait_key(exchange: _Exchange, name: str, seconds: float) -> bool:
     """Waits up to ``seconds`` for a key; False when it did not appear."""
-    if exchange.store.check([exchange.key(name)]):
-        return True
     try:
         exchange.store.wait([exchange.key(name)], timedelta(seconds=max(seconds, 0.001)))
     except RuntimeError:  # DistStoreError on timeout
@@ -234,8 +233,11 @@ def _send(exchange: _Exchange, weights: dict[str, torch.Tensor], config: Any) ->
                 status.update(shape=list(tensor.shape), dtype=str(tensor.dtype))
         except BaseException as error:
             _post(exchange, f"status/{exchange.rank}", {"ok": False, "error": _error_text(error)})
+            _post(exchange, "arrived", {"failed": exchange.rank})
             raise
         _post(exchange, f"status/{exchange.rank}", status)
+        if exchange.store.add(exchange.key("count"), 1) == len(exchange.senders):
+            _post(exchange, "arrived", {})
         _await_verdict(exchange)
     finally:
         if segment is not None:
@@ -244,9 +246,12 @@ def _send(exchange: _Exchange, weights: dict[str, torch.Tensor], config: Any) ->
 
 def _await_verdict(exchange: _Exchange) -> None:
     receiver = exchange.receiver
-    if not _wait_key(exchange, "verdict", exchange.timeout):
+    # The receiver waits up to the timeout for the slowest sender, then reads: a
+    # sender allows it that plus a margin before declaring it gone.
+    patience = exchange.timeout + _VERDICT_MARGIN_SECONDS
+    if not _wait_key(exchange, "verdict", patience):
         raise WorkspaceError(
-            f"rank {exchange.rank}: {exchange.kind} timed out after {exchange.timeout:g} s "
+            f"rank {exchange.rank}: {exchange.kind} timed out after {patience:g} s "
             f"waiting for receiver rank {receiver} to read the values (did rank {receiver} "
             f"call {exchange.kind} with ranks={exchange.ranks}?)"
         )
@@ -267,33 +272,34 @@ def _await_verdict(exchange: _Exchange) -> None:
 
 
 def _collect_statuses(exchange: _Exchange) -> dict[int, dict[str, Any]]:
+    # One wait on one key, set by the last sender to arrive or by any sender that
+    # fails: a failure is seen at once, and no polling loop hits the store.
+    arrived = _wait_key(exchange, "arrived", exchange.timeout)
     statuses: dict[int, dict[str, Any]] = {}
-    pending = list(exchange.senders)
-    deadline = time.monotonic() + exchange.timeout
-    while pending:
-        for sender in list(pending):
-            if exchange.store.check([exchange.key(f"status/{sender}")]):
-                status = _get(exchange, f"status/{sender}")
-                with contextlib.suppress(RuntimeError):
-                    exchange.store.delete_key(exchange.key(f"status/{sender}"))
-                if not status.get("ok"):
-                    raise WorkspaceError(
-                        f"{exchange.kind}: rank {sender} failed to write its value: "
-                        f"{status.get('error')}"
-                    )
-                statuses[sender] = status
-                pending.remove(sender)
-        if not pending:
-            break
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
+    missing = []
+    for sender in exchange.senders:
+        if not exchange.store.check([exchange.key(f"status/{sender}")]):
+            missing.append(sender)
+            continue
+        status = _get(exchange, f"status/{sender}")
+        with contextlib.suppress(RuntimeError):
+            exchange.store.delete_key(exchange.key(f"status/{sender}"))
+        if not status.get("ok"):
             raise WorkspaceError(
-                f"{exchange.kind}: receiver rank {exchange.rank} timed out after "
-                f"{exchange.timeout:g} s: rank(s) {pending} never wrote their value "
-                f"(ranks {sorted(statuses)} did). Did they call {exchange.kind} with "
-                f"ranks={exchange.ranks}? Set DIST_WORKSPACE_TIMEOUT for slower ranks"
+                f"{exchange.kind}: rank {sender} failed to write its value: {status.get('error')}"
             )
-        _wait_key(exchange, f"status/{pending[0]}", min(_POLL_SECONDS, remaining))
+        statuses[sender] = status
+    if missing:
+        when = "" if arrived else f" timed out after {exchange.timeout:g} s:"
+        raise WorkspaceError(
+            f"{exchange.kind}: receiver rank {exchange.rank}{when} rank(s) {missing} never "
+            f"wrote their value (ranks {sorted(statuses)} did). Did they call "
+            f"{exchange.kind} with ranks={exchange.ranks}? Set DIST_WORKSPACE_TIMEOUT for "
+            "slower ranks"
+        )
+    for name in ("arrived", "count"):
+        with contextlib.suppress(RuntimeError):
+            exchange.store.delete_key(exchange.key(name))
     return statuses
 
 

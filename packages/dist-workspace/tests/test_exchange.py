@@ -1,0 +1,174 @@
+"""get_tensors_parallel / get_configs_parallel on real processes, and their failures."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from dist_core.testing import run_ranks
+from dist_workspace import WorkspaceError, get_configs_parallel, get_tensors_parallel
+
+
+def _own_segments() -> list[str]:
+    return [name for name in os.listdir("/dev/shm") if name.startswith(f"dist-workspace.{os.getuid()}.")]
+
+
+def _exchanges(directory: str) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    out: dict[str, Any] = {}
+    tensor = (torch.arange(12, dtype=torch.float32).reshape(3, 4) + 100 * rank).bfloat16()
+    with get_tensors_parallel(tensor, [2, 0, 1]) as tensors:
+        out["tensors"] = [t.float().tolist() for t in tensors]
+        out["dtypes"] = {str(t.dtype) for t in tensors}
+        kept = list(tensors)
+    if rank == 2:
+        kept[1].add_(1)  # writable, private copy-on-write pages: valid after the context
+        out["after_exit"] = kept[1].float().sum().item()
+    config = {"rank": rank, "pair": (rank, "x"), "scale": torch.full((2,), float(rank))}
+    with get_configs_parallel(config, [0, 1, 2], None) as configs:
+        out["configs"] = [
+            {**c, "scale": c["scale"].tolist()} for c in configs
+        ]
+    many = {"layers": [torch.full((3,), float(i + rank)) for i in range(200)]}
+    with get_configs_parallel(many, [1, 2, 0], None) as configs:
+        out["many"] = [[t[0].item() for t in c["layers"]] == [float(i + r) for i in range(200)] for r, c in zip([1, 2, 0], configs)]
+    with get_configs_parallel({"rank": rank, "t": (1, 2)}, [0, 2, 1], None, directory) as configs:
+        out["dir"] = configs
+    pair = dist.new_group([0, 1])
+    if rank in (0, 1):
+        with get_tensors_parallel(torch.tensor([rank, rank]), [1, 0], pair) as tensors:
+            out["subgroup"] = [t.tolist() for t in tensors]
+    with get_tensors_parallel(torch.tensor(7.0 + rank), [rank]) as tensors:
+        out["single"] = [t.item() for t in tensors]
+    dist.barrier()
+    out["segments_left"] = _own_segments()
+    out["dir_left"] = sorted(os.listdir(directory))
+    return out
+
+
+def test_values_arrive_in_ranks_order(tmp_path: Path) -> None:
+    results = run_ranks(_exchanges, 3, str(tmp_path), timeout=120)
+    base = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    assert results[2]["tensors"] == [(base + 200).tolist(), base.tolist(), (base + 100).tolist()]
+    assert results[2]["dtypes"] == {"torch.bfloat16"}
+    assert results[2]["after_exit"] == float((base + 1).sum())
+    assert results[0]["tensors"] == results[1]["tensors"] == []
+    assert results[0]["configs"] == [
+        {"rank": r, "pair": [r, "x"], "scale": [float(r)] * 2} for r in (0, 1, 2)
+    ]
+    assert results[1]["configs"] == results[2]["configs"] == []
+    assert results[1]["many"] == [True, True, True]
+    assert results[0]["dir"] == [{"rank": r, "t": [1, 2]} for r in (0, 2, 1)]
+    assert results[1]["subgroup"] == [[1, 1], [0, 0]] and results[0]["subgroup"] == []
+    assert [r["single"] for r in results] == [[7.0], [8.0], [9.0]]
+    for result in results:
+        assert result["segments_left"] == [] and result["dir_left"] == [".dist-workspace-job", ".dist-workspace.lock"] or result["dir_left"] == []
+
+
+def _catch(fn: Any) -> str:
+    try:
+        fn()
+    except (WorkspaceError, TypeError) as error:
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+def _shape_mismatch() -> str:
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    shape = (2, 3) if rank != 2 else (2, 4)
+
+    def call() -> None:
+        with get_tensors_parallel(torch.zeros(shape), [0, 1, 2], timeout=60):
+            pass
+
+    return _catch(call)
+
+
+def test_tensors_of_different_shapes_fail_everywhere() -> None:
+    results = run_ranks(_shape_mismatch, 3, timeout=90)
+    for result in results:
+        assert "WorkspaceError" in result
+        assert "rank 0 has shape (2, 3)" in result and "rank 2 has shape (2, 4)" in result
+    assert _own_segments() == []
+
+
+def _failing_writer() -> str:
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    config: Any = {"ok": {1, 2}} if rank == 1 else {"ok": True}
+
+    def call() -> None:
+        # A long timeout: peers must fail because rank 1 reported, not by timing out.
+        with get_configs_parallel(config, [0, 1, 2], None, timeout=600):
+            pass
+
+    return _catch(call)
+
+
+def test_failing_writer_makes_every_peer_fail_naming_it() -> None:
+    results = run_ranks(_failing_writer, 3, timeout=90)
+    assert results[1].startswith("TypeError: config['ok'] is a builtins.set")
+    for result in (results[0], results[2]):
+        assert result.startswith("WorkspaceError") and "rank 1 failed to write" in result
+
+
+def _missing_rank() -> str:
+    import torch.distributed as dist
+
+    if dist.get_rank() == 2:
+        return "did not call"
+
+    def call() -> None:
+        with get_tensors_parallel(torch.ones(2), [0, 1, 2], timeout=3):
+            pass
+
+    return _catch(call)
+
+
+def test_a_rank_that_never_writes_is_named() -> None:
+    results = run_ranks(_missing_rank, 3, timeout=90)
+    assert "rank(s) [2] never wrote" in results[0]
+    assert "rank 1" in results[1] and "rank(s) [2] never wrote" in results[1]
+    assert _own_segments() == []
+
+
+def _caller_not_in_ranks() -> str:
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+
+    def call() -> None:
+        with get_tensors_parallel(torch.full((2,), rank), [0, 1], timeout=60) as tensors:
+            if rank == 0:
+                assert [t.tolist() for t in tensors] == [[0, 0], [1, 1]]
+
+    return _catch(call)
+
+
+def test_ranks_list_without_the_caller() -> None:
+    results = run_ranks(_caller_not_in_ranks, 3, timeout=90)
+    assert results[:2] == ["no error", "no error"]
+    assert "rank 2" in results[2] and "does not include the caller" in results[2]
+
+
+def test_single_process_without_a_group() -> None:
+    with get_tensors_parallel(torch.ones(2), [0]) as tensors:
+        assert [t.tolist() for t in tensors] == [[1.0, 1.0]]
+    with get_configs_parallel({"a": (1,)}, [0], None) as configs:
+        assert configs == [{"a": [1]}]
+    with pytest.raises(WorkspaceError, match="needs an initialized process group"):
+        with get_tensors_parallel(torch.ones(2), [0, 1]):
+            pass
+    with pytest.raises(WorkspaceError, match="does not include the caller"):
+        with get_tensors_parallel(torch.ones(2), [1]):
+            pass
