@@ -12,6 +12,7 @@ signal), and each worker dies with the server, so the chain holds under SIGKILL.
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib
 import json
 import os
@@ -19,7 +20,7 @@ import selectors
 import signal
 import socket
 import sys
-from typing import Any
+from typing import Any, NoReturn
 
 from dist_core.proc import set_parent_death_signal
 
@@ -84,7 +85,7 @@ def serve(sock: socket.socket) -> tuple[dict[str, Any], list[int]] | None:
             _send(sock, {"rank": request["rank"], "pid": pid})
 
 
-def _become_worker(request: dict[str, Any], fds: list[int], server_pid: int) -> int:
+def _become_worker(request: dict[str, Any], fds: list[int], server_pid: int) -> NoReturn:
     from dist_launch import _bootstrap  # noqa: PLC0415 - preloaded before the fork
 
     os.dup2(fds[0], 1)
@@ -97,7 +98,7 @@ def _become_worker(request: dict[str, Any], fds: list[int], server_pid: int) -> 
     os.environ[_bootstrap.PARENT_PID_VARIABLE] = str(server_pid)
     files, rank = _bootstrap.worker_setup()
     kind, name = _bootstrap.prepare_target(list(request["argv"]))
-    return _bootstrap.run_target(kind, name, files, rank)
+    _bootstrap.exit_without_teardown(_bootstrap.run_target(kind, name, files, rank))
 
 
 def main() -> int:
@@ -110,12 +111,15 @@ def main() -> int:
     _preload()
     import dist_launch._bootstrap  # noqa: F401, PLC0415 - ready for the workers
 
+    # What the server imported is never collected: a garbage collection in a worker
+    # would otherwise touch, and so copy, every page it shares with the server.
+    gc.freeze()
     server_pid = os.getpid()
     got = serve(sock)
     if got is None:
         return 0
     request, fds = got
-    return _become_worker(request, fds, server_pid)
+    _become_worker(request, fds, server_pid)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,192 @@
+"""dist-launch vs torchrun: start-up to a finished all_reduce, memory, and crash-to-exit.
+
+For 2, 4 and 8 CPU ranks, in one run, side by side:
+
+- wall time from the command's start until every rank has done one all_reduce and
+  exited, for ``dist-launch``, ``torchrun --standalone`` and the floor
+  ``python -c "import torch"`` (one interpreter importing torch: no launcher can start
+  a rank faster);
+- the peak memory of all workers together (sum of PSS, which counts pages shared by
+  forked workers once, and sum of RSS), sampled every 50 ms from /proc;
+- the time from a rank's crash (the others blocked in a barrier) to the launcher's
+  exit, for both launchers.
+
+Run: ``python benchmarks/launch.py [--ranks 2 4 8] [--repeat N]`` (``nox -s bench``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ALL_REDUCE = """\
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+t = torch.ones(1)
+dist.all_reduce(t)
+assert int(t.item()) == dist.get_world_size()
+dist.destroy_process_group()
+"""
+
+CRASH = """\
+import os, sys, time, torch.distributed as dist
+dist.init_process_group("gloo")
+if dist.get_rank() == 1:
+    dist.barrier(); time.sleep(0.5)  # let the others enter the next barrier first
+    with open(sys.argv[1], "w") as f:
+        f.write(repr(time.time()))
+    raise RuntimeError("deliberate crash")
+dist.barrier()
+dist.barrier()
+"""
+
+
+def _descendants(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry))
+    found, pending = [], [root]
+    while pending:
+        for child in children.get(pending.pop(), []):
+            found.append(child)
+            pending.append(child)
+    return found
+
+
+def _memory_kib(pid: int) -> tuple[int, int]:
+    """(PSS, RSS) of one process in KiB; zeros when it is gone."""
+    pss = rss = 0
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                pss = int(line.split()[1])
+            elif line.startswith("Rss:"):
+                rss = int(line.split()[1])
+    except OSError:
+        pass
+    return pss, rss
+
+
+class _MemorySampler(threading.Thread):
+    """Samples the summed memory of every descendant of a process (the launcher excluded)."""
+
+    def __init__(self, root: int) -> None:
+        super().__init__(daemon=True)
+        self.root = root
+        self.peak_pss = self.peak_rss = 0
+        self.stop_event = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop_event.wait(0.05):
+            totals = [_memory_kib(pid) for pid in _descendants(self.root)]
+            self.peak_pss = max(self.peak_pss, sum(p for p, _ in totals))
+            self.peak_rss = max(self.peak_rss, sum(r for _, r in totals))
+
+
+def _run(command: list[str], env: dict[str, str]) -> tuple[float, int, int]:
+    """Wall seconds, peak PSS and RSS (MiB) of the command's descendants."""
+    start = time.perf_counter()
+    process = subprocess.Popen(
+        command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+    sampler = _MemorySampler(process.pid)
+    sampler.start()
+    _, stderr = process.communicate(timeout=600)
+    elapsed = time.perf_counter() - start
+    sampler.stop_event.set()
+    sampler.join()
+    if process.returncode != 0:
+        raise RuntimeError(f"{command} failed ({process.returncode}):\n{stderr[-3000:]}")
+    return elapsed, sampler.peak_pss // 1024, sampler.peak_rss // 1024
+
+
+def _crash_to_exit(command: list[str], stamp: Path, env: dict[str, str]) -> float:
+    stamp.unlink(missing_ok=True)
+    process = subprocess.run(
+        command, env=env, capture_output=True, text=True, timeout=600, check=False
+    )
+    ended = time.time()
+    if process.returncode == 0 or not stamp.exists():
+        raise RuntimeError(f"{command} did not crash as planned:\n{process.stderr[-3000:]}")
+    return ended - float(stamp.read_text())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--repeat", type=int, default=1, help="runs per point (min is kept)")
+    parser.add_argument("--crash-ranks", type=int, default=4)
+    args = parser.parse_args()
+    env = dict(os.environ)
+    env.pop("OMP_NUM_THREADS", None)  # both launchers set 1 themselves
+    python = sys.executable
+    with tempfile.TemporaryDirectory(prefix="bench-launch-") as scratch:
+        script = Path(scratch, "all_reduce.py")
+        script.write_text(ALL_REDUCE)
+        crash = Path(scratch, "crash.py")
+        crash.write_text(CRASH)
+        stamp = Path(scratch, "crashed_at")
+
+        def dist_launch(n: int, target: Path, *rest: str) -> list[str]:
+            return [python, "-m", "dist_launch", "-n", str(n), str(target), *rest]
+
+        def torchrun(n: int, target: Path, *rest: str) -> list[str]:
+            return [python, "-m", "torch.distributed.run", "--standalone",
+                    f"--nproc-per-node={n}", str(target), *rest]  # fmt: skip
+
+        floor = min(_run([python, "-c", "import torch"], env)[0] for _ in range(args.repeat))
+        print(f"machine: {os.cpu_count()} CPUs, python {sys.version.split()[0]}")
+        print(f"floor (python -c 'import torch'): {floor:.2f} s\n")
+        header = (
+            f"{'ranks':>5} | {'dist-launch s':>13} {'torchrun s':>10} {'ratio':>6} "
+            f"{'/floor':>7} | {'PSS MiB dl':>10} {'torchrun':>8} {'ratio':>6} | "
+            f"{'RSS MiB dl':>10} {'torchrun':>8}"
+        )
+        print(header)
+        print("-" * len(header))
+        for n in args.ranks:
+            ours = [_run(dist_launch(n, script), env) for _ in range(args.repeat)]
+            theirs = [_run(torchrun(n, script), env) for _ in range(args.repeat)]
+            t_ours = min(r[0] for r in ours)
+            t_theirs = min(r[0] for r in theirs)
+            pss_ours, rss_ours = max(r[1] for r in ours), max(r[2] for r in ours)
+            pss_theirs, rss_theirs = max(r[1] for r in theirs), max(r[2] for r in theirs)
+            print(
+                f"{n:>5} | {t_ours:>13.2f} {t_theirs:>10.2f} {t_ours / t_theirs:>6.2f} "
+                f"{t_ours / floor:>7.2f} | {pss_ours:>10} {pss_theirs:>8} "
+                f"{pss_ours / max(pss_theirs, 1):>6.2f} | {rss_ours:>10} {rss_theirs:>8}",
+                flush=True,
+            )
+        print("\nratio = dist-launch / torchrun (target at 8 ranks: <= 0.35); "
+              "/floor = dist-launch / one 'import torch'")  # fmt: skip
+        n = args.crash_ranks
+        ours_crash = min(
+            _crash_to_exit(dist_launch(n, crash, str(stamp)), stamp, env)
+            for _ in range(args.repeat)
+        )
+        theirs_crash = min(
+            _crash_to_exit(torchrun(n, crash, str(stamp)), stamp, env) for _ in range(args.repeat)
+        )
+        print(
+            f"\ncrash to launcher exit, {n} ranks (others blocked in a barrier): "
+            f"dist-launch {ours_crash:.2f} s, torchrun {theirs_crash:.2f} s, "
+            f"ratio {ours_crash / theirs_crash:.2f} (target: dist-launch <= 0.5 s + the time "
+            "the stopped ranks take to die)"
+        )
+
+
+if __name__ == "__main__":
+    main()
