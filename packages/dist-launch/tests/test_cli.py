@@ -216,7 +216,8 @@ def test_no_worker_outlives_a_sigkilled_launcher(tmp_path: Path, method: str) ->
         launcher.wait(30)
 
 
-def test_sigint_stops_every_rank_with_one_line(tmp_path: Path) -> None:
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_signal_stops_every_rank_with_one_line(tmp_path: Path, signum: int) -> None:
     script = _script(tmp_path, "wait.py", WAITING_SCRIPT)
     launcher = subprocess.Popen(
         [*LAUNCH, "-n", "2", script, str(tmp_path / "never")],
@@ -226,11 +227,11 @@ def test_sigint_stops_every_rank_with_one_line(tmp_path: Path) -> None:
     )
     try:
         pids = _read_ready_pids(launcher, 2)
-        launcher.send_signal(signal.SIGINT)
+        launcher.send_signal(signum)
         _, raw_stderr = launcher.communicate(timeout=60)
         stderr = raw_stderr.decode()
-        assert launcher.returncode == 130, stderr
-        assert "interrupted by SIGINT" in stderr
+        assert launcher.returncode == 128 + signum, stderr
+        assert f"interrupted by {signal.Signals(signum).name}" in stderr
         assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr
         assert _wait_until_gone(pids) == []
     finally:
