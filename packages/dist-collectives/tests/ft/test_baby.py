@@ -50,3 +50,26 @@ def test_baby_gloo_survives_its_child_dying() -> None:
     from dist_core.testing import run_ranks
 
     assert run_ranks(_baby_worker, 2, timeout=120) == [[3.0, 30.0, 1.0]] * 2
+
+
+def _baby_hang_worker() -> bool:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    pg = ProcessGroupBabyGloo(timeout=timedelta(seconds=3))
+    pg.configure(_store_addr("baby-hang/0"), rank, world)
+    if rank == 0:
+        # Rank 1 never joins this allreduce: the op must fail after the timeout.
+        work = pg.allreduce(torch.ones(4), dist.ReduceOp.SUM)
+        with pytest.raises((BabyProcessError, RuntimeError)):
+            work.wait()
+    dist.barrier()
+    pg.configure(_store_addr("baby-hang/1"), rank, world)
+    t = torch.ones(1)
+    pg.allreduce(t, dist.ReduceOp.SUM).wait()
+    pg.shutdown()
+    return float(t) == world
+
+
+def test_baby_gloo_fails_an_op_that_outlives_the_timeout() -> None:
+    from dist_core.testing import run_ranks
+
+    assert run_ranks(_baby_hang_worker, 2, timeout=120) == [True, True]

@@ -39,6 +39,9 @@ logger = logging.getLogger(__name__)
 
 _WATCH_INTERVAL = 0.05
 _STOP_SECONDS = 2.0
+# Starting the child imports torch, which takes seconds on a loaded machine; that is
+# not the group's fault, so it does not count against the group's timeout.
+CHILD_START_SECONDS = 60.0
 
 
 class BabyProcessError(RuntimeError):
@@ -156,10 +159,13 @@ class ProcessGroupBaby(ProcessGroup):
         )
         child.start()
         child_conn.close()
-        if not parent_conn.poll(self._timeout.total_seconds()):
+        if not parent_conn.poll(self._timeout.total_seconds() + CHILD_START_SECONDS):
             child.kill()
             child.join()
-            raise BabyProcessError(f"the child did not join {store_addr} within {self._timeout}")
+            raise BabyProcessError(
+                f"the child did not start and join {store_addr} within {self._timeout} "
+                f"(+{CHILD_START_SECONDS:.0f} s to start)"
+            )
         try:
             status, detail = parent_conn.recv()
         except EOFError:
