@@ -65,3 +65,13 @@ def atomic_write(target: Path, size: int, fill: Callable[[int], None], mode: int
             temporary.unlink()
         raise
     fsync_directory(directory)
+
+
+def write_all(fd: int, data: memoryview | bytes, offset: int) -> int:
+    """Writes all of ``data`` at ``offset`` (retrying short writes); returns the end."""
+    view = memoryview(data).cast("B")
+    while len(view):
+        written = os.pwrite(fd, view, offset)
+        view = view[written:]
+        offset += written
+    return offset

@@ -41,6 +41,7 @@ import torch
 
 from dist_workspace.config_codec import CONFIG_TENSOR_PREFIX, decode_config, encode_config
 from dist_workspace.errors import WorkspaceError
+from dist_workspace.fsutil import write_all
 
 FORMAT_VERSION = "1"
 ALIGNMENT = 64
@@ -275,13 +276,6 @@ def _encode_header(entries: list[_Entry], metadata: dict[str, str], layout: dict
     return raw + b" " * padding
 
 
-def _write_all(fd: int, data: memoryview, offset: int) -> None:
-    while len(data):
-        written = os.pwrite(fd, data, offset)
-        data = data[written:]
-        offset += written
-
-
 def write_record(fd: int, record: PreparedRecord) -> None:
     """Writes ``record`` at offset 0 of ``fd`` (a regular file or a shared-memory file).
 
@@ -293,7 +287,7 @@ def write_record(fd: int, record: PreparedRecord) -> None:
     zeros = bytes(ALIGNMENT)
     for entry in record.entries:
         if entry.data is None:
-            _write_all(fd, memoryview(zeros)[: entry.nbytes], position)
+            write_all(fd, memoryview(zeros)[: entry.nbytes], position)
             position += entry.nbytes
             continue
         crc = 0
@@ -303,7 +297,7 @@ def write_record(fd: int, record: PreparedRecord) -> None:
                 chunk = view[begin : begin + _CHUNK_BYTES]
                 if record.checksums:
                     crc = zlib.crc32(chunk, crc)
-                _write_all(fd, chunk, position + begin)
+                write_all(fd, chunk, position + begin)
         position += entry.nbytes
         crcs[entry.name] = f"{crc:08x}"
     layout = record.layout
@@ -312,7 +306,7 @@ def write_record(fd: int, record: PreparedRecord) -> None:
     header = _encode_header(record.entries, record.metadata, layout)
     if len(header) != record.header_size:  # pragma: no cover - guarded by fixed-width CRCs
         raise AssertionError("record header changed size between layout and write")
-    _write_all(fd, memoryview(struct.pack("<Q", len(header)) + header), 0)
+    write_all(fd, memoryview(struct.pack("<Q", len(header)) + header), 0)
 
 
 @dataclasses.dataclass(frozen=True)

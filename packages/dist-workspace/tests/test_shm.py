@@ -1,0 +1,102 @@
+"""Shared-memory segments: reservation, ownership, leftovers of killed jobs."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from dist_workspace import WorkspaceError
+from dist_workspace.cli import main
+from dist_workspace.shm import create_segment, free_bytes, list_segments, map_segment, shm_directory
+
+pytestmark = pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="needs /dev/shm")
+
+
+def test_full_shm_is_an_error_naming_sizes_not_sigbus() -> None:
+    free = free_bytes(shm_directory())
+    needed = free + (1 << 30)
+    before = {path for path, _ in list_segments()}
+    with pytest.raises(WorkspaceError) as raised:
+        create_segment(needed, job="abc", group="def", seq=0, rank=5)
+    message = str(raised.value)
+    assert f"needs {needed} bytes" in message and "bytes are free" in message and "rank 5" in message
+    assert {path for path, _ in list_segments()} == before
+
+
+def test_segment_is_private_exclusive_and_reader_does_not_unlink() -> None:
+    segment = create_segment(4096, job="abc", group="def", seq=1, rank=0)
+    try:
+        info = segment.path.stat()
+        assert info.st_mode & 0o777 == 0o600 and info.st_size == 4096
+        os.pwrite(segment.fd, b"hello", 0)
+        mapping = map_segment(segment.name, 4096, "test")
+        assert mapping[:5] == b"hello"
+        mapping[:5] = b"HELLO"  # copy-on-write: the writer's bytes do not change
+        assert os.pread(segment.fd, 5, 0) == b"hello"
+        assert segment.path.exists()
+        with pytest.raises(WorkspaceError, match="has 4096 bytes, the writer announced 100"):
+            map_segment(segment.name, 100, "rank 3's segment")
+        with pytest.raises(WorkspaceError, match="not one of this user's segments"):
+            map_segment("../../etc/passwd", 100, "rank 3's segment")
+    finally:
+        segment.unlink()
+    assert not segment.path.exists()
+
+
+_CHILD = textwrap.dedent(
+    """
+    import sys
+    from dist_workspace.shm import create_segment
+    segment = create_segment(1 << 20, job="0123456789ab", group="cafe", seq=0, rank=1)
+    print(segment.name, flush=True)
+    sys.stdin.read()  # holds the segment until killed
+    """
+)
+
+
+def _killed_job_segment() -> Path:
+    child = subprocess.Popen([sys.executable, "-c", _CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert child.stdout is not None
+    name = child.stdout.readline().strip()
+    path = shm_directory() / name
+    assert path.exists()
+    # While its creator lives, neither clean nor a new creation touches it.
+    assert main(["clean"]) == 0
+    assert path.exists()
+    child.send_signal(signal.SIGKILL)
+    child.wait(30)
+    assert path.exists()  # a killed job leaves it behind ...
+    return path
+
+
+def test_clean_removes_segments_of_killed_jobs() -> None:
+    path = _killed_job_segment()
+    assert main(["clean"]) == 0
+    assert not path.exists()
+
+
+def test_next_creation_removes_segments_of_killed_jobs() -> None:
+    path = _killed_job_segment()
+    segment = create_segment(64, job="abc", group="def", seq=2, rank=0)
+    segment.unlink()
+    assert not path.exists()
+
+
+def test_no_resource_tracker_warnings() -> None:
+    script = textwrap.dedent(
+        """
+        from dist_workspace.shm import create_segment, map_segment
+        segment = create_segment(4096, job="abc", group="def", seq=3, rank=0)
+        mapping = map_segment(segment.name, 4096, "test")
+        segment.unlink()
+        """
+    )
+    done = subprocess.run([sys.executable, "-W", "always", "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "resource_tracker" not in done.stderr and "leaked" not in done.stderr
