@@ -201,3 +201,34 @@ def test_store_client_shares_one_connection_per_host_port() -> None:
     assert server.get("a/k") == b"from-a"
     assert server.num_keys() >= 2
     assert parse_store_addr("[::1]:5/p").host == "::1"
+
+
+def test_a_rendezvous_blocked_on_the_shared_connection_does_not_block_the_next() -> None:
+    import threading
+
+    from dist_collectives.ft.store import rendezvous_store
+
+    port = get_unused_port()
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    outcome: list[str] = []
+    entered = threading.Event()
+
+    def stuck_rendezvous() -> None:
+        with rendezvous_store(f"127.0.0.1:{port}/old", timedelta(seconds=20)) as store:
+            entered.set()
+            try:
+                store.wait(["peer"], timedelta(seconds=20))  # a peer that never comes
+                outcome.append("released")
+            except Exception as error:
+                outcome.append(f"timed out: {error}")
+
+    thread = threading.Thread(target=stuck_rendezvous)
+    thread.start()
+    assert entered.wait(30)
+    # Had this shared the blocked connection, the set would queue behind the wait and
+    # the wait would time out instead of seeing the key.
+    with rendezvous_store(f"127.0.0.1:{port}/old", timedelta(seconds=20)) as other:
+        other.set("peer", "here")
+    thread.join(60)
+    assert outcome == ["released"]
+    assert server.get("old/peer") == b"here"

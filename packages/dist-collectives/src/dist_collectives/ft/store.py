@@ -10,10 +10,12 @@ is new.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
 import threading
+from collections.abc import Iterator
 from datetime import timedelta
 
 from torch._C._distributed_c10d import PrefixStore, TCPStore
@@ -25,6 +27,8 @@ DEFAULT_STORE_TIMEOUT = timedelta(seconds=60)
 _lock = threading.Lock()
 # (host, port, pid) -> client; the pid keeps a forked child from sharing its parent's socket.
 _clients: dict[tuple[str, int, int], TCPStore] = {}
+# (host, port, pid) -> held while a rendezvous uses the shared client.
+_leases: dict[tuple[str, int, int], threading.Lock] = {}
 
 
 class StoreAddressError(ValueError):
@@ -99,6 +103,36 @@ def connect_tcp_store(
             client = TCPStore(host, port, is_master=False, timeout=timeout, wait_for_workers=False)
             _clients[key] = client
         return client
+
+
+@contextlib.contextmanager
+def rendezvous_store(
+    store_addr: str, timeout: timedelta = DEFAULT_STORE_TIMEOUT
+) -> Iterator[PrefixStore]:
+    """A store client for one rendezvous: the shared connection when it is free.
+
+    A TCPStore client holds its lock while it blocks in ``wait``, so a rendezvous stuck
+    on a peer that died would hold up every other user of the shared connection until
+    its timeout. While one rendezvous holds the shared connection, another one in this
+    process gets a connection of its own.
+
+    Raises:
+        StoreAddressError: ``store_addr`` is malformed.
+    """
+    address = parse_store_addr(store_addr)
+    key = (address.host, address.port, os.getpid())
+    with _lock:
+        lease = _leases.setdefault(key, threading.Lock())
+    if lease.acquire(blocking=False):
+        try:
+            client = connect_tcp_store(address.host, address.port, timeout)
+            yield PrefixStore(address.prefix, client)
+        finally:
+            lease.release()
+    else:
+        logger.debug("the shared store connection is busy; opening another for %s", store_addr)
+        client = connect_tcp_store(address.host, address.port, timeout, shared=False)
+        yield PrefixStore(address.prefix, client)
 
 
 def create_store_client(store_addr: str, timeout: timedelta = DEFAULT_STORE_TIMEOUT) -> PrefixStore:

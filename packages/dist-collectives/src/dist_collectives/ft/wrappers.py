@@ -20,7 +20,7 @@ from dist_collectives.ft.process_group import (
     ProcessGroup,
     tensors_of,
 )
-from dist_collectives.ft.store import create_store_client
+from dist_collectives.ft.store import rendezvous_store
 from dist_collectives.ft.work import DummyWork, completed_future
 
 logger = logging.getLogger(__name__)
@@ -113,8 +113,8 @@ class ProcessGroupWrapper(ProcessGroup):
         if self._wrapped is not None:
             self._wrapped.configure(store_addr, rank, world_size)
             return
-        store = create_store_client(store_addr, self._timeout)
-        new_backend = self._create_pg(store, rank, world_size)
+        with rendezvous_store(store_addr, self._timeout) as store:
+            new_backend = self._create_pg(store, rank, world_size)
         old_backend, self._backend = self._backend, new_backend
         if old_backend is not None:
             self._retire(old_backend)
