@@ -23,14 +23,23 @@ def _workspace(directory: Path) -> NFSWorkspace:
     shared = torch.randn(6, 4)
     workspace.write_configs_and_weights(
         {"tp": 0, "note": "x", "t": torch.ones(2)},
-        {"a": torch.arange(6, dtype=torch.int32), "tied": shared, "tied.T": shared.t(), "h": torch.randn(3).half()},
+        {
+            "a": torch.arange(6, dtype=torch.int32),
+            "tied": shared,
+            "tied.T": shared.t(),
+            "h": torch.randn(3).half(),
+        },
         rank=0,
     )
-    workspace.write_configs_and_weights({"tp": 1}, {"b": torch.ones(2, 2, dtype=torch.bfloat16), "a": torch.zeros(1)}, rank=1)
+    workspace.write_configs_and_weights(
+        {"tp": 1}, {"b": torch.ones(2, 2, dtype=torch.bfloat16), "a": torch.zeros(1)}, rank=1
+    )
     return workspace
 
 
-def test_inspect_lists_ranks_configs_and_tensors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_inspect_lists_ranks_configs_and_tensors(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     _workspace(tmp_path)
     assert main(["inspect", str(tmp_path), "--json", "--verify"]) == 0
     report = json.loads(capsys.readouterr().out)
@@ -44,7 +53,9 @@ def test_inspect_lists_ranks_configs_and_tensors(tmp_path: Path, capsys: pytest.
     assert "rank 1:" in text and "b  BF16  (2, 2)  8 bytes" in text
 
 
-def test_merge_refuses_duplicates_naming_both_ranks(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_merge_refuses_duplicates_naming_both_ranks(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     _workspace(tmp_path / "ws")
     out = tmp_path / "merged.safetensors"
     assert main(["merge", str(tmp_path / "ws"), str(out)]) == 2
@@ -69,7 +80,9 @@ def test_merge_with_rank_prefix_streams_every_tensor(tmp_path: Path) -> None:
         assert json.loads(handle.metadata()["dist_workspace.configs"])["1"] == '{"tp":1}'
 
 
-def test_merge_aborts_on_a_corrupted_rank(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_merge_aborts_on_a_corrupted_rank(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     workspace = NFSWorkspace(tmp_path / "ws")
     path = workspace.write_configs_and_weights({}, {"w": torch.randn(1000)}, rank=0)
     raw = bytearray(path.read_bytes())
@@ -96,6 +109,12 @@ def test_console_script_and_module_entry_point(tmp_path: Path) -> None:
     if script.exists():
         commands.append([str(script)])
     for command in commands:
-        done = subprocess.run([*command, "inspect", str(tmp_path), "--json"], capture_output=True, text=True, timeout=120, env=dict(os.environ))
+        done = subprocess.run(
+            [*command, "inspect", str(tmp_path), "--json"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=dict(os.environ),
+        )
         assert done.returncode == 0, done.stderr
         assert [item["rank"] for item in json.loads(done.stdout)] == [0, 1]

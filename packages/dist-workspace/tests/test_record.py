@@ -23,13 +23,21 @@ def _bits(tensor: torch.Tensor) -> torch.Tensor:
 
 def _random(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
     generator = torch.Generator().manual_seed(7)
-    raw = torch.randint(0, 256, (int(torch.tensor(shape).prod()) * dtype.itemsize,), dtype=torch.uint8, generator=generator)
+    raw = torch.randint(
+        0,
+        256,
+        (int(torch.tensor(shape).prod()) * dtype.itemsize,),
+        dtype=torch.uint8,
+        generator=generator,
+    )
     if dtype == torch.bool:
         return (raw[: raw.numel()] % 2).bool().reshape(shape)
     return raw.view(dtype).reshape(shape)
 
 
-def _roundtrip(directory: Path, weights: dict[str, torch.Tensor], config: object = None) -> tuple[object, dict[str, torch.Tensor]]:
+def _roundtrip(
+    directory: Path, weights: dict[str, torch.Tensor], config: object = None
+) -> tuple[object, dict[str, torch.Tensor]]:
     workspace = NFSWorkspace(directory / "ws")
     workspace.write_configs_and_weights(config, weights, rank=0)
     result_config, result = workspace.read_configs_and_weights_from_rank(0)
@@ -74,7 +82,9 @@ def test_view_of_large_buffer_writes_own_elements_only(tmp_path: Path) -> None:
     assert path.stat().st_size < 500_000
     _, result = workspace.read_configs_and_weights_from_rank(0)
     assert result is not None
-    assert torch.equal(result["narrow"], pieces["narrow"]) and torch.equal(result["chunk"], pieces["chunk"])
+    assert torch.equal(result["narrow"], pieces["narrow"]) and torch.equal(
+        result["chunk"], pieces["chunk"]
+    )
 
 
 def test_shared_storage_is_stored_once_and_sharing_restored(tmp_path: Path) -> None:
@@ -160,11 +170,13 @@ def test_one_flipped_byte_is_detected(tmp_path: Path) -> None:
     workspace = NFSWorkspace(tmp_path)
     weights = {"a": torch.randn(1000), "b": torch.arange(500, dtype=torch.int16)}
     path = workspace.write_configs_and_weights({}, weights, rank=3)
-    start, end = _data_region(path)
+    start, _ = _data_region(path)
     raw = bytearray(path.read_bytes())
     raw[start + 1234] ^= 0x01  # inside tensor a (its 4000 bytes come first)
     path.write_bytes(bytes(raw))
-    with pytest.raises(WorkspaceError, match=r"rank 3.*rank-3\.safetensors.*checksum mismatch in tensor 'a'"):
+    with pytest.raises(
+        WorkspaceError, match=r"rank 3.*rank-3\.safetensors.*checksum mismatch in tensor 'a'"
+    ):
         workspace.read_configs_and_weights_from_rank(3)
 
 
@@ -222,13 +234,18 @@ def test_foreign_safetensors_and_renamed_file(tmp_path: Path) -> None:
 
     workspace = NFSWorkspace(tmp_path)
     save_file({"w": torch.ones(3)}, str(tmp_path / "rank-4.safetensors"))
-    with pytest.raises(WorkspaceError, match="rank 4's file .*dist_workspace.format"):
+    with pytest.raises(WorkspaceError, match=r"rank 4's file .*dist_workspace\.format"):
         workspace.read_configs_and_weights_from_rank(4)
     path = workspace.write_configs_and_weights({}, {"w": torch.ones(3)}, rank=5)
     path.rename(tmp_path / "rank-6.safetensors")
-    with pytest.raises(WorkspaceError, match="rank 6's file .*written by rank 5"):
+    with pytest.raises(WorkspaceError, match=r"rank 6's file .*written by rank 5"):
         workspace.read_configs_and_weights_from_rank(6)
-    header = json.dumps({"__metadata__": {"dist_workspace.format": "1", "dist_workspace.layout": "{}"}, "w": {"dtype": "X9", "shape": [1], "data_offsets": [0, 1]}}).encode()
+    header = json.dumps(
+        {
+            "__metadata__": {"dist_workspace.format": "1", "dist_workspace.layout": "{}"},
+            "w": {"dtype": "X9", "shape": [1], "data_offsets": [0, 1]},
+        }
+    ).encode()
     (tmp_path / "rank-7.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + b"\0")
     with pytest.raises(WorkspaceError, match="unknown dtype"):
         workspace.read_configs_and_weights_from_rank(7)

@@ -25,7 +25,9 @@ def test_full_shm_is_an_error_naming_sizes_not_sigbus() -> None:
     with pytest.raises(WorkspaceError) as raised:
         create_segment(needed, job="abc", group="def", seq=0, rank=5)
     message = str(raised.value)
-    assert f"needs {needed} bytes" in message and "bytes are free" in message and "rank 5" in message
+    assert (
+        f"needs {needed} bytes" in message and "bytes are free" in message and "rank 5" in message
+    )
     assert {path for path, _ in list_segments()} == before
 
 
@@ -61,7 +63,9 @@ _CHILD = textwrap.dedent(
 
 
 def _killed_job_segment() -> Path:
-    child = subprocess.Popen([sys.executable, "-c", _CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [sys.executable, "-c", _CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     assert child.stdout is not None
     name = child.stdout.readline().strip()
     path = shm_directory() / name
@@ -97,6 +101,8 @@ def test_no_resource_tracker_warnings() -> None:
         segment.unlink()
         """
     )
-    done = subprocess.run([sys.executable, "-W", "always", "-c", script], capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-W", "always", "-c", script], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr
     assert "resource_tracker" not in done.stderr and "leaked" not in done.stderr

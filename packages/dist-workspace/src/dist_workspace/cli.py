@@ -65,7 +65,9 @@ def _inspect(directory: Path, as_json: bool, verify: bool) -> int:
         print(f"{directory}: no rank files")
     for item in report:
         total = sum(tensor["bytes"] for tensor in item["tensors"])
-        print(f"rank {item['rank']}: {item['path']} ({item['file_bytes']} bytes, job {item['job']})")
+        print(
+            f"rank {item['rank']}: {item['path']} ({item['file_bytes']} bytes, job {item['job']})"
+        )
         print(f"  config: {json.dumps(item['config'])}")
         print(f"  tensors: {len(item['tensors'])}, {total} bytes")
         for tensor in item["tensors"]:
@@ -118,9 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     merge = commands.add_parser("merge", help="merge rank files into one safetensors file")
     merge.add_argument("directory", type=Path)
     merge.add_argument("output", type=Path)
-    merge.add_argument(
-        "--rank-prefix", action="store_true", help="name tensors rank{r}.{name}"
-    )
+    merge.add_argument("--rank-prefix", action="store_true", help="name tensors rank{r}.{name}")
     clean = commands.add_parser(
         "clean", help="remove workspace files and dead jobs' shared-memory segments"
     )

@@ -113,10 +113,10 @@ class _Exchange:
         return self.workspace_path / f"exchange-{self.job}-{self.group_tag}-{self.seq}"
 
 
-def _check_ranks(ranks: Any, rank: int, group_ranks: list[int], what: str) -> list[int]:
-    if isinstance(ranks, int | str) or not all(isinstance(r, int) for r in ranks):
-        raise WorkspaceError(f"rank {rank}: {what} needs a list of int ranks, got {ranks!r}")
-    ranks = list(ranks)
+def _check_ranks(given: Any, rank: int, group_ranks: list[int], what: str) -> list[int]:
+    if isinstance(given, int | str) or not all(isinstance(r, int) for r in given):
+        raise WorkspaceError(f"rank {rank}: {what} needs a list of int ranks, got {given!r}")
+    ranks = [int(r) for r in given]
     if not ranks or len(set(ranks)) != len(ranks):
         raise WorkspaceError(f"rank {rank}: {what} got ranks={ranks}: empty or with repeats")
     if rank not in ranks:
@@ -227,7 +227,9 @@ def _send(exchange: _Exchange, weights: dict[str, torch.Tensor], config: Any) ->
             else:
                 directory = exchange.exchange_dir()
                 make_private_directory(exchange.workspace_path, DEFAULT_DIR_MODE)
-                NFSWorkspace(directory).write_configs_and_weights(config, weights, rank=exchange.rank)
+                NFSWorkspace(directory).write_configs_and_weights(
+                    config, weights, rank=exchange.rank
+                )
             tensor = weights.get("tensor")
             if tensor is not None:
                 status.update(shape=list(tensor.shape), dtype=str(tensor.dtype))
@@ -321,7 +323,9 @@ def _check_statuses(
                 "workspace_path (a directory every rank sees) instead"
             )
     if own_tensor is not None:
-        shapes = {exchange.rank: (list(own_tensor.shape), str(own_tensor.dtype))}
+        shapes: dict[int, tuple[Any, Any]] = {
+            exchange.rank: (list(own_tensor.shape), str(own_tensor.dtype))
+        }
         shapes.update({r: (s.get("shape"), s.get("dtype")) for r, s in statuses.items()})
         if len({json.dumps(value) for value in shapes.values()}) > 1:
             described = ", ".join(
@@ -333,7 +337,9 @@ def _check_statuses(
             )
 
 
-def _read_value(exchange: _Exchange, sender: int, status: dict[str, Any]) -> tuple[Any, dict[str, torch.Tensor]]:
+def _read_value(
+    exchange: _Exchange, sender: int, status: dict[str, Any]
+) -> tuple[Any, dict[str, torch.Tensor]]:
     if exchange.workspace_path is None:
         name = str(status.get("segment"))
         size = int(status.get("size", -1))
@@ -369,7 +375,10 @@ def _receive(
         own_tensor = own[1].get("tensor")
         statuses = _collect_statuses(exchange)
         _check_statuses(exchange, statuses, own_tensor)
-        values = [own if r == exchange.rank else _read_value(exchange, r, statuses[r]) for r in exchange.ranks]
+        values = [
+            own if r == exchange.rank else _read_value(exchange, r, statuses[r])
+            for r in exchange.ranks
+        ]
     except BaseException as error:
         with contextlib.suppress(Exception):
             _post(exchange, "verdict", {"ok": False, "error": _error_text(error)})

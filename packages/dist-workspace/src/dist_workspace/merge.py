@@ -61,6 +61,11 @@ class WeightInfo:
     view: dict[str, Any] | None  # or a view into a shared block
 
 
+def _header_of(fd: int, where: str) -> RecordHeader:
+    size = os.fstat(fd).st_size
+    return parse_header(lambda offset, length: os.pread(fd, length, offset), size, where)
+
+
 def read_rank_files(directory: Path) -> list[RankFile]:
     """Every ``rank-{r}.safetensors`` of ``directory`` with its header, by rank.
 
@@ -79,8 +84,7 @@ def read_rank_files(directory: Path) -> list[RankFile]:
         except OSError as error:
             raise WorkspaceError(f"{where}: cannot be opened safely: {error}") from None
         try:
-            size = os.fstat(fd).st_size
-            header = parse_header(lambda offset, length: os.pread(fd, length, offset), size, where)
+            header = _header_of(fd, where)
         finally:
             os.close(fd)
         files.append(RankFile(rank, path, header))
@@ -109,14 +113,18 @@ def weights_of(rank_file: RankFile) -> list[WeightInfo]:
         elif name in stored:
             entry = stored[name]
             result.append(
-                WeightInfo(name, entry.dtype_name, entry.shape, entry.end - entry.begin, entry, None)
+                WeightInfo(
+                    name, entry.dtype_name, entry.shape, entry.end - entry.begin, entry, None
+                )
             )
         else:
             raise WorkspaceError(f"{rank_file.where}: weight {name!r} is in no entry")
     return result
 
 
-def _merged_names(files: list[RankFile], rank_prefix: bool) -> list[tuple[RankFile, WeightInfo, str]]:
+def _merged_names(
+    files: list[RankFile], rank_prefix: bool
+) -> list[tuple[RankFile, WeightInfo, str]]:
     plan = []
     owner: dict[str, int] = {}
     for rank_file in files:
@@ -133,7 +141,9 @@ def _merged_names(files: list[RankFile], rank_prefix: bool) -> list[tuple[RankFi
     return plan
 
 
-def _copy_checked(source: int, target: int, entry: StoredEntry, position: int, crc_hex: str | None, where: str) -> None:
+def _copy_checked(
+    source: int, target: int, entry: StoredEntry, position: int, crc_hex: str | None, where: str
+) -> None:
     crc = 0
     offset = entry.begin
     while offset < entry.end:
@@ -147,7 +157,9 @@ def _copy_checked(source: int, target: int, entry: StoredEntry, position: int, c
         raise WorkspaceError(f"{where}: checksum mismatch in tensor {entry.name!r}; merge aborted")
 
 
-def merge_workspace(directory: Path, output: Path, *, rank_prefix: bool = False, mode: int = 0o600) -> int:
+def merge_workspace(
+    directory: Path, output: Path, *, rank_prefix: bool = False, mode: int = 0o600
+) -> int:
     """Writes every rank's weights of ``directory`` into one safetensors file.
 
     Args:
@@ -202,21 +214,27 @@ def merge_workspace(directory: Path, output: Path, *, rank_prefix: bool = False,
     return len(plan)
 
 
-def _copy_rank(source: int, target: int, rank_file: RankFile, entries: list[tuple[WeightInfo, str]], position: int) -> int:
+def _copy_rank(
+    source: int,
+    target: int,
+    rank_file: RankFile,
+    entries: list[tuple[WeightInfo, str]],
+    position: int,
+) -> int:
     crcs = rank_file.header.layout.get("crc32", {})
     blobs: dict[str, torch.Tensor] = {}
     stored = {entry.name: entry for entry in rank_file.header.entries}
     for info, _ in entries:
         if info.entry is not None:
-            _copy_checked(source, target, info.entry, position, crcs.get(info.entry.name), rank_file.where)
+            _copy_checked(
+                source, target, info.entry, position, crcs.get(info.entry.name), rank_file.where
+            )
         else:
             assert info.view is not None
             blob_name = info.view["blob"]
             if blob_name not in blobs:
                 blobs.clear()  # one shared block in memory at a time
-                only = dataclasses.replace(
-                    rank_file.header, entries=[stored[blob_name]]
-                )
+                only = dataclasses.replace(rank_file.header, entries=[stored[blob_name]])
                 blobs.update(load_entries(source, only, rank_file.where))
             blob = blobs[blob_name]
             dtype = dtype_from_name(info.view["dtype"])
@@ -227,6 +245,6 @@ def _copy_rank(source: int, target: int, rank_file: RankFile, entries: list[tupl
                 info.shape,
                 info.view["stride"],
             )
-            write_all(target, memoryview(byte_view(view.contiguous()).numpy()), position)
+            write_all(target, memoryview(byte_view(view.contiguous()).numpy()), position)  # type: ignore[arg-type]
         position += info.nbytes
     return position

@@ -202,11 +202,13 @@ def prepare_record(
     payloads: list[tuple[str, str, tuple[int, ...], torch.Tensor]] = []
     emitted_blobs: set[int] = set()
     for name, tensor in logical.items():
-        index = blob_of.get(name)
-        if index is None:
+        block = blob_of.get(name)
+        if block is None:
             data = tensor.contiguous()
-            payloads.append((name, _NAME_BY_DTYPE[data.dtype], tuple(data.shape), byte_view(data)))
+            shape = tuple(int(dim) for dim in data.shape)
+            payloads.append((name, _NAME_BY_DTYPE[data.dtype], shape, byte_view(data)))
             continue
+        index = block
         if index in emitted_blobs:
             continue
         emitted_blobs.add(index)
@@ -216,14 +218,17 @@ def prepare_record(
         for member in members:
             view = logical[member]
             begin = view.storage_offset() * view.element_size()
-            extent = sum((size - 1) * stride for size, stride in zip(view.shape, view.stride()))
+            extent = sum(
+                (size - 1) * stride for size, stride in zip(view.shape, view.stride(), strict=True)
+            )
             spans.append((begin, begin + (extent + 1) * view.element_size()))
         start = min(begin for begin, _ in spans)
         start -= start % ALIGNMENT
         end = max(stop for _, stop in spans)
         blob_name = f"{SHARED_PREFIX}{index}"
-        blob = torch.empty(0, dtype=torch.uint8).set_(storage, start, (end - start,), (1,))
-        payloads.append((blob_name, "U8", (end - start,), blob))
+        length = int(end - start)
+        blob = torch.empty(0, dtype=torch.uint8).set_(storage, start, (length,), (1,))
+        payloads.append((blob_name, "U8", (length,), blob))
         for member in members:
             view = logical[member]
             views[member] = {
@@ -256,10 +261,14 @@ def prepare_record(
         META_JOB: job,
     }
     header = _encode_header(entries, metadata, layout)
-    return PreparedRecord(entries, metadata, layout, len(header), 8 + len(header) + offset, checksums)
+    return PreparedRecord(
+        entries, metadata, layout, len(header), 8 + len(header) + offset, checksums
+    )
 
 
-def _encode_header(entries: list[_Entry], metadata: dict[str, str], layout: dict[str, Any]) -> bytes:
+def _encode_header(
+    entries: list[_Entry], metadata: dict[str, str], layout: dict[str, Any]
+) -> bytes:
     document: dict[str, Any] = {
         "__metadata__": {**metadata, META_LAYOUT: json.dumps(layout, separators=(",", ":"))}
     }
@@ -292,7 +301,7 @@ def write_record(fd: int, record: PreparedRecord) -> None:
             continue
         crc = 0
         if entry.nbytes:
-            view = memoryview(entry.data.numpy()).cast("B")
+            view = memoryview(entry.data.numpy()).cast("B")  # type: ignore[arg-type]
             for begin in range(0, entry.nbytes, _CHUNK_BYTES):
                 chunk = view[begin : begin + _CHUNK_BYTES]
                 if record.checksums:
@@ -370,9 +379,7 @@ def parse_header(read_at: Callable[[int, int], bytes], size: int, where: str) ->
         raise _foreign(where, f"{size} bytes, shorter than the 8-byte header length")
     (header_size,) = struct.unpack("<Q", read_at(0, 8))
     if header_size > min(size - 8, _MAX_HEADER_BYTES):
-        raise _foreign(
-            where, f"header length {header_size} does not fit in the {size}-byte file"
-        )
+        raise _foreign(where, f"header length {header_size} does not fit in the {size}-byte file")
     raw = read_at(8, header_size)
     try:
         document = json.loads(raw.decode("utf-8"))
@@ -382,9 +389,7 @@ def parse_header(read_at: Callable[[int, int], bytes], size: int, where: str) ->
         raise _foreign(where, "the header is not a JSON object")
     metadata = document.pop("__metadata__", None)
     if not isinstance(metadata, dict) or metadata.get(META_FORMAT) != FORMAT_VERSION:
-        raise _foreign(
-            where, f"no {META_FORMAT}={FORMAT_VERSION!r} in the safetensors metadata"
-        )
+        raise _foreign(where, f"no {META_FORMAT}={FORMAT_VERSION!r} in the safetensors metadata")
     try:
         layout = json.loads(metadata.get(META_LAYOUT, ""))
     except json.JSONDecodeError:
@@ -424,12 +429,14 @@ def parse_header(read_at: Callable[[int, int], bytes], size: int, where: str) ->
             f"{where}: truncated or extended record: its header describes {position} bytes, "
             f"the file has {size}. Was it copied partially? Write it again"
         )
-    return RecordHeader(entries, {str(k): str(v) for k, v in metadata.items()}, layout, data_start, size)
+    return RecordHeader(
+        entries, {str(k): str(v) for k, v in metadata.items()}, layout, data_start, size
+    )
 
 
 def read_into(fd: int, target: torch.Tensor, offset: int, crc: int = 0) -> int:
     """Fills a contiguous CPU tensor from ``fd`` at ``offset``; returns the running CRC."""
-    view = memoryview(byte_view(target).numpy()).cast("B")
+    view = memoryview(byte_view(target).numpy()).cast("B")  # type: ignore[arg-type]
     done = 0
     while done < len(view):
         chunk = view[done : done + _CHUNK_BYTES]
@@ -455,7 +462,9 @@ def load_entries(fd: int, header: RecordHeader, where: str) -> dict[str, torch.T
         try:
             crc = read_into(fd, tensor, entry.begin)
         except EOFError as error:
-            raise WorkspaceError(f"{where}: truncated while reading {entry.name!r}: {error}") from None
+            raise WorkspaceError(
+                f"{where}: truncated while reading {entry.name!r}: {error}"
+            ) from None
         if isinstance(expected, dict):
             recorded = expected.get(entry.name)
             if recorded != f"{crc:08x}":
@@ -508,7 +517,9 @@ def assemble(
         order = [str(name) for name in header.layout.get("order", [])]
         weights = {name: logical[name] for name in order}
         config_tensors = {
-            name: tensor for name, tensor in logical.items() if name.startswith(CONFIG_TENSOR_PREFIX)
+            name: tensor
+            for name, tensor in logical.items()
+            if name.startswith(CONFIG_TENSOR_PREFIX)
         }
         config = decode_config(header.metadata.get(META_CONFIG, "null"), config_tensors, where)
     except (KeyError, ValueError, TypeError, RuntimeError) as error:
@@ -516,7 +527,9 @@ def assemble(
     return config, weights
 
 
-def read_record_file(path: str | os.PathLike[str], where: str) -> tuple[Any, dict[str, torch.Tensor], RecordHeader]:
+def read_record_file(
+    path: str | os.PathLike[str], where: str
+) -> tuple[Any, dict[str, torch.Tensor], RecordHeader]:
     """Opens, validates and fully reads a record file (without following symlinks).
 
     Raises:
@@ -537,4 +550,3 @@ def read_record_fd(fd: int, where: str) -> tuple[RecordHeader, dict[str, torch.T
     size = os.fstat(fd).st_size
     header = parse_header(lambda offset, length: os.pread(fd, length, offset), size, where)
     return header, load_entries(fd, header, where)
-

@@ -13,7 +13,7 @@ import torch
 from filelock import FileLock, Timeout
 
 from dist_workspace.errors import WorkspaceError
-from dist_workspace.fsutil import atomic_write, make_private_directory
+from dist_workspace.fsutil import atomic_write, make_private_directory, write_all
 from dist_workspace.jobid import current_job_id
 from dist_workspace.record import prepare_record, read_record_file, write_record
 
@@ -138,18 +138,22 @@ class NFSWorkspace:
             removed = 0
             for entry in directory.iterdir():
                 if RANK_FILE_PATTERN.match(entry.name) and not entry.is_dir():
-                    with self._locked(entry, f"removing stale {entry}"):
-                        with contextlib.suppress(FileNotFoundError):
-                            entry.unlink()
+                    with (
+                        self._locked(entry, f"removing stale {entry}"),
+                        contextlib.suppress(FileNotFoundError),
+                    ):
+                        entry.unlink()
                     removed += 1
                 elif entry.name.startswith(".rank-") and entry.name.endswith(".tmp"):
                     with contextlib.suppress(FileNotFoundError):
                         entry.unlink()
                     removed += 1
             payload = self.job_id.encode()
-            atomic_write(
-                marker, len(payload), lambda fd: os.pwrite(fd, payload, 0) and None, self.file_mode
-            )
+
+            def fill(fd: int) -> None:
+                write_all(fd, payload, 0)
+
+            atomic_write(marker, len(payload), fill, self.file_mode)
             logger.debug(
                 "workspace %s: job %s replaced %s, %d stale files removed",
                 directory,
@@ -185,7 +189,9 @@ class NFSWorkspace:
         record = prepare_record(weights, config_json, rank=rank, job=self.job_id)
         target = directory / rank_file_name(rank)
         with self._locked(target, f"rank {rank} writing {target}"):
-            atomic_write(target, record.total_size, lambda fd: write_record(fd, record), self.file_mode)
+            atomic_write(
+                target, record.total_size, lambda fd: write_record(fd, record), self.file_mode
+            )
         return target
 
     def read_configs_and_weights_from_rank(
