@@ -73,3 +73,48 @@ def test_baby_gloo_fails_an_op_that_outlives_the_timeout() -> None:
     from dist_core.testing import run_ranks
 
     assert run_ranks(_baby_hang_worker, 2, timeout=120) == [True, True]
+
+
+def _baby_heal_worker() -> list[float]:
+    from dist_collectives.ft import Manager
+
+    rank = dist.get_rank()
+    weight = torch.full((3,), float(rank))
+
+    def make_manager() -> Manager:
+        return Manager(
+            ProcessGroupBabyGloo(timeout=timedelta(seconds=30)),
+            load_state_dict=lambda state: weight.copy_(state["w"]),
+            state_dict=lambda: {"w": weight},
+            replica_id=f"baby{rank}",
+            timeout=timedelta(seconds=90),
+            namespace="test-baby-heal",
+        )
+
+    if rank == 0:  # trains one step alone before replica 1 exists
+        manager = make_manager()
+        manager.start_quorum()
+        assert manager.replica_count() == 1
+        assert manager.should_commit()
+        weight.add_(7.0)
+    dist.barrier()
+    if rank == 1:
+        manager = make_manager()  # announced before replica 0 asks for the next quorum
+    dist.barrier()
+    manager.start_quorum()
+    grad = torch.ones(3)
+    manager.allreduce(grad).wait()
+    committed = manager.should_commit()
+    result = [float(committed), float(manager.current_step()), *weight.tolist(), *grad.tolist()]
+    dist.barrier()
+    manager.shutdown()
+    return result
+
+
+def test_manager_heals_a_joining_replica_through_a_baby_group() -> None:
+    from dist_core.testing import run_ranks
+
+    # Replica 1 joins behind: it receives replica 0's weights over the child process's
+    # gloo, contributes zeros, and both average over the single participant.
+    expected = [1.0, 2.0, 7.0, 7.0, 7.0, 1.0, 1.0, 1.0]
+    assert run_ranks(_baby_heal_worker, 2, timeout=150) == [expected, expected]

@@ -18,6 +18,7 @@ import itertools
 import logging
 import multiprocessing as mp
 import multiprocessing.connection as mp_connection
+import os
 import threading
 import time
 from datetime import timedelta
@@ -33,12 +34,12 @@ from dist_collectives.ft.gloo import create_gloo_backend
 from dist_collectives.ft.process_group import DEFAULT_TIMEOUT, ProcessGroup, reduce_op_name
 from dist_collectives.ft.store import create_store_client
 from dist_collectives.ft.work import FutureWork
-from dist_core.proc import set_parent_death_signal
 
 logger = logging.getLogger(__name__)
 
 _WATCH_INTERVAL = 0.05
 _STOP_SECONDS = 2.0
+_PARENT_POLL_SECONDS = 0.5
 # Starting the child imports torch, which takes seconds on a loaded machine; that is
 # not the group's fault, so it does not count against the group's timeout.
 CHILD_START_SECONDS = 60.0
@@ -48,6 +49,21 @@ class BabyProcessError(RuntimeError):
     """The child process that runs the backend died, hung or failed to start."""
 
 
+def _exit_with_parent(parent_pid: int) -> None:
+    """Ends this child when its parent process is gone.
+
+    Not PR_SET_PDEATHSIG: that fires when the parent *thread* that started the child
+    exits, and configure often runs on a short-lived thread (the Manager's quorum).
+    """
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(_PARENT_POLL_SECONDS)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="ft-baby-parent-watch", daemon=True).start()
+
+
 def _child_main(
     factory: type[ProcessGroupBaby],
     conn: mp_connection.Connection,
@@ -55,8 +71,9 @@ def _child_main(
     rank: int,
     world_size: int,
     timeout_seconds: float,
+    parent_pid: int,
 ) -> None:
-    set_parent_death_signal()
+    _exit_with_parent(parent_pid)
     timeout = timedelta(seconds=timeout_seconds)
     try:
         backend = factory._create_backend(
@@ -79,6 +96,12 @@ def _child_main(
                 options = dist.BroadcastOptions()
                 options.rootRank = argument
                 work = backend.broadcast(tensors, options)
+            elif operation == "send":
+                peer, tag = argument
+                work = backend.send(tensors, peer, tag)
+            elif operation == "recv":
+                peer, tag = argument
+                work = backend.recv(tensors, peer, tag)
             elif operation == "barrier":
                 work = backend.barrier()
             else:
@@ -112,7 +135,8 @@ class _Pending:
 class ProcessGroupBaby(ProcessGroup):
     """A reconfigurable group whose backend runs in a child process (see the module doc).
 
-    Supports ``allreduce``, ``broadcast`` and ``barrier`` on CPU tensors.
+    Supports ``allreduce``, ``broadcast``, ``barrier``, ``send`` and ``recv`` on CPU
+    tensors.
 
     Args:
         timeout: How long the child may take to join the group, and one operation may
@@ -153,6 +177,7 @@ class ProcessGroupBaby(ProcessGroup):
                 rank,
                 world_size,
                 self._timeout.total_seconds(),
+                os.getpid(),
             ),
             name=f"ft-baby-{rank}",
             daemon=True,
@@ -277,6 +302,14 @@ class ProcessGroupBaby(ProcessGroup):
     def barrier(self, *args: Any) -> dist.Work:
         """A barrier across the group."""
         return self._submit("barrier", [], None)
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> dist.Work:
+        """Sends ``tensors`` to rank ``dst`` (the Manager heals replicas with it)."""
+        return self._submit("send", list(tensors), (int(dst), int(tag)))
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> dist.Work:
+        """Receives into ``tensors`` from rank ``src``."""
+        return self._submit("recv", list(tensors), (int(src), int(tag)))
 
     def shutdown(self) -> None:
         """Stops the child; pending operations fail."""

@@ -338,6 +338,9 @@ class Manager:
         def finish(future: Future[Any]) -> None:
             try:
                 future.value()
+                swallowed = self._swallowed_error()
+                if swallowed is not None:
+                    raise swallowed
             except Exception as error:
                 self._fail(error, generation)
                 return
@@ -353,6 +356,14 @@ class Manager:
 
         work.get_future().then(finish)
         return result
+
+    def _swallowed_error(self) -> Exception | None:
+        """The error an error-swallowing group recorded instead of raising, if any."""
+        error_of = getattr(self._pg, "error", None)
+        if not callable(error_of):
+            return None
+        error = error_of()
+        return error if isinstance(error, Exception) else None
 
     def _complete(self, pending: _Pending) -> None:
         """Marks ``pending`` done and sets its future; the caller holds the lock."""
