@@ -384,3 +384,39 @@ def test_missing_script_is_named(tmp_path: Path) -> None:
     result = _launch("-n", "2", "nope.py", cwd=tmp_path)
     assert result.returncode == 2
     assert "'nope.py' does not exist" in result.stderr
+
+
+def test_stopping_a_rank_reaches_the_processes_it_started(tmp_path: Path) -> None:
+    script = _script(
+        tmp_path,
+        "parent.py",
+        textwrap.dedent(
+            """\
+            import os, subprocess, sys, time
+            flag = sys.argv[1]
+            if os.environ["RANK"] == "0":
+                child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+                print("child", child.pid, flush=True)
+                open(flag, "w").close()
+                time.sleep(120)
+            deadline = time.monotonic() + 60
+            while not os.path.exists(flag) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            raise RuntimeError("rank 1 fails once rank 0 has started its child")
+            """
+        ),
+    )
+    result = _launch(
+        "-n",
+        "2",
+        "--start-method",
+        "spawn",
+        "--grace-period",
+        "2",
+        script,
+        str(tmp_path / "flag"),
+        cwd=tmp_path,
+    )
+    assert result.returncode == 1, result.stderr
+    child = int(re.search(r"\[rank0\]: child (\d+)", result.stdout).group(1))  # type: ignore[union-attr]
+    assert _wait_until_gone([child]) == [], "the stopped rank's child survived"

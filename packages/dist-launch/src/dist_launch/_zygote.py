@@ -79,6 +79,10 @@ def serve(sock: socket.socket) -> tuple[dict[str, Any], list[int]] | None:
                 os.close(wake_write)
                 sock.close()
                 return request, list(fds)
+            # Both sides set the group (as shells do): it exists before the launcher
+            # learns the pid, whichever side runs first.
+            with contextlib.suppress(OSError):
+                os.setpgid(pid, pid)
             for fd in fds:
                 os.close(fd)
             ranks[pid] = int(request["rank"])
@@ -88,6 +92,8 @@ def serve(sock: socket.socket) -> tuple[dict[str, Any], list[int]] | None:
 def _become_worker(request: dict[str, Any], fds: list[int], server_pid: int) -> NoReturn:
     from dist_launch import _bootstrap  # noqa: PLC0415 - preloaded before the fork
 
+    with contextlib.suppress(OSError):
+        os.setpgid(0, 0)  # its own group, so that stopping it reaches its children too
     os.dup2(fds[0], 1)
     os.dup2(fds[1], 2)
     for fd in fds:

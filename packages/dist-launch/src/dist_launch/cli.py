@@ -1,7 +1,7 @@
 """The ``dist-launch`` command: torchrun's interface, with loud failures and no orphans.
 
 ``dist-launch -n 4 train.py --lr 0.1`` starts four workers on this node with the
-variables torchrun sets, prefixes their output with ``[rank{r}]: ``, and when one
+variables torchrun sets, prefixes their output with ``[rank{r}]:`` (and a space), and when one
 fails stops the others and prints the root cause with its traceback first.
 """
 
@@ -347,7 +347,11 @@ class Launcher:
                 if self.signals.pending:
                     return 128 + self.signals.pending[0]
                 remaining = None if deadline is None else max(0.01, deadline - time.monotonic())
-                outcome = self._run_group(port, restart_count, remaining)
+                try:
+                    outcome = self._run_group(port, restart_count, remaining)
+                except (OSError, RuntimeError) as error:
+                    print(f"{PROG}: error: could not start the workers: {error}", file=sys.stderr)
+                    return 1
                 if outcome.status == "succeeded":
                     return 0
                 root = outcome.root_cause

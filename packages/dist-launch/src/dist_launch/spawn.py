@@ -145,6 +145,8 @@ def _worker_main(
 class _ProcessWorker:
     """A ``multiprocessing`` worker as the supervisor sees it."""
 
+    own_process_group = False  # it shares the caller's: signal the worker alone
+
     def __init__(self, process: BaseProcess, rank: int, local_rank: int, node_rank: int) -> None:
         self.process = process
         self.rank = rank

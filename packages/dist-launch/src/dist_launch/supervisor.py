@@ -56,6 +56,9 @@ class Worker(Protocol):
     rank: int
     local_rank: int
     node_rank: int
+    # True when the worker leads its own process group: stop signals then reach its
+    # children too (data-loader workers, tools it started).
+    own_process_group: bool
 
     @property
     def pid(self) -> int | None:
@@ -199,11 +202,16 @@ class Supervisor:
 
     # -- acting ---------------------------------------------------------------------
 
-    def _signal(self, indices: Sequence[int], signum: int) -> None:
+    def _signal(self, indices: Sequence[int], signum: int, *, group: bool = False) -> None:
         for index in indices:
-            pid = self.workers[index].pid
+            worker = self.workers[index]
+            pid = worker.pid
             if pid is None or self.outcomes[index].status != "running":
                 continue
+            if group and worker.own_process_group:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(pid, signum)
+                    continue
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signum)
 
@@ -213,7 +221,7 @@ class Supervisor:
             if self.outcomes[index].stop_signal is None:
                 self.outcomes[index].stop_signal = signum
                 self.outcomes[index].stopped_at = time.time()
-        self._signal(live, signum)
+        self._signal(live, signum, group=True)
 
     def dump_stacks(self) -> None:
         """Asks every live rank for its Python stack and keeps what each one wrote."""
@@ -297,7 +305,6 @@ class Supervisor:
             if kill_at is not None and now >= kill_at and give_up_at is None:
                 logger.info("grace period over: SIGKILL to %d rank(s)", len(live))
                 self._stop(signal.SIGKILL)
-                self._signal(live, signal.SIGKILL)
                 give_up_at = now + KILL_WAIT_SECONDS
             if give_up_at is not None and now >= give_up_at:
                 break

@@ -26,6 +26,8 @@ class WorkerTarget:
 class PopenWorker:
     """A worker started as a child process; exit observed through a pidfd."""
 
+    own_process_group = True
+
     def __init__(
         self, popen: subprocess.Popen[bytes], rank: int, local_rank: int, node_rank: int
     ) -> None:

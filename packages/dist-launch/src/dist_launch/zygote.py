@@ -27,6 +27,8 @@ REPLY_SECONDS = 120.0
 class ZygoteWorker:
     """A worker forked by the server; its exit status arrives as a message."""
 
+    own_process_group = True
+
     def __init__(self, rank: int, local_rank: int, node_rank: int) -> None:
         self.rank = rank
         self.local_rank = local_rank
