@@ -253,7 +253,7 @@ class Manager:
         )
         with self._lock:
             if generation != self._generation:
-                return quorum
+                return quorum  # a newer start_quorum took over; leave the group alone
             self._quorum = quorum
         rank = quorum.replica_rank(self._replica_id)
         if quorum.quorum_id != self._configured_quorum_id:
