@@ -40,11 +40,15 @@ def make_private_directory(path: Path, mode: int) -> None:
         raise NotADirectoryError(f"{path} is not a directory")
 
 
-def atomic_write(target: Path, size: int, fill: Callable[[int], None], mode: int) -> None:
+def atomic_write(
+    target: Path, size: int, fill: Callable[[int], None], mode: int, *, durable: bool = True
+) -> None:
     """Writes a file of ``size`` bytes through ``fill(fd)`` and renames it over ``target``.
 
     A reader opening ``target`` sees the old file or the complete new one, never a
     part. On any error the temporary file is removed and ``target`` is untouched.
+    ``durable=False`` skips both fsyncs: still atomic for readers, but a machine crash
+    may leave an empty or old file.
     """
     directory = target.parent
     temporary = directory / f".{target.name}.{secrets.token_hex(8)}.tmp"
@@ -56,7 +60,8 @@ def atomic_write(target: Path, size: int, fill: Callable[[int], None], mode: int
             if size:
                 os.ftruncate(fd, size)
             fill(fd)
-            os.fsync(fd)
+            if durable:
+                os.fsync(fd)
         finally:
             os.close(fd)
         os.rename(temporary, target)
@@ -64,7 +69,8 @@ def atomic_write(target: Path, size: int, fill: Callable[[int], None], mode: int
         with contextlib.suppress(FileNotFoundError):
             temporary.unlink()
         raise
-    fsync_directory(directory)
+    if durable:
+        fsync_directory(directory)
 
 
 def write_all(fd: int, data: memoryview | bytes, offset: int) -> int:
