@@ -13,8 +13,10 @@ import dataclasses
 import os
 import shutil
 import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -79,3 +81,56 @@ def two_hosts() -> Iterator[tuple[Host, Host]]:
             subprocess.run(
                 ["ip", "netns", "del", namespace], check=False, capture_output=True, timeout=30
             )
+
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+
+
+def console_script(name: str) -> str:
+    """Path of a console script installed beside this interpreter (or on PATH)."""
+    beside = Path(sys.executable).with_name(name)
+    if beside.exists():
+        return str(beside)
+    found = shutil.which(name)
+    if found is None:
+        pytest.fail(f"console script {name} is not installed")
+    return found
+
+
+@dataclasses.dataclass(frozen=True)
+class DemoRun:
+    """The demo trainer's outputs: the export directory and per-rank reports."""
+
+    export_dir: Path
+    report_dir: Path
+    output: str
+
+
+@pytest.fixture(scope="session")
+def demo_run(tmp_path_factory: pytest.TempPathFactory) -> DemoRun:
+    """Runs examples/train.py on 4 ranks under dist-launch, once per test session."""
+    base = tmp_path_factory.mktemp("demo")
+    export_dir, report_dir = base / "export", base / "report"
+    completed = subprocess.run(
+        [
+            console_script("dist-launch"),
+            "-n",
+            "4",
+            str(EXAMPLES / "train.py"),
+            "--steps",
+            "20",
+            "--export-dir",
+            str(export_dir),
+            "--report-dir",
+            str(report_dir),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    output = completed.stdout + completed.stderr
+    assert completed.returncode == 0, output
+    return DemoRun(export_dir, report_dir, output)

@@ -1,7 +1,6 @@
 """An unmodified torchrun-style script: env:// init, one all_reduce, print the sum."""
 
 import os
-import sys
 
 import torch
 import torch.distributed as dist
@@ -12,7 +11,6 @@ value = torch.tensor([float(rank + 1)])
 dist.all_reduce(value)
 print(f"rank={rank} world={dist.get_world_size()} sum={int(value.item())}", flush=True)
 if os.environ.get("BLOCK_AFTER_ALLREDUCE"):
-    sys.stdout.flush()
-    dist.barrier()  # blocks until the peer host goes away
-    dist.barrier()
+    # A receive nobody answers: blocks until a peer goes away (or gloo's 30-min timeout).
+    dist.recv(torch.zeros(1), src=(rank + 1) % dist.get_world_size())
 dist.destroy_process_group()

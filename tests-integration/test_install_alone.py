@@ -1,0 +1,49 @@
+"""An export tool installs dist-workspace alone and inspects the demo's export."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _run(argv: list[str], timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def test_dist_workspace_alone_inspects_the_demo_export(demo_run: Any, tmp_path: Path) -> None:
+    venv = tmp_path / "export-tool"
+    assert _run([sys.executable, "-m", "venv", str(venv)]).returncode == 0
+    python = str(venv / "bin" / "python")
+    # torch first, pinned to the build on this machine's disk (see noxfile.py).
+    installed = _run([python, "-m", "pip", "install", "-q", "torch==2.13.0"])
+    assert installed.returncode == 0, installed.stderr
+    installed = _run(
+        [
+            python,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            str(ROOT / "packages" / "dist-core"),
+            str(ROOT / "packages" / "dist-workspace"),
+        ]
+    )
+    assert installed.returncode == 0, installed.stderr
+    listed = _run([python, "-m", "pip", "list", "--format=freeze"]).stdout.lower()
+    ours = sorted(line.split("==")[0] for line in listed.splitlines() if line.startswith("dist-"))
+    assert ours == ["dist-core", "dist-workspace"]
+
+    inspected = _run(
+        [str(venv / "bin" / "dist-workspace"), "inspect", str(demo_run.export_dir / "workspace")]
+    )
+    assert inspected.returncode == 0, inspected.stderr
+    assert "gate.weight" in inspected.stdout and "experts.3.up.weight" in inspected.stdout
+
+    for module in ("dist_launch", "dist_collectives"):
+        imported = _run([python, "-c", f"import {module}"])
+        assert imported.returncode != 0
+        assert "ModuleNotFoundError" in imported.stderr

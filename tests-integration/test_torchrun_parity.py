@@ -1,0 +1,28 @@
+"""An unmodified torchrun DDP script gives identical results under dist-launch."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parent / "scripts" / "ddp_job.py"
+
+
+def _digests(argv: list[str]) -> dict[int, str]:
+    completed = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=False)
+    output = completed.stdout + completed.stderr
+    assert completed.returncode == 0, output
+    found = {int(r): d for r, d in re.findall(r"rank=(\d+) digest=([0-9a-f]{64})", output)}
+    assert sorted(found) == [0, 1], output
+    return found
+
+
+def test_ddp_script_matches_torchrun() -> None:
+    launcher = str(Path(sys.executable).with_name("dist-launch"))
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    ours = _digests([launcher, "-n", "2", str(SCRIPT)])
+    theirs = _digests([torchrun, "--standalone", "--nproc-per-node", "2", str(SCRIPT)])
+    assert ours == theirs
+    assert ours[0] == ours[1]  # DDP kept the replicas identical
