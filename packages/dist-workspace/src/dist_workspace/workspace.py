@@ -195,7 +195,11 @@ class NFSWorkspace:
         target = directory / rank_file_name(rank)
         with self._locked(target, f"rank {rank} writing {target}"):
             atomic_write(
-                target, record.total_size, lambda fd: write_record(fd, record), self.file_mode
+                target,
+                record.total_size,
+                lambda fd: write_record(fd, record),
+                self.file_mode,
+                durable=self.durable,
             )
         return target
 
