@@ -164,3 +164,9 @@ def test_symlink_planted_as_rank_file_is_not_followed(tmp_path: Path) -> None:
     workspace.write_configs_and_weights({}, {}, rank=0)  # replaces the link, not the victim
     assert victim.read_text() == "precious"
     assert not (tmp_path / "ws" / "rank-0.safetensors").is_symlink()
+
+
+def test_config_only_write(tmp_path: Path) -> None:
+    workspace = NFSWorkspace(tmp_path)
+    workspace.write_configs_and_weights({"only": "config"}, None, rank=0)
+    assert workspace.read_configs_and_weights_from_rank(0) == ({"only": "config"}, {})

@@ -168,7 +168,11 @@ class NFSWorkspace:
             )
 
     def write_configs_and_weights(
-        self, config_json: Any, weights: dict[str, torch.Tensor], *, rank: int | None = None
+        self,
+        config_json: Any,
+        weights: dict[str, torch.Tensor] | None,
+        *,
+        rank: int | None = None,
     ) -> Path:
         """Writes this rank's config and weights atomically.
 
@@ -178,7 +182,7 @@ class NFSWorkspace:
             config_json: Any JSON value (tuples become lists); tensors inside it are
                 stored beside it (see :mod:`dist_workspace.config_codec`).
             weights: Name to tensor (any dtype safetensors stores; views, shared
-                storage, 0-d and empty tensors included).
+                storage, 0-d and empty tensors included); None writes no tensors.
             rank: The rank to write as; by default this process's rank.
 
         Returns:
@@ -191,7 +195,9 @@ class NFSWorkspace:
         """
         directory = self._directory()
         rank = _current_rank() if rank is None else rank
-        record = prepare_record(weights, config_json, rank=rank, job=self.job_id)
+        record = prepare_record(
+            {} if weights is None else weights, config_json, rank=rank, job=self.job_id
+        )
         target = directory / rank_file_name(rank)
         with self._locked(target, f"rank {rank} writing {target}"):
             atomic_write(
