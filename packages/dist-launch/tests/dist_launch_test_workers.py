@@ -33,3 +33,10 @@ def fail_on_rank(bad_rank: int) -> None:
     except Exception:
         raise RuntimeError(f"rank {rank} lost its barrier") from None
     raise AssertionError("the barrier cannot complete without the failed rank")
+
+
+def print_pid_and_wait() -> None:
+    import time
+
+    os.write(1, f"ready {os.getpid()}\n".encode())  # one write: lines of ranks never mix
+    time.sleep(120)

@@ -89,3 +89,60 @@ def test_parallelism_without_dist_collectives_names_the_package() -> None:
 def test_unknown_start_method_is_named() -> None:
     with pytest.raises(LaunchError, match="'threads'"):
         launch_subprocesses(print, _cfg(2, "threads"))
+
+
+_KILLED_CALLER = """\
+import sys
+sys.path.insert(0, {tests!r})
+from dist_core.config import MultiprocessConfig
+from dist_launch import launch_subprocesses
+from dist_launch_test_workers import print_pid_and_wait
+
+if __name__ == "__main__":
+    cfg = MultiprocessConfig(world_size=2, local_world_size=2, launch_method={method!r})
+    launch_subprocesses(print_pid_and_wait, cfg)
+"""
+
+
+@pytest.mark.parametrize("method", ["forkserver", "fork"])
+def test_no_worker_outlives_a_sigkilled_caller(tmp_path: Path, method: str) -> None:
+    import os
+    import re
+    import select
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "caller.py"
+    script.write_text(_KILLED_CALLER.format(tests=str(Path(__file__).parent), method=method))
+    caller = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE)
+    try:
+        assert caller.stdout is not None
+        seen = b""
+        deadline = time.monotonic() + 90
+        while len(re.findall(rb"ready (\d+)", seen)) < 2:
+            assert time.monotonic() < deadline, seen
+            if select.select([caller.stdout], [], [], 1.0)[0]:
+                chunk = os.read(caller.stdout.fileno(), 4096)
+                assert chunk, seen
+                seen += chunk
+        pids = [int(pid) for pid in re.findall(rb"ready (\d+)", seen)]
+        caller.kill()
+        caller.wait(30)
+        deadline = time.monotonic() + 20
+        alive = pids
+        while alive and time.monotonic() < deadline:
+            alive = [pid for pid in pids if _alive(pid)]
+            time.sleep(0.05)
+        assert alive == [], "workers survived their caller's SIGKILL"
+    finally:
+        caller.kill()
+        caller.wait(30)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"

@@ -115,6 +115,24 @@ def init_and_run(
     return result
 
 
+def _close_inherited_forkserver_fd() -> None:
+    """Drops this worker's copy of the fork server's keep-alive pipe.
+
+    multiprocessing hands every forkserver child the write end of the pipe whose end of
+    file tells the server that its parent died. Held by the workers, it keeps the server
+    alive after the caller is SIGKILLed, and with it the workers, whose parent-death
+    signal follows the server. Closed here, the chain caller -> server -> workers holds.
+    """
+    from multiprocessing import forkserver  # noqa: PLC0415 - only forkserver workers
+
+    server = getattr(forkserver, "_forkserver", None)
+    fd = getattr(server, "_forkserver_alive_fd", None)
+    if isinstance(fd, int):
+        with contextlib.suppress(OSError):
+            os.close(fd)
+        server._forkserver_alive_fd = None  # type: ignore[union-attr]
+
+
 def _worker_main(
     func: Callable[..., Any],
     cfg: MultiprocessConfig,
@@ -126,6 +144,8 @@ def _worker_main(
 ) -> None:
     """Body of one worker process: guards, ``setup``, :func:`init_and_run`, report."""
     files = RankFiles.for_rank(run_dir, cfg.rank)
+    if parent_pid is None:  # a forkserver worker
+        _close_inherited_forkserver_fd()
     install_worker_guards(files, parent_pid)
     try:
         if setup is not None:
