@@ -55,9 +55,35 @@ def test_root_cause_is_right_ten_times_in_a_row() -> None:
     assert named == [1] * 10
 
 
-def test_rank_offset_places_local_ranks_in_a_larger_world(tmp_path: Path) -> None:
-    """Two calls with rank_offset 0 and 2 would form one 4-rank world; here the
-    offset call alone must refuse ranks outside the world."""
+def test_two_calls_with_rank_offsets_form_one_world(tmp_path: Path) -> None:
+    """As two nodes would: each call starts 2 local ranks of a 4-rank world."""
+    import threading
+
+    from dist_launch_test_workers import write_rank_and_sum
+
+    from dist_core.ports import get_unused_port
+
+    port = get_unused_port()
+    errors: list[BaseException] = []
+
+    def node(offset: int) -> None:
+        cfg = MultiprocessConfig(world_size=4, local_world_size=2, master_port=port)
+        try:
+            launch_subprocesses(write_rank_and_sum, cfg, None, offset, str(tmp_path))
+        except BaseException as error:
+            errors.append(error)
+
+    threads = [threading.Thread(target=node, args=(offset,)) for offset in (0, 2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(150)
+    assert not errors, errors
+    lines = sorted(path.read_text() for path in tmp_path.iterdir())
+    assert lines == ["0 4 6 0", "1 4 6 1", "2 4 6 0", "3 4 6 1"]
+
+
+def test_rank_offset_outside_the_world_is_refused(tmp_path: Path) -> None:
     from dist_launch_test_workers import write_rank_and_sum
 
     cfg = MultiprocessConfig(world_size=2, local_world_size=2)
@@ -66,12 +92,18 @@ def test_rank_offset_places_local_ranks_in_a_larger_world(tmp_path: Path) -> Non
 
 
 def test_single_rank_runs_in_this_process(tmp_path: Path) -> None:
-    from dist_launch_test_workers import write_rank_and_sum
+    import torch.distributed as dist
+    from dist_launch_test_workers import fail_on_rank, write_rank_and_sum
 
     calls = []
     launch_subprocesses(write_rank_and_sum, _cfg(1), lambda: calls.append(1), 0, str(tmp_path))
     assert calls == [1]
     assert (tmp_path / "rank0").read_text() == "0 1 0 0"
+    assert not dist.is_initialized()
+    with pytest.raises(LaunchError, match="deliberate failure on rank 0") as caught:
+        launch_subprocesses(fail_on_rank, _cfg(1), None, 0, 0)
+    assert isinstance(caught.value.__cause__, ValueError)
+    assert not dist.is_initialized()
 
 
 @pytest.mark.skipif(

@@ -25,6 +25,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import traceback
 from collections.abc import Callable
 from importlib import import_module
 from multiprocessing.process import BaseProcess
@@ -204,6 +205,35 @@ def _context(method: str, func: Callable[..., Any]) -> Any:
     return context
 
 
+def _run_in_this_process(
+    func: Callable[..., Any],
+    cfg: MultiprocessConfig,
+    setup: Callable[[], Any] | None,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> None:
+    """The one-rank case: no child process, same contract (LaunchError on failure)."""
+    from dist_core.backend import destroy_dist  # noqa: PLC0415 - imports torch
+
+    cfg.rank = 0
+    cfg.local_rank = 0
+    try:
+        if setup is not None:
+            setup()
+        init_and_run(func, cfg, *args, **kwargs)
+    except LaunchError:
+        raise
+    except Exception as error:
+        text = "".join(traceback.format_exception(error)).rstrip()
+        raise LaunchError(
+            f"launch_subprocesses: rank 0 of 1 (in this process) failed:\n{text}",
+            rank=0,
+            exitcode=1,
+        ) from error
+    finally:
+        destroy_dist()
+
+
 def launch_subprocesses(
     func: Callable[..., Any],
     cfg: MultiprocessConfig,
@@ -219,7 +249,8 @@ def launch_subprocesses(
     local ranks ``i``; ``cfg.world_size`` is the total over all nodes. Each process
     runs ``setup()`` (when given), then :func:`init_and_run`. With
     ``cfg.world_size <= 1`` everything runs in this process (``setup``, then
-    :func:`init_and_run` with a group of one, destroyed afterwards).
+    :func:`init_and_run` with a group of one, destroyed afterwards; an exception of
+    ``func`` is raised as a :class:`LaunchError` whose ``__cause__`` is the original).
 
     When a rank fails, the others are asked for their stacks, sent SIGTERM, and after
     the grace period SIGKILL; this raises within the grace period plus a few seconds.
@@ -246,11 +277,7 @@ def launch_subprocesses(
     """
     MultiprocessConfig.resolve(cfg)
     if cfg.world_size <= 1:
-        cfg.rank = rank_offset
-        cfg.local_rank = 0
-        if setup is not None:
-            setup()
-        init_and_run(func, cfg, *args, **kwargs)
+        _run_in_this_process(func, cfg, setup, args, kwargs)
         return
     local = cfg.local_world_size
     if local < 1 or rank_offset < 0 or rank_offset + local > cfg.world_size:
