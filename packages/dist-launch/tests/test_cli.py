@@ -104,6 +104,18 @@ def _read_ready_pids(
             seen += chunk
 
 
+def _wait_for_output(process: subprocess.Popen[bytes], text: bytes, count: int) -> None:
+    assert process.stdout is not None
+    seen = b""
+    deadline = time.monotonic() + 60
+    while seen.count(text) < count:
+        assert time.monotonic() < deadline, seen
+        if select.select([process.stdout], [], [], 1.0)[0]:
+            chunk = os.read(process.stdout.fileno(), 65536)
+            assert chunk, seen
+            seen += chunk
+
+
 def _alive(pid: int) -> bool:
     """True while ``pid`` exists in /proc and is not a zombie."""
     try:
@@ -420,3 +432,39 @@ def test_stopping_a_rank_reaches_the_processes_it_started(tmp_path: Path) -> Non
     assert result.returncode == 1, result.stderr
     child = int(re.search(r"\[rank0\]: child (\d+)", result.stdout).group(1))  # type: ignore[union-attr]
     assert _wait_until_gone([child]) == [], "the stopped rank's child survived"
+
+
+def test_second_sigint_does_not_wait_for_the_grace_period(tmp_path: Path) -> None:
+    script = _script(
+        tmp_path,
+        "stubborn.py",
+        textwrap.dedent(
+            """\
+            import os, signal, threading
+            def shrug(*_):  # Ctrl-C is shrugged off
+                os.write(1, b"got SIGINT\\n")
+
+            signal.signal(signal.SIGINT, shrug)
+            print("ready", os.getpid(), flush=True)
+            threading.Event().wait(300)
+            """
+        ),
+    )
+    launcher = subprocess.Popen(
+        [*LAUNCH, "-n", "2", "--start-method", "spawn", "--grace-period", "300", script],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        pids = _read_ready_pids(launcher, 2)
+        launcher.send_signal(signal.SIGINT)
+        _wait_for_output(launcher, b"got SIGINT", 2)
+        launcher.send_signal(signal.SIGINT)
+        # Without the escalation this would take the 300 s grace period.
+        _, stderr = launcher.communicate(timeout=60)
+        assert launcher.returncode == 130, stderr
+        assert _wait_until_gone(pids) == []
+    finally:
+        launcher.kill()
+        launcher.wait(30)

@@ -276,14 +276,14 @@ class Supervisor:
             if self._signals:
                 received = self._signals[:]
                 self._signals.clear()
-                if status is None or status != "interrupted":
-                    status, signum = "interrupted", received[0]
-                    logger.info(
+                if status != "interrupted":
+                    status, signum = "interrupted", received.pop(0)
+                    logger.debug(
                         "forwarding %s to %d rank(s)", signal.Signals(signum).name, len(live)
                     )
-                    self._stop(received[0])
+                    self._stop(signum)
                     kill_at = now + self.grace_period
-                if len(received) > 1 or (kill_at is not None and received[0] != signum):
+                if received:
                     kill_at = now  # asked again: stop waiting for a clean exit
             if status is None and any(o.status == "failed" for o in self.outcomes):
                 status = "failed"
