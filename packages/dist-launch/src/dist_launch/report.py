@@ -95,7 +95,8 @@ def format_report(outcome: GroupOutcome, launcher: str = "dist-launch") -> str:
     lines: list[str] = []
     if outcome.status == "interrupted" and outcome.signum is not None:
         name = signal.Signals(outcome.signum).name
-        lines.append(f"{launcher}: interrupted by {name}; stopped {len(outcome.ranks)} rank(s)")
+        stopped = sum(1 for rank in outcome.ranks if rank.stop_signal is not None)
+        lines.append(f"{launcher}: interrupted by {name}; stopped {stopped} rank(s)")
         return "\n".join(lines)
     if root is not None:
         lines.append(
