@@ -5,7 +5,8 @@ Four real processes on this machine share one TCPStore hosted by this script.
 1. ``ProcessGroupGloo.configure`` on a new prefix with 4 ranks, and with 3 survivors
    after one rank leaves: ours and torchft's, in the same processes, interleaved.
 2. Per-step time of a small model whose gradients are averaged by a plain gloo group,
-   and by a :class:`dist_collectives.ft.Manager` (quorum, allreduce, commit vote).
+   and by a :class:`dist_collectives.ft.Manager` (quorum, allreduce, commit vote), in
+   alternating blocks so that both see the same load from other jobs.
 
 Prints the medians and the ratios with the targets (reconfigure <= 0.25x torchft's,
 managed overhead <= 10 %). Without torchft installed it measures ours alone and says so.
@@ -22,8 +23,9 @@ from typing import Any
 
 WORLD = 4
 REPEATS = 15
-WARMUP_STEPS = 10
-STEPS = 60
+BLOCKS = 6
+WARMUP_STEPS = 2
+BLOCK_STEPS = 10
 
 
 def _barrier(store: Any, name: str, count: int) -> None:
@@ -52,7 +54,8 @@ def _reconfigure_times(
     return times
 
 
-def _train_steps(rank: int, port: int, store: Any, managed: bool) -> list[float]:
+def _train_steps(rank: int, port: int, store: Any) -> dict[str, list[float]]:
+    """Alternating blocks of plain and managed steps, so that both see the same load."""
     import torch
     import torch.distributed as dist
     from torch import nn
@@ -64,50 +67,53 @@ def _train_steps(rank: int, port: int, store: Any, managed: bool) -> list[float]
         nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10)
     )
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    pg = ProcessGroupGloo(timeout=timedelta(seconds=30))
-    manager = None
-    if managed:
-        manager = Manager(
-            pg,
-            load_state_dict=model.load_state_dict,
-            state_dict=model.state_dict,
-            min_replica_size=WORLD,
-            replica_id=f"bench{rank}",
-            store_addr="127.0.0.1",
-            store_port=port,
-            timeout=timedelta(seconds=60),
-            namespace="bench-managed",
-        )
-    else:
-        pg.configure(f"127.0.0.1:{port}/plain", rank, WORLD)
+    plain_pg = ProcessGroupGloo(timeout=timedelta(seconds=30))
+    plain_pg.configure(f"127.0.0.1:{port}/plain", rank, WORLD)
+    manager = Manager(
+        ProcessGroupGloo(timeout=timedelta(seconds=30)),
+        load_state_dict=model.load_state_dict,
+        state_dict=model.state_dict,
+        min_replica_size=WORLD,
+        replica_id=f"bench{rank}",
+        store_addr="127.0.0.1",
+        store_port=port,
+        timeout=timedelta(seconds=60),
+        namespace="bench-managed",
+    )
     x, y = torch.randn(64, 64), torch.randint(0, 10, (64,))
-    times = []
-    _barrier(store, f"train-{managed}", WORLD)
-    for step in range(WARMUP_STEPS + STEPS):
-        started = time.perf_counter()
-        if manager is not None:
-            manager.start_quorum()
+
+    def plain_step() -> None:
         optimizer.zero_grad()
         nn.functional.cross_entropy(model(x), y).backward()
         grads = [p.grad for p in model.parameters() if p.grad is not None]
-        if manager is not None:
-            for future in [manager.allreduce(g) for g in grads]:
-                future.wait()
-            if manager.should_commit():
-                optimizer.step()
-        else:
-            works = [pg.allreduce([g], dist.AllreduceOptions()) for g in grads]
-            for work, grad in zip(works, grads, strict=True):
-                work.wait()
-                grad.div_(WORLD)
+        works = [plain_pg.allreduce([g], dist.AllreduceOptions()) for g in grads]
+        for work, grad in zip(works, grads, strict=True):
+            work.wait()
+            grad.div_(WORLD)
+        optimizer.step()
+
+    def managed_step() -> None:
+        manager.start_quorum()
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        for future in [manager.allreduce(g) for g in grads]:
+            future.wait()
+        if manager.should_commit():
             optimizer.step()
-        if step >= WARMUP_STEPS:
-            times.append(time.perf_counter() - started)
-    if manager is not None:
-        manager.shutdown()
-    else:
-        pg.shutdown()
-    _barrier(store, f"train-{managed}-end", WORLD)
+
+    times: dict[str, list[float]] = {"plain": [], "managed": []}
+    for block in range(BLOCKS):
+        for kind, step in (("plain", plain_step), ("managed", managed_step)):
+            _barrier(store, f"train/{block}/{kind}", WORLD)
+            for i in range(WARMUP_STEPS + BLOCK_STEPS):
+                started = time.perf_counter()
+                step()
+                if i >= WARMUP_STEPS:
+                    times[kind].append(time.perf_counter() - started)
+    manager.shutdown()
+    plain_pg.shutdown()
+    _barrier(store, "train/end", WORLD)
     return times
 
 
@@ -137,8 +143,7 @@ def _worker(rank: int, port: int, queue: Any, with_torchft: bool) -> None:
                     tf_make, tf_configure, rank, world, f"torchft{world}", store, port
                 )
         _barrier(store, f"phase-{world}", WORLD)
-    results["plain"] = _train_steps(rank, port, store, managed=False)
-    results["managed"] = _train_steps(rank, port, store, managed=True)
+    results.update(_train_steps(rank, port, store))
     queue.put((rank, results))
 
 

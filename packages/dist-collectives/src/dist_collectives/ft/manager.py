@@ -36,14 +36,21 @@ from torch._C._distributed_c10d import PrefixStore, Store
 from torch.futures import Future
 
 from dist_collectives.ft.process_group import ProcessGroup
-from dist_collectives.ft.quorum import Liveness, Quorum, compute_quorum, wait_for_key
+from dist_collectives.ft.quorum import (
+    REGISTRY_VERSION_KEY,
+    WAIT_SLICE_SECONDS,
+    Liveness,
+    Quorum,
+    compute_quorum,
+    wait_for_key,
+)
 from dist_collectives.ft.state_transfer import recv_state, send_state
 from dist_collectives.ft.store import connect_tcp_store
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_NAMESPACE = "dist_collectives_ft"
-_WAIT_SLICE_SECONDS = 0.05
+_HEARTBEAT_CHECK_TICKS = 4
 
 
 class ReplicaError(RuntimeError):
@@ -149,6 +156,8 @@ class Manager:
         self._generation = 0
         self._step = 0
         self._quorum: Quorum | None = None
+        self._last_quorum: Quorum | None = None
+        self._reuse_quorum = False
         self._quorum_future: concurrent.futures.Future[Quorum] | None = None
         self._configured_quorum_id: int | None = None
         self._healed: tuple[Any, int] | None = None
@@ -231,6 +240,17 @@ class Manager:
             self._step_active = True
             generation = self._generation
         future: concurrent.futures.Future[Quorum] = concurrent.futures.Future()
+        self._quorum_future = future
+        last, reuse, self._reuse_quorum = self._last_quorum, self._reuse_quorum, False
+        if reuse and last is not None:
+            # The last step committed and nobody announced itself since: same members,
+            # same group, one step on. No store round trip at all.
+            quorum = last.next_step()
+            self._last_quorum = quorum
+            with self._lock:
+                self._quorum = quorum
+            future.set_result(quorum)
+            return
 
         def run() -> None:
             try:
@@ -238,7 +258,6 @@ class Manager:
             except BaseException as error:
                 future.set_exception(error)
 
-        self._quorum_future = future
         threading.Thread(target=run, name=f"ft-quorum-{generation}", daemon=True).start()
 
     def _form_quorum(self, generation: int) -> Quorum:
@@ -250,7 +269,9 @@ class Manager:
             min_replicas=self._min_replica_size,
             join_timeout=self._join_timeout,
             timeout=self._timeout,
+            previous=self._last_quorum,
         )
+        self._last_quorum = quorum
         with self._lock:
             if generation != self._generation:
                 return quorum  # a newer start_quorum took over; leave the group alone
@@ -450,11 +471,26 @@ class Manager:
         return committed
 
     def _vote(self, quorum: Quorum, deadline: float) -> bool:
+        """Votes; True when the step is committed everywhere.
+
+        The last voter writes ``ok:same`` when no replica announced itself since the
+        quorum was decided (the next step reuses the quorum without a round), else
+        ``ok:full``; an error writes ``fail``. The first write wins.
+        """
         key = self._commit_key(quorum)
+        decision: bytes | None = None
         if self._error is None:
             votes = self._store.add(f"votes/{quorum.quorum_id}/{quorum.max_step}", 1)
             if votes >= len(quorum.members):
-                self._store.compare_set(key, "", "ok")
+                version = int(self._store.add(REGISTRY_VERSION_KEY, 0))
+                verdict = "ok:same" if version == quorum.registry_version else "ok:full"
+                decision = self._store.compare_set(key, "", verdict)
+        if decision is None:
+            decision = self._await_decision(key, deadline)
+        self._reuse_quorum = decision == b"ok:same"
+        return decision.startswith(b"ok")
+
+    def _await_decision(self, key: str, deadline: float) -> bytes:
         while not self._store.check([key]):
             if self._error is not None:
                 self._store.compare_set(key, "", "fail")
@@ -463,22 +499,26 @@ class Manager:
                 self.report_error(TimeoutError(f"no commit decision within {self._timeout}"))
                 self._store.compare_set(key, "", "fail")
                 break
-            wait_for_key(self._store, key, _WAIT_SLICE_SECONDS)
-        return bool(self._store.get(key) == b"ok")
+            wait_for_key(self._store, key, WAIT_SLICE_SECONDS)
+        return bytes(self._store.get(key))
 
     # -- the watcher --------------------------------------------------------------------
 
     def _monitor_loop(self) -> None:
         interval = self._heartbeat_interval.total_seconds()
+        ticks = 0
         while not self._stop.wait(interval):
+            ticks += 1
             try:
                 self._monitor_liveness.beat(self._replica_id)
-                self._watch_step()
+                # Errors are polled every tick; heartbeats, which only back up the error
+                # path, every few ticks, to keep the store traffic small.
+                self._watch_step(check_heartbeats=ticks % _HEARTBEAT_CHECK_TICKS == 0)
             except Exception:
                 if not self._stop.is_set():
                     logger.warning("ft monitor: store call failed", exc_info=True)
 
-    def _watch_step(self) -> None:
+    def _watch_step(self, *, check_heartbeats: bool) -> None:
         with self._lock:
             quorum, generation = self._quorum, self._generation
             watching = self._step_active and self._error is None
@@ -488,6 +528,8 @@ class Manager:
         if self._monitor_store.check([key]):
             message = self._monitor_store.get(key).decode(errors="replace")
             self._fail(ReplicaError(f"reported by replica {message}"), generation)
+            return
+        if not check_heartbeats:
             return
         alive = self._monitor_liveness.alive()
         lost = [m for m in quorum.members if m not in alive and m != self._replica_id]
