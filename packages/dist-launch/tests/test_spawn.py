@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 from pathlib import Path
 
@@ -11,6 +12,18 @@ from dist_core.config import MultiprocessConfig
 from dist_launch import LaunchError, init_and_run, launch_subprocesses
 
 pytestmark = pytest.mark.timeout(180)
+
+
+@dataclasses.dataclass
+class _Greeting:
+    text: str
+
+
+def _write_greeting(out_dir: str, greeting: _Greeting) -> None:
+    """Defined in this test file: workers load it (and _Greeting) from the file."""
+    import torch.distributed as dist
+
+    Path(out_dir, f"rank{dist.get_rank()}").write_text(f"{greeting.text} {__name__ != ''}")
 
 
 def _cfg(world_size: int, method: str = "forkserver") -> MultiprocessConfig:
@@ -28,6 +41,12 @@ def test_every_rank_runs_in_one_group(tmp_path: Path, method: str) -> None:
     lines = sorted(path.read_text() for path in tmp_path.iterdir())
     total = 2 * sum(range(world))
     assert lines == [f"{rank} {world} {total} {rank}" for rank in range(world)]
+
+
+@pytest.mark.parametrize("method", ["forkserver", "fork"])
+def test_function_and_argument_classes_from_a_test_file(tmp_path: Path, method: str) -> None:
+    launch_subprocesses(_write_greeting, _cfg(2, method), None, 0, str(tmp_path), _Greeting("hi"))
+    assert sorted(path.read_text() for path in tmp_path.iterdir()) == ["hi True", "hi True"]
 
 
 def test_failing_rank_is_named_with_its_traceback() -> None:

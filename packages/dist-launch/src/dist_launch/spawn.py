@@ -8,9 +8,13 @@ rank's traceback first.
 
 What must be picklable:
 
-- ``forkserver`` (the default) and ``spawn``: ``func`` and ``setup`` (module-level
-  functions, pickled by reference: their module must be importable, or be the
-  ``__main__`` script), ``cfg``, ``*args`` and ``**kwargs``.
+- ``forkserver`` (the default) and ``spawn``: ``cfg``, ``*args`` and ``**kwargs``, and
+  ``func`` and ``setup``. Module-level functions travel by reference
+  (:class:`~dist_launch.callables.CallableRef`): the worker imports their module by
+  name, or loads it from its file when the name is not importable (a test file under
+  pytest's importlib mode, a script run by path), so that file's module level runs
+  again in each worker. Other callables (``functools.partial``, instances with
+  ``__call__``) are pickled as they are.
 - ``fork``: nothing; the child is a copy of the caller. Do not use it after CUDA or
   threads were started in the caller.
 """
@@ -21,18 +25,21 @@ import contextlib
 import logging
 import multiprocessing as mp
 import os
+import pickle
 import shutil
 import signal
 import sys
 import tempfile
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from importlib import import_module
 from multiprocessing.process import BaseProcess
 from typing import Any
 
 from dist_core.config import MultiprocessConfig
 from dist_core.ports import release_port
+from dist_launch.callables import CallableRef
 from dist_launch.errors import LaunchError
 from dist_launch.guards import die_quietly_of_sigint, install_worker_guards, record_and_print
 from dist_launch.records import RankFiles
@@ -135,13 +142,10 @@ def _close_inherited_forkserver_fd() -> None:
 
 
 def _worker_main(
-    func: Callable[..., Any],
+    task: _Task | bytes,
     cfg: MultiprocessConfig,
-    setup: Callable[[], Any] | None,
     run_dir: str,
     parent_pid: int | None,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
 ) -> None:
     """Body of one worker process: guards, ``setup``, :func:`init_and_run`, report."""
     files = RankFiles.for_rank(run_dir, cfg.rank)
@@ -149,6 +153,7 @@ def _worker_main(
         _close_inherited_forkserver_fd()
     install_worker_guards(files, parent_pid)
     try:
+        func, setup, args, kwargs = _unpack(task)
         if setup is not None:
             setup()
         init_and_run(func, cfg, *args, **kwargs)
@@ -161,6 +166,41 @@ def _worker_main(
         sys.stdout.flush()
         # Skip interpreter teardown: peers may be gone and a destructor could block.
         os._exit(status or 1)
+
+
+@dataclass(frozen=True)
+class _Task:
+    """What a worker runs, as sent by ``fork`` (objects, nothing is pickled)."""
+
+    func: Callable[..., Any]
+    setup: Callable[[], Any] | None
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+
+def _pack(
+    func: Callable[..., Any],
+    setup: Callable[[], Any] | None,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> bytes:
+    """The task as bytes: callables by reference where possible, then the arguments."""
+    refs = [CallableRef.of(item) if item is not None else None for item in (func, setup)]
+    callables = [
+        ref if ref is not None else item for ref, item in zip(refs, (func, setup), strict=True)
+    ]
+    return pickle.dumps((callables, pickle.dumps((args, kwargs))))
+
+
+def _unpack(
+    task: _Task | bytes,
+) -> tuple[Callable[..., Any], Callable[[], Any] | None, tuple[Any, ...], dict[str, Any]]:
+    if isinstance(task, _Task):
+        return task.func, task.setup, task.args, task.kwargs
+    callables, payload = pickle.loads(task)  # our own bytes, from the parent process
+    func, setup = (item.resolve() if isinstance(item, CallableRef) else item for item in callables)
+    args, kwargs = pickle.loads(payload)  # after the callables' modules are loaded
+    return func, setup, args, kwargs
 
 
 class _ProcessWorker:
@@ -288,6 +328,11 @@ def launch_subprocesses(
     grace_period = _seconds_from_env(GRACE_PERIOD_VARIABLE, DEFAULT_GRACE_PERIOD)
     timeout = _seconds_from_env(TIMEOUT_VARIABLE, None)
     context = _context(cfg.launch_method, func)
+    task: _Task | bytes = (
+        _Task(func, setup, args, kwargs)
+        if cfg.launch_method == "fork"
+        else _pack(func, setup, args, kwargs)
+    )
     parent_pid = None if cfg.launch_method == "forkserver" else os.getpid()
     run_dir = tempfile.mkdtemp(prefix="dist-launch-")
     workers: list[_ProcessWorker] = []
@@ -298,7 +343,7 @@ def launch_subprocesses(
             worker_cfg = cfg.replace(rank=rank, local_rank=local_rank)
             process = context.Process(
                 target=_worker_main,
-                args=(func, worker_cfg, setup, run_dir, parent_pid, args, kwargs),
+                args=(task, worker_cfg, run_dir, parent_pid),
                 name=f"dist-launch-rank{rank}",
             )
             process.start()
