@@ -261,3 +261,20 @@ def test_files_are_plain_safetensors(tmp_path: Path) -> None:
         assert json.loads(handle.metadata()["dist_workspace.config"]) == {"lr": 0.1}
         assert torch.equal(handle.get_tensor("a"), weights["a"])
         assert torch.equal(handle.get_tensor("b"), weights["b"])
+
+
+def test_large_tensor_flip_in_last_chunk(tmp_path: Path) -> None:
+    # Larger than two 16 MiB chunks: the CRC runs on a helper thread, chunk by chunk.
+    workspace = NFSWorkspace(tmp_path)
+    big = torch.arange(10 * 1024 * 1024, dtype=torch.int32)  # 40 MiB
+    path = workspace.write_configs_and_weights({}, {"big": big}, rank=0)
+    _, weights = workspace.read_configs_and_weights_from_rank(0)
+    assert weights is not None and torch.equal(weights["big"], big)
+    _, end = _data_region(path)
+    with path.open("r+b") as handle:
+        handle.seek(end - 3)
+        byte = handle.read(1)
+        handle.seek(end - 3)
+        handle.write(bytes([byte[0] ^ 0x10]))
+    with pytest.raises(WorkspaceError, match="checksum mismatch in tensor 'big'"):
+        workspace.read_configs_and_weights_from_rank(0)

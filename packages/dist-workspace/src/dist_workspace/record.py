@@ -35,6 +35,7 @@ import os
 import struct
 import zlib
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -54,7 +55,7 @@ META_LAYOUT = "dist_workspace.layout"
 META_RANK = "dist_workspace.rank"
 META_JOB = "dist_workspace.job"
 _MAX_HEADER_BYTES = 256 * 1024 * 1024
-_CHUNK_BYTES = 64 * 1024 * 1024
+_CHUNK_BYTES = 16 * 1024 * 1024
 _CRC_PLACEHOLDER = "00000000"
 
 # safetensors' dtype names, for the dtypes this torch build has.
@@ -100,6 +101,41 @@ def byte_view(tensor: torch.Tensor) -> torch.Tensor:
     """A 1-D uint8 view of a contiguous CPU tensor's elements."""
     flat = tensor.reshape(-1)
     return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
+
+
+class _OverlappedCrc:
+    """A CRC-32 over chunks fed in order, computed on a helper thread.
+
+    zlib releases the GIL while it hashes, so hashing chunk k overlaps the read or
+    write of chunk k+1 on another core; the chunks are hashed strictly in order by
+    the single worker. Small inputs are hashed inline (no thread).
+    """
+
+    def __init__(self, total: int, crc: int = 0) -> None:
+        self.value = crc
+        self._pool = ThreadPoolExecutor(max_workers=1) if total > 2 * _CHUNK_BYTES else None
+        self._pending: list[Future[None]] = []
+
+    def _hash(self, chunk: memoryview) -> None:
+        self.value = zlib.crc32(chunk, self.value)
+
+    def feed(self, chunk: memoryview) -> None:
+        """Adds the next chunk (which must stay unchanged until :meth:`result`)."""
+        if self._pool is None:
+            self._hash(chunk)
+        else:
+            self._pending.append(self._pool.submit(self._hash, chunk))
+
+    def result(self) -> int:
+        """The CRC of every chunk fed, once all are hashed."""
+        if self._pool is not None:
+            try:
+                for future in self._pending:
+                    future.result()
+            finally:
+                self._pool.shutdown(wait=True)
+            self._pool = None
+        return self.value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -299,16 +335,16 @@ def write_record(fd: int, record: PreparedRecord) -> None:
             write_all(fd, memoryview(zeros)[: entry.nbytes], position)
             position += entry.nbytes
             continue
-        crc = 0
+        hasher = _OverlappedCrc(entry.nbytes if record.checksums else 0)
         if entry.nbytes:
             view = memoryview(entry.data.numpy()).cast("B")  # type: ignore[arg-type]
             for begin in range(0, entry.nbytes, _CHUNK_BYTES):
                 chunk = view[begin : begin + _CHUNK_BYTES]
                 if record.checksums:
-                    crc = zlib.crc32(chunk, crc)
+                    hasher.feed(chunk)
                 write_all(fd, chunk, position + begin)
         position += entry.nbytes
-        crcs[entry.name] = f"{crc:08x}"
+        crcs[entry.name] = f"{hasher.result():08x}"
     layout = record.layout
     if record.checksums:
         layout = {**layout, "crc32": crcs}
@@ -437,14 +473,18 @@ def parse_header(read_at: Callable[[int, int], bytes], size: int, where: str) ->
 def read_into(fd: int, target: torch.Tensor, offset: int, crc: int = 0) -> int:
     """Fills a contiguous CPU tensor from ``fd`` at ``offset``; returns the running CRC."""
     view = memoryview(byte_view(target).numpy()).cast("B")  # type: ignore[arg-type]
+    hasher = _OverlappedCrc(len(view), crc)
     done = 0
-    while done < len(view):
-        chunk = view[done : done + _CHUNK_BYTES]
-        got = os.preadv(fd, [chunk], offset + done)
-        if got == 0:
-            raise EOFError(f"end of file at byte {offset + done}")
-        crc = zlib.crc32(chunk[:got], crc)
-        done += got
+    try:
+        while done < len(view):
+            chunk = view[done : done + _CHUNK_BYTES]
+            got = os.preadv(fd, [chunk], offset + done)
+            if got == 0:
+                raise EOFError(f"end of file at byte {offset + done}")
+            hasher.feed(chunk[:got])
+            done += got
+    finally:
+        crc = hasher.result()
     return crc
 
 
