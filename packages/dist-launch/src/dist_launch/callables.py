@@ -84,5 +84,25 @@ def _load(name: str, file: str | None) -> ModuleType:
         raise ImportError(f"cannot load {file} as module {alias!r}")
     module = importlib.util.module_from_spec(spec)
     sys.modules[alias] = module
+    _insert_parents(alias, module)
     spec.loader.exec_module(module)
     return module
+
+
+def _insert_parents(name: str, module: ModuleType) -> None:
+    """Gives a dotted name loaded from a file its parent modules, as pytest does.
+
+    ``__import__("a.b.c")`` (which pickle uses) needs ``a`` and ``a.b`` in
+    ``sys.modules`` even when ``a.b.c`` is there; empty placeholders stand in for
+    parents that are not importable packages.
+    """
+    parts = name.split(".")
+    child = module
+    for depth in range(len(parts) - 1, 0, -1):
+        parent_name = ".".join(parts[:depth])
+        parent = sys.modules.get(parent_name)
+        if parent is None:
+            parent = ModuleType(parent_name)
+            sys.modules[parent_name] = parent
+        setattr(parent, parts[depth], child)
+        child = parent
