@@ -90,10 +90,13 @@ def init_and_run(
 
     wants_parallelism = cfg.model_parallelism > 1 or cfg.pipeline_parallelism > 1
     init_parallelism: Callable[..., Any] | None = None
+    destroy_parallelism: Callable[[], Any] | None = None
     if wants_parallelism:
         try:
             # An optional sibling: imported by name so that dist-launch never needs it.
-            init_parallelism = import_module("dist_collectives").init_parallelism
+            collectives = import_module("dist_collectives")
+            init_parallelism = collectives.init_parallelism
+            destroy_parallelism = getattr(collectives, "destroy_parallelism", None)
         except (ImportError, AttributeError) as error:
             raise LaunchError(
                 f"model_parallelism={cfg.model_parallelism} and pipeline_parallelism="
@@ -119,6 +122,8 @@ def init_and_run(
             dp_backend=cfg.data_parallel_backend,
         )
     result = func(*args, **kwargs)
+    if destroy_parallelism is not None:
+        destroy_parallelism()
     destroy_dist()
     return result
 
