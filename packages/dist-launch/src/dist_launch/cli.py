@@ -305,7 +305,7 @@ class Launcher:
         self.plan = plan
         self.signals: _Signals | None = None
         self._supervisor: Supervisor | None = None
-        self._spawner: object | None = None
+        self._interrupted: int | None = None  # the first signal received, if any
 
     def _on_signal(self) -> None:
         assert self.signals is not None
@@ -313,6 +313,8 @@ class Launcher:
         received = self.signals.pending[:]
         self.signals.pending.clear()
         for signum in received:
+            if self._interrupted is None:
+                self._interrupted = signum
             if self._supervisor is not None:
                 self._supervisor.interrupt(signum)
 
@@ -344,8 +346,11 @@ class Launcher:
         port_retries = 0
         try:
             while True:
-                if self.signals.pending:
-                    return 128 + self.signals.pending[0]
+                if self.signals.pending or self._interrupted is not None:
+                    # Never restart after a signal, even one that came as a group ended.
+                    signum = self._interrupted or self.signals.pending[0]
+                    print(f"{PROG}: interrupted by {signal.Signals(signum).name}", file=sys.stderr)
+                    return 128 + signum
                 remaining = None if deadline is None else max(0.01, deadline - time.monotonic())
                 try:
                     outcome = self._run_group(port, restart_count, remaining)

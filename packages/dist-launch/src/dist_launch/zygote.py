@@ -88,6 +88,8 @@ class Zygote:
     def _on_readable(self) -> None:
         try:
             data = self._sock.recv(65536)
+        except BlockingIOError:
+            return  # a spurious wake-up
         except OSError:
             data = b""
         if not data:
