@@ -468,3 +468,47 @@ def test_second_sigint_does_not_wait_for_the_grace_period(tmp_path: Path) -> Non
     finally:
         launcher.kill()
         launcher.wait(30)
+
+
+def test_auto_port_found_taken_is_replaced(tmp_path: Path) -> None:
+    """Rank 0 reports torch's EADDRINUSE error once (as when another program took the
+    port between the launcher's choice and rank 0's bind): the launcher picks another
+    port and starts again, without spending a restart."""
+    script = _script(
+        tmp_path,
+        "port.py",
+        textwrap.dedent(
+            """\
+            import os, sys
+            marker = sys.argv[1]
+            print("port", os.environ["MASTER_PORT"], flush=True)
+            if os.environ["RANK"] == "0" and not os.path.exists(marker):
+                open(marker, "w").close()
+                raise RuntimeError(
+                    "The server socket has failed to listen on any local network address. "
+                    f"port: {os.environ['MASTER_PORT']}, code: -98, name: EADDRINUSE"
+                )
+            """
+        ),
+    )
+    result = _launch(
+        "-n", "2", "--start-method", "spawn", script, str(tmp_path / "marker"), cwd=tmp_path
+    )
+    assert result.returncode == 0, result.stderr
+    assert "was taken meanwhile; retrying on" in result.stderr
+    ports = set(re.findall(r"\[rank0\]: port (\d+)", result.stdout))
+    assert len(ports) == 2, result.stdout
+
+
+def test_explicit_port_is_never_replaced(tmp_path: Path) -> None:
+    script = _script(
+        tmp_path,
+        "port.py",
+        'import os\nif os.environ["RANK"] == "0":\n    raise RuntimeError("EADDRINUSE")\n',
+    )
+    port = get_unused_port()
+    result = _launch(
+        "-n", "2", "--start-method", "spawn", "--master-port", str(port), script, cwd=tmp_path
+    )
+    assert result.returncode == 1
+    assert "retrying" not in result.stderr
