@@ -432,6 +432,45 @@ def test_stopping_a_rank_reaches_the_processes_it_started(tmp_path: Path) -> Non
     assert result.returncode == 1, result.stderr
     child = int(re.search(r"\[rank0\]: child (\d+)", result.stdout).group(1))  # type: ignore[union-attr]
     assert _wait_until_gone([child]) == [], "the stopped rank's child survived"
+    rank0 = result.stderr[result.stderr.index("  rank 0 (local rank 0, node 0)") :]
+    assert "stopped by the launcher (SIGTERM after rank 1 failed)" in rank0
+    assert "it was at:" in rank0 and "parent.py" in rank0, result.stderr  # its live stack
+
+
+def test_rank_ignoring_sigterm_is_killed_after_the_grace_period(tmp_path: Path) -> None:
+    script = _script(
+        tmp_path,
+        "stubborn.py",
+        textwrap.dedent(
+            """\
+            import os, signal, sys, time
+            flag = sys.argv[1]
+            if os.environ["RANK"] == "0":
+                signal.signal(signal.SIGTERM, signal.SIG_IGN)
+                open(flag, "w").close()
+                time.sleep(300)
+            deadline = time.monotonic() + 60
+            while not os.path.exists(flag) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            raise RuntimeError("rank 1 fails")
+            """
+        ),
+    )
+    result = _launch(
+        "-n",
+        "2",
+        "--start-method",
+        "spawn",
+        "--grace-period",
+        "1",
+        script,
+        str(tmp_path / "flag"),
+        cwd=tmp_path,
+        timeout=60,
+    )
+    assert result.returncode == 1, result.stderr
+    assert "rank 1 (local rank 1, node 0) failed first" in result.stderr
+    assert "ended with signal SIGKILL" in result.stderr
 
 
 def test_second_sigint_does_not_wait_for_the_grace_period(tmp_path: Path) -> None:
