@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import logging
+import os
 import signal
 import sys
 
@@ -32,6 +34,25 @@ def set_parent_death_signal(signum: int = signal.SIGKILL) -> bool:
     except OSError:
         logger.debug("prctl(PR_SET_PDEATHSIG) is unavailable", exc_info=True)
         return False
+
+
+def close_inherited_forkserver_fd() -> None:
+    """Drops a forkserver child's copy of the server's keep-alive pipe.
+
+    multiprocessing hands every child of a fork server the write end of the pipe whose
+    end of file tells the server that its own parent died. While children hold it, a
+    SIGKILLed parent leaves the server, and every child whose parent-death signal
+    follows the server, running. Call it first thing in a forkserver child; elsewhere
+    it does nothing.
+    """
+    from multiprocessing import forkserver  # noqa: PLC0415 - only forkserver children
+
+    server = getattr(forkserver, "_forkserver", None)
+    fd = getattr(server, "_forkserver_alive_fd", None)
+    if isinstance(fd, int):
+        with contextlib.suppress(OSError):
+            os.close(fd)
+        server._forkserver_alive_fd = None  # type: ignore[union-attr]
 
 
 def describe_exit(exitcode: int | None) -> str:

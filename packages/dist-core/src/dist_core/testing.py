@@ -45,7 +45,12 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from dist_core.proc import describe_exit, is_peer_failure, set_parent_death_signal
+from dist_core.proc import (
+    close_inherited_forkserver_fd,
+    describe_exit,
+    is_peer_failure,
+    set_parent_death_signal,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -155,6 +160,7 @@ def _resolve(ref: _FunctionRef) -> Callable[..., Any]:
 
 def _worker_main(spec: _WorkerSpec, conn: mp_connection.Connection) -> None:
     """Body of one rank: set up, run, report. Runs in the child process."""
+    close_inherited_forkserver_fd()  # so that a SIGKILLed pytest takes the workers down
     set_parent_death_signal(signal.SIGKILL)
     stack_file = open(spec.stack_file, "w")  # noqa: SIM115 - open for the process's life
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)

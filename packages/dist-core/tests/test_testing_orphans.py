@@ -1,0 +1,57 @@
+"""A test process SIGKILLed while run_ranks runs leaves no worker behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+SCRIPT = textwrap.dedent(
+    """
+    import os, sys, time
+    from pathlib import Path
+    from dist_core.testing import run_ranks
+
+    def park(directory):
+        Path(directory, str(os.getpid())).touch()
+        time.sleep(600)
+
+    if __name__ == "__main__":
+        run_ranks(park, 2, sys.argv[1], timeout=600)
+    """
+)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+def test_sigkilled_caller_takes_its_workers_down(tmp_path: Path) -> None:
+    script = tmp_path / "caller.py"
+    script.write_text(SCRIPT)
+    pids_dir = tmp_path / "pids"
+    pids_dir.mkdir()
+    caller = subprocess.Popen([sys.executable, str(script), str(pids_dir)])
+    try:
+        deadline = time.monotonic() + 120
+        while len(list(pids_dir.iterdir())) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)  # polling for files the workers create
+        workers = [int(path.name) for path in pids_dir.iterdir()]
+        assert len(workers) == 2
+        os.kill(caller.pid, signal.SIGKILL)
+        caller.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while any(_alive(pid) for pid in workers) and time.monotonic() < deadline:
+            time.sleep(0.05)  # polling /proc: these are not our children
+        assert not [pid for pid in workers if _alive(pid)]
+    finally:
+        if caller.poll() is None:
+            caller.kill()
