@@ -106,3 +106,25 @@ def test_no_resource_tracker_warnings() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert "resource_tracker" not in done.stderr and "leaked" not in done.stderr
+
+
+def test_zombie_creator_counts_as_dead() -> None:
+    """An exited, unreaped creator (a container whose init does not reap) is gone."""
+    import time
+
+    from dist_workspace.jobid import process_start_time
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            stat = Path(f"/proc/{child.pid}/stat").read_text()
+            state = stat.rsplit(")", 1)[1].split()[0]
+            if state == "Z":
+                break
+            time.sleep(0.02)  # polling: the child exits on its own time
+        assert state == "Z"
+        assert process_start_time(child.pid) is None
+    finally:
+        child.wait(timeout=30)
+    assert process_start_time(os.getpid()) is not None

@@ -20,7 +20,8 @@ def process_start_time(pid: int) -> int | None:
     """The start time of ``pid`` in clock ticks since boot, or None when it is gone.
 
     Together with the pid this identifies a process: a pid reused by a later process
-    has a different start time.
+    has a different start time. A zombie (exited, not yet reaped: common in containers
+    whose init does not reap) counts as gone.
     """
     try:
         with open(f"/proc/{pid}/stat", "rb") as handle:
@@ -28,6 +29,8 @@ def process_start_time(pid: int) -> int | None:
     except OSError:
         return None
     fields = stat[stat.rfind(b")") + 2 :].split()
+    if fields[:1] in ([b"Z"], [b"X"], [b"x"]):
+        return None
     try:
         return int(fields[19])
     except (IndexError, ValueError):
