@@ -39,6 +39,7 @@ from typing import Any
 
 from dist_core.config import MultiprocessConfig
 from dist_core.ports import release_port
+from dist_core.proc import close_inherited_forkserver_fd
 from dist_launch.callables import CallableRef
 from dist_launch.errors import LaunchError
 from dist_launch.guards import die_quietly_of_sigint, install_worker_guards, record_and_print
@@ -128,24 +129,6 @@ def init_and_run(
     return result
 
 
-def _close_inherited_forkserver_fd() -> None:
-    """Drops this worker's copy of the fork server's keep-alive pipe.
-
-    multiprocessing hands every forkserver child the write end of the pipe whose end of
-    file tells the server that its parent died. Held by the workers, it keeps the server
-    alive after the caller is SIGKILLed, and with it the workers, whose parent-death
-    signal follows the server. Closed here, the chain caller -> server -> workers holds.
-    """
-    from multiprocessing import forkserver  # noqa: PLC0415 - only forkserver workers
-
-    server = getattr(forkserver, "_forkserver", None)
-    fd = getattr(server, "_forkserver_alive_fd", None)
-    if isinstance(fd, int):
-        with contextlib.suppress(OSError):
-            os.close(fd)
-        server._forkserver_alive_fd = None  # type: ignore[union-attr]
-
-
 def _worker_main(
     task: _Task | bytes,
     cfg: MultiprocessConfig,
@@ -155,7 +138,7 @@ def _worker_main(
     """Body of one worker process: guards, ``setup``, :func:`init_and_run`, report."""
     files = RankFiles.for_rank(run_dir, cfg.rank)
     if parent_pid is None:  # a forkserver worker
-        _close_inherited_forkserver_fd()
+        close_inherited_forkserver_fd()
     install_worker_guards(files, parent_pid)
     try:
         func, setup, args, kwargs = _unpack(task)
