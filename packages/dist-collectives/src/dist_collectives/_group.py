@@ -7,6 +7,7 @@ describes several ranks without a group are reported the same way everywhere.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -31,6 +32,24 @@ class GroupView:
         return self.group is None
 
 
+# Resolved views of live groups, keyed by the group object itself. Resolving costs a
+# dozen torch.distributed calls (about 20 microseconds right after a large exchange,
+# when Python's caches are cold): measurable against a 1.5 ms all-to-all of 1 MiB on
+# 4 ranks. A destroyed and re-created default group is a new object, so it misses;
+# entries hold their group weakly, so a destroyed group is not kept alive here.
+_resolved: weakref.WeakKeyDictionary[ProcessGroup, GroupView] = weakref.WeakKeyDictionary()
+
+
+def _cached(group: object) -> GroupView | None:
+    # new_group() hands non-members a plain int placeholder, which is never cached.
+    return _resolved.get(group) if isinstance(group, ProcessGroup) else None
+
+
+def _remember(group: ProcessGroup, view: GroupView) -> GroupView:
+    _resolved[group] = view
+    return view
+
+
 def resolve_group(group: ProcessGroup | None, operation: str) -> GroupView:
     """Resolves ``group`` for ``operation``; reads ``WORLD_SIZE`` etc. without a group.
 
@@ -51,6 +70,11 @@ def resolve_group(group: ProcessGroup | None, operation: str) -> GroupView:
             group is initialized, or ``group`` is given without any initialized group.
         ValueError: This rank is not a member of ``group``.
     """
+    world_group = dist.GroupMember.WORLD if dist.is_available() else None
+    if world_group is not None:
+        view = _cached(world_group if group is None else group)
+        if view is not None:
+            return view
     if not (dist.is_available() and dist.is_initialized()):
         if group is not None:
             raise CollectivesError(
@@ -69,7 +93,9 @@ def resolve_group(group: ProcessGroup | None, operation: str) -> GroupView:
     if group is None:
         world = dist.group.WORLD
         assert world is not None  # initialized above
-        return GroupView(group=world, size=dist.get_world_size(), rank=dist.get_rank())
+        return _remember(
+            world, GroupView(group=world, size=dist.get_world_size(), rank=dist.get_rank())
+        )
     non_member: object = dist.GroupMember.NON_GROUP_MEMBER  # typed int in torch's stubs
     if group is non_member:
         raise ValueError(
@@ -83,7 +109,7 @@ def resolve_group(group: ProcessGroup | None, operation: str) -> GroupView:
             f"{operation}: global rank {dist.get_rank()} is not a member of the group with "
             f"ranks {dist.get_process_group_ranks(group)}"
         )
-    return GroupView(group=group, size=dist.get_world_size(group), rank=rank)
+    return _remember(group, GroupView(group=group, size=dist.get_world_size(group), rank=rank))
 
 
 def group_ranks(view: GroupView) -> list[int]:
