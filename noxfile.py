@@ -192,13 +192,14 @@ def demo(session: nox.Session) -> None:
     session.log(f"exported {export_dir / 'model.safetensors'} and {export_dir / 'config.json'}")
     session.run(
         "python",
-        str(ROOT / "examples" / "train_ft.py"),
-        "--replicas",
-        "4",
-        "--kill-replica",
+        str(ROOT / "examples" / "train.py"),
+        "--fault-tolerant",
+        "--kill-rank",
         "3",
         "--kill-at-step",
         "15",
+        "--steps",
+        "40",
     )
 
 

@@ -16,8 +16,10 @@ The experts are split over the expert-parallel group (``--expert-parallel`` rank
 data-parallel replicas of each expert average their gradients over the dp group; the
 gate is replicated everywhere and averaged over the world.
 
-The fault-tolerant path (a replica killed mid-run, the survivors go on) is
-``examples/train_ft.py``.
+The fault-tolerant path: ``python examples/train.py --fault-tolerant --kill-rank 3``
+starts 4 replicas itself, SIGKILLs replica 3 in the middle of a step, and the three
+survivors finish with bit-identical weights (``examples/train_ft.py`` does the work).
+Run it directly, not under dist-launch, which stops every rank when one dies.
 """
 
 from __future__ import annotations
@@ -79,6 +81,27 @@ def export(
     dist_collectives.barrier()  # nobody exits (and cleans up) before the export exists
 
 
+def _fault_tolerant(options: argparse.Namespace) -> int:
+    """Hands over to train_ft.py's coordinator, which starts the replicas itself."""
+    if dist_core.DistEnv.from_environ().world_size > 1:
+        raise SystemExit(
+            "--fault-tolerant starts its own replicas: run `python examples/train.py "
+            "--fault-tolerant ...` directly, not under dist-launch (which stops every rank "
+            "when one dies)"
+        )
+    import train_ft
+
+    return train_ft.main(
+        [
+            f"--replicas={options.replicas}",
+            f"--steps={options.steps}",
+            f"--lr={options.lr}",
+            f"--kill-replica={options.kill_rank}",
+            f"--kill-at-step={options.kill_at_step}",
+        ]
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     """Trains, prints progress on rank 0, exports at the end."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -91,7 +114,17 @@ def main(argv: list[str] | None = None) -> int:
         type=Path,
         help="each rank writes rank{r}.json: its losses and the SHA-256 of its live weights",
     )
+    parser.add_argument(
+        "--fault-tolerant",
+        action="store_true",
+        help="run the fault-tolerant replica path of train_ft.py instead (not under dist-launch)",
+    )
+    parser.add_argument("--kill-rank", type=int, default=-1, help="with --fault-tolerant")
+    parser.add_argument("--kill-at-step", type=int, default=15, help="with --fault-tolerant")
+    parser.add_argument("--replicas", type=int, default=4, help="with --fault-tolerant")
     options = parser.parse_args(argv)
+    if options.fault_tolerant:
+        return _fault_tolerant(options)
 
     dist_core.configure_logging()
     dist_core.init_process_group_from_backend()

@@ -48,12 +48,11 @@ def test_fault_tolerant_path_finishes_on_the_survivors() -> None:
     completed = subprocess.run(
         [
             sys.executable,
-            str(EXAMPLES / "train_ft.py"),
-            "--replicas",
-            "4",
+            str(EXAMPLES / "train.py"),
+            "--fault-tolerant",
             "--steps",
             "24",
-            "--kill-replica",
+            "--kill-rank",
             "3",
             "--kill-at-step",
             "8",
