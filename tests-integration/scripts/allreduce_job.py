@@ -13,4 +13,5 @@ print(f"rank={rank} world={dist.get_world_size()} sum={int(value.item())}", flus
 if os.environ.get("BLOCK_AFTER_ALLREDUCE"):
     # A receive nobody answers: blocks until a peer goes away (or gloo's 30-min timeout).
     dist.recv(torch.zeros(1), src=(rank + 1) % dist.get_world_size())
+dist.barrier()  # nobody tears the group down while a peer still talks to it
 dist.destroy_process_group()

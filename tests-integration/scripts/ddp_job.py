@@ -27,4 +27,5 @@ digest = hashlib.sha256()
 for tensor in model.module.state_dict().values():
     digest.update(tensor.numpy().tobytes())
 print(f"rank={dist.get_rank()} digest={digest.hexdigest()}", flush=True)
+dist.barrier()  # nobody tears the group down while a peer still talks to it
 dist.destroy_process_group()

@@ -25,9 +25,12 @@ from dist_collectives.ft.work import DummyWork, completed_future
 
 logger = logging.getLogger(__name__)
 
-# How long the interpreter's exit waits for groups still being torn down. A group
-# destroyed while the interpreter finalises aborts the process (a joinable C++ thread).
+# How long the interpreter's exit waits, at least, for groups still being torn down. A
+# group destroyed while the interpreter finalises aborts the process (a joinable C++
+# thread), so the wait grows to the longest timeout of a retired group: a gloo group
+# whose operation waits on a peer that moved on holds its threads that long.
 EXIT_DRAIN_SECONDS = 10.0
+_drain_seconds = EXIT_DRAIN_SECONDS
 
 _graveyard: queue.SimpleQueue[object] = queue.SimpleQueue()
 _reaper: threading.Thread | None = None
@@ -52,23 +55,27 @@ def _drain_at_exit() -> None:
     if reaper is None:
         return
     _graveyard.put(_STOP)
-    reaper.join(EXIT_DRAIN_SECONDS)
+    reaper.join(_drain_seconds)
     if reaper.is_alive():
         logger.warning(
             "a retired process group is still being torn down after %.0f s (a peer died "
             "mid-operation); the interpreter may abort on exit",
-            EXIT_DRAIN_SECONDS,
+            _drain_seconds,
         )
 
 
-def retire_in_background(backend: object) -> None:
+def retire_in_background(backend: object, timeout: timedelta | None = None) -> None:
     """Drops the last reference to ``backend`` on a background thread.
 
     Tearing down a group whose peers died can take as long as its timeout; doing it here
-    lets the caller go on with the new configuration at once.
+    lets the caller go on with the new configuration at once. At the interpreter's exit
+    the teardown is awaited for up to the longest ``timeout`` given (plus a margin), so
+    that the process exits cleanly instead of aborting.
     """
-    global _reaper
+    global _reaper, _drain_seconds
     with _reaper_lock:
+        if timeout is not None:
+            _drain_seconds = max(_drain_seconds, timeout.total_seconds() + 5.0)
         if _reaper is None:
             _reaper = threading.Thread(target=_reap_forever, name="ft-group-reaper", daemon=True)
             _reaper.start()
@@ -126,7 +133,7 @@ class ProcessGroupWrapper(ProcessGroup):
         )
 
     def _retire(self, backend: Any) -> None:
-        retire_in_background(backend)
+        retire_in_background(backend, self._timeout)
 
     def shutdown(self) -> None:
         """Releases the current configuration (in the background) and the wrapped group's."""
