@@ -6,6 +6,7 @@ import json
 import signal
 import subprocess
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,16 @@ def _run_kill_and_rejoin(tmp_path: Path, replicas: int, mode: str) -> dict[str, 
             procs[replica] = _spawn(port, replica, out, *extra)
         assert procs[victim].wait(timeout=PROCESS_TIMEOUT) == -signal.SIGKILL
         killed = json.loads(store.get("test/killed"))
+        # Restart the victim only once every survivor has committed a step without it,
+        # so that the test sees both the smaller quorum and the rejoin (not a race).
+        survivors = [r for r in outs if r != victim]
+        deadline = time.monotonic() + PROCESS_TIMEOUT
+        while time.monotonic() < deadline and not all(
+            store.check([f"test/progress/{r}"])
+            and int(store.get(f"test/progress/{r}")) > killed["step"]
+            for r in survivors
+        ):
+            time.sleep(0.05)  # polling the store for progress other processes write
         procs[victim] = _spawn(port, victim, outs[victim], *common, "--restarted")
         store.wait(["test/rejoined"], timedelta(seconds=PROCESS_TIMEOUT))
         progress = [int(store.get(f"test/progress/{r}")) for r in outs]
