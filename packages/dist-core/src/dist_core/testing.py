@@ -27,24 +27,21 @@ from __future__ import annotations
 
 import dataclasses
 import faulthandler
-import importlib
-import importlib.util
 import logging
 import multiprocessing as mp
 import multiprocessing.connection as mp_connection
 import os
 import pickle
 import signal
-import sys
 import tempfile
 import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
+from dist_core.callables import CallableRef
 from dist_core.proc import (
     close_inherited_forkserver_fd,
     describe_exit,
@@ -70,15 +67,8 @@ class RankFailedError(RuntimeError):
 
 
 @dataclasses.dataclass(frozen=True)
-class _FunctionRef:
-    module: str
-    file: str | None
-    qualname: str
-
-
-@dataclasses.dataclass(frozen=True)
 class _WorkerSpec:
-    function: _FunctionRef
+    function: CallableRef
     payload: bytes
     rank: int
     world_size: int
@@ -89,73 +79,14 @@ class _WorkerSpec:
     stack_file: str
 
 
-def _function_ref(fn: Callable[..., Any]) -> _FunctionRef:
-    qualname = getattr(fn, "__qualname__", "")
-    module_name = getattr(fn, "__module__", None)
-    if not module_name or "<locals>" in qualname or "<lambda>" in qualname:
+def _function_ref(fn: Callable[..., Any]) -> CallableRef:
+    ref = CallableRef.of(fn)
+    if ref is None:
         raise TypeError(
             f"run_ranks needs a module-level function, got {fn!r}; define it at the top "
             "level of the test file or of an importable module"
         )
-    module = sys.modules.get(module_name)
-    file = getattr(module, "__file__", None) if module is not None else None
-    return _FunctionRef(module_name, file, qualname)
-
-
-def _load_module(ref: _FunctionRef) -> ModuleType:
-    module = sys.modules.get(ref.module)
-    if module is not None and _same_file(module, ref.file):
-        return module
-    if ref.module != "__main__":
-        try:
-            module = importlib.import_module(ref.module)
-        except ImportError:
-            module = None
-        if module is not None and _same_file(module, ref.file):
-            return module
-    if ref.file is None:
-        raise ImportError(f"cannot import module {ref.module!r} and it has no file to load")
-    name = "__mp_main__" if ref.module == "__main__" else ref.module
-    spec = importlib.util.spec_from_file_location(name, ref.file)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"cannot load {ref.file} as module {name!r}")
-    module = importlib.util.module_from_spec(spec)
-    _register_parents(name)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-def _register_parents(name: str) -> None:
-    """Puts empty parent packages of a dotted module name into ``sys.modules``.
-
-    pytest's importlib mode names a test file after its path (``pkg.tests.test_x``)
-    without those parents being importable; pickle looks classes up through
-    ``__import__``, which needs them. pytest does the same in the parent process.
-    """
-    parts = name.split(".")
-    for depth in range(1, len(parts)):
-        parent = ".".join(parts[:depth])
-        if parent not in sys.modules:
-            placeholder = ModuleType(parent)
-            placeholder.__path__ = []
-            sys.modules[parent] = placeholder
-
-
-def _same_file(module: ModuleType, file: str | None) -> bool:
-    found = getattr(module, "__file__", None)
-    if file is None or found is None:
-        return True
-    return os.path.realpath(str(found)) == os.path.realpath(file)
-
-
-def _resolve(ref: _FunctionRef) -> Callable[..., Any]:
-    target: Any = _load_module(ref)
-    for part in ref.qualname.split("."):
-        target = getattr(target, part)
-    if not callable(target):
-        raise TypeError(f"{ref.module}.{ref.qualname} is not callable")
-    return target  # type: ignore[no-any-return]
+    return ref
 
 
 def _worker_main(spec: _WorkerSpec, conn: mp_connection.Connection) -> None:
@@ -182,7 +113,7 @@ def _worker_main(spec: _WorkerSpec, conn: mp_connection.Connection) -> None:
     from dist_core.backend import destroy_dist, init_process_group_from_backend  # noqa: PLC0415
 
     try:
-        fn = _resolve(spec.function)
+        fn = spec.function.resolve()
         args, kwargs = pickle.loads(spec.payload)
         init_process_group_from_backend(spec.backend, timeout=timedelta(seconds=spec.timeout))
         result = fn(*args, **kwargs)

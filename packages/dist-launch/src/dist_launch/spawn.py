@@ -10,7 +10,7 @@ What must be picklable:
 
 - ``forkserver`` (the default) and ``spawn``: ``cfg``, ``*args`` and ``**kwargs``, and
   ``func`` and ``setup``. Module-level functions travel by reference
-  (:class:`~dist_launch.callables.CallableRef`): the worker imports their module by
+  (:class:`~dist_core.callables.CallableRef`): the worker imports their module by
   name, or loads it from its file when the name is not importable (a test file under
   pytest's importlib mode, a script run by path), so that file's module level runs
   again in each worker. Other callables (``functools.partial``, instances with
@@ -37,10 +37,10 @@ from importlib import import_module
 from multiprocessing.process import BaseProcess
 from typing import Any
 
+from dist_core.callables import CallableRef
 from dist_core.config import MultiprocessConfig
 from dist_core.ports import release_port
 from dist_core.proc import close_inherited_forkserver_fd
-from dist_launch.callables import CallableRef
 from dist_launch.errors import LaunchError
 from dist_launch.guards import die_quietly_of_sigint, install_worker_guards, record_and_print
 from dist_launch.records import RankFiles
