@@ -44,6 +44,45 @@ def test_managed_group_averages_over_live_participants() -> None:
     assert run_ranks(_managed_worker, 2, timeout=120) == [[1.5, 2.0, 1.0, 1.0]] * 2
 
 
+def _tensor_kinds_worker() -> list[list[float]]:
+    rank = dist.get_rank()
+    manager = Manager(
+        ProcessGroupGloo(timeout=timedelta(seconds=30)),
+        load_state_dict=lambda state: None,
+        state_dict=lambda: {},
+        min_replica_size=2,
+        replica_id=f"kinds{rank}",
+        timeout=timedelta(seconds=30),
+        namespace="test-manager-kinds",
+    )
+    results = []
+    for _ in range(2):  # the second step reuses the first step's buffers
+        manager.start_quorum()
+        contiguous = torch.full((4,), float(4 * rank), dtype=torch.bfloat16)
+        integers = torch.full((3,), 3 * rank + 1, dtype=torch.int64)  # sums 5: floor 2
+        matrix = torch.full((3, 2), float(rank))
+        column = matrix[:, 1]  # not contiguous: goes through a buffer
+        futures = [manager.allreduce(t) for t in (contiguous, integers, column)]
+        for future in futures:
+            future.wait()
+        assert manager.should_commit()
+        results += [
+            contiguous.float().tolist(),
+            integers.float().tolist(),
+            matrix.flatten().tolist(),
+        ]
+    manager.shutdown()
+    return results
+
+
+def test_manager_averages_every_kind_of_tensor_in_place() -> None:
+    # bfloat16 is divided before the sum, integers floor-divided after it, and a view
+    # is written back into the storage it views (the other column stays as it was).
+    first = [[2.0] * 4, [2.0] * 3, [0.0, 0.5, 0.0, 0.5, 0.0, 0.5]]
+    second = [[2.0] * 4, [2.0] * 3, [1.0, 0.5, 1.0, 0.5, 1.0, 0.5]]
+    assert run_ranks(_tensor_kinds_worker, 2, timeout=120) == [first * 2, second * 2]
+
+
 def _mesh_worker() -> list[object]:
     from torch.distributed.device_mesh import init_device_mesh
 

@@ -36,15 +36,16 @@ WAIT_SLICE_SECONDS = 0.5
 REGISTRY_VERSION_KEY = "replicas_version"
 
 
-def wait_for_key(store: Store, key: str, seconds: float) -> bool:
+def wait_for_key(store: Store, key: str, seconds: float, *, check_first: bool = True) -> bool:
     """Whether ``key`` appears in ``store`` within ``seconds``.
 
     Waits on the server, which answers as soon as the key is set: polling instead took
     CPU from the training processes on small machines (about a quarter of a small
     step on 2 cores). A wait that runs out makes torch's TCPStore client log a warning;
-    that happens only while a replica is missing.
+    that happens only while a replica is missing. ``check_first=False`` saves a round
+    trip when the key is most likely still missing.
     """
-    if store.check([key]):
+    if check_first and store.check([key]):
         return True
     try:
         store.wait([key], timedelta(seconds=seconds))
