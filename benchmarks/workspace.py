@@ -13,6 +13,15 @@ receives 3x that):
 - ``memcpy``: one process copying 3x the size between two pre-faulted buffers: the
   ceiling for moving the bytes once.
 
+Two more limits of this machine, each as one process doing only that step, show
+what the issue's targets ask of it:
+
+- ``fresh tmpfs``: writing 3x the size into new files in /dev/shm (pwrite). Every
+  exchange through new shared memory pays this: fresh pages are allocated and
+  zeroed by the kernel, which on a VM may also fault them in on the host.
+- ``write+fsync``: writing 3x the size to the local directory and fsyncing it. A
+  durable NFSWorkspace pays this; torch.save does not fsync.
+
 Reader memory: rank 0 resets its peak RSS (``/proc/self/clear_refs``) before each
 exchange and reports ``peak RSS above the start / bytes received``.
 
@@ -171,6 +180,45 @@ def _memcpy_bandwidth(size: int, repeats: int) -> float:
     return total / best
 
 
+def _fresh_tmpfs_bandwidth(size: int, repeats: int) -> float:
+    """Bytes per second one process writes into new /dev/shm files (3x ``size``)."""
+    source = memoryview(torch.ones(size, dtype=torch.uint8).numpy()).cast("B")
+    best = float("inf")
+    for _ in range(max(repeats, 2)):
+        paths = [f"/dev/shm/dist-workspace-bench-{os.getpid()}-{i}" for i in range(SENDERS)]
+        began = time.perf_counter()
+        for path in paths:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+            try:
+                os.pwrite(fd, source, 0)
+            finally:
+                os.close(fd)
+        best = min(best, time.perf_counter() - began)
+        for path in paths:
+            os.unlink(path)
+    return SENDERS * size / best
+
+
+def _fsync_seconds(size: int, root: str) -> float:
+    """Seconds to write 3x ``size`` to files under ``root`` and fsync them."""
+    source = memoryview(torch.ones(size, dtype=torch.uint8).numpy()).cast("B")
+    paths = [os.path.join(root, f"fsync-floor-{i}") for i in range(SENDERS)]
+    began = time.perf_counter()
+    descriptors = [os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600) for path in paths]
+    try:
+        for fd in descriptors:
+            os.pwrite(fd, source, 0)
+        for fd in descriptors:  # after all writes, as three ranks would: writeback merges
+            os.fsync(fd)
+    finally:
+        for fd in descriptors:
+            os.close(fd)
+    elapsed = time.perf_counter() - began
+    for path in paths:
+        os.unlink(path)
+    return elapsed
+
+
 def _choose_sizes(requested: list[int]) -> tuple[list[int], list[str]]:
     notes = []
     shm_free = shutil.disk_usage("/dev/shm").free if os.path.isdir("/dev/shm") else 0
@@ -210,6 +258,7 @@ def main() -> int:
         results = run_ranks(_run_all, WORLD, sizes, args.repeats, methods, root, timeout=3000)[0]
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    root_for_limits = tempfile.mkdtemp(prefix="dist-workspace-bench-limits-")
     print(f"local directory: {root} (file system of {tempfile.gettempdir()})")
     header = (
         f"{'method':<14}{'MiB/rank':>9}{'seconds':>10}{'GB/s':>8}{'x memcpy':>10}{'peak/data':>11}"
@@ -220,6 +269,9 @@ def main() -> int:
         "shm_vs_copy": [],
         "nfs_vs_save": [],
         "nofsync_vs_save": [],
+        "shm_vs_fresh": [],
+        "fresh_vs_copy": [],
+        "save_vs_fsync": [],
         "shm_peak": [],
         "nfs_peak": [],
         "save_peak": [],
@@ -230,6 +282,17 @@ def main() -> int:
         print(
             f"{'memcpy':<14}{size // MIB:>9}{copy_seconds:>10.3f}{ceiling / 1e9:>8.2f}"
             f"{1.0:>10.2f}{'-':>11}"
+        )
+        fresh = _fresh_tmpfs_bandwidth(size, args.repeats)
+        print(
+            f"{'fresh tmpfs':<14}{size // MIB:>9}{SENDERS * size / fresh:>10.3f}"
+            f"{fresh / 1e9:>8.2f}{fresh / ceiling:>10.2f}{'-':>11}"
+        )
+        fsync_seconds = _fsync_seconds(size, root_for_limits)
+        print(
+            f"{'write+fsync':<14}{size // MIB:>9}{fsync_seconds:>10.3f}"
+            f"{SENDERS * size / fsync_seconds / 1e9:>8.2f}"
+            f"{SENDERS * size / fsync_seconds / ceiling:>10.2f}{'-':>11}"
         )
         for method in methods:
             item = results[f"{method}/{size}"]
@@ -242,6 +305,9 @@ def main() -> int:
         nfs = results[f"nfsworkspace/{size}"]
         save = results[f"torch.save/{size}"]
         summary["shm_vs_copy"].append(shm["bytes"] / shm["seconds"] / ceiling)
+        summary["shm_vs_fresh"].append(shm["bytes"] / shm["seconds"] / fresh)
+        summary["fresh_vs_copy"].append(fresh / ceiling)
+        summary["save_vs_fsync"].append(save["seconds"] / fsync_seconds)
         summary["nfs_vs_save"].append(save["seconds"] / nfs["seconds"])
         summary["nofsync_vs_save"].append(
             save["seconds"] / results[f"nfsws-nofsync/{size}"]["seconds"]
@@ -254,10 +320,20 @@ def main() -> int:
     print(f"  shm bandwidth / memcpy:              {_fmt(summary['shm_vs_copy'])}  target >= 0.50")
     print(f"  NFSWorkspace speed-up vs torch.save: {_fmt(summary['nfs_vs_save'])}  target >= 2.0")
     print(f"  same, durable=False (no fsync):      {_fmt(summary['nofsync_vs_save'])}")
+    print(
+        f"  limits: fresh tmpfs / memcpy:        {_fmt(summary['fresh_vs_copy'])}"
+        "  (one core; an exchange into new shared memory cannot beat 2 cores of it)"
+    )
+    print(f"  shm bandwidth / fresh tmpfs:         {_fmt(summary['shm_vs_fresh'])}")
+    print(
+        f"  limits: torch.save+load / fsync:     {_fmt(summary['save_vs_fsync'])}"
+        "  (the most a durable NFSWorkspace could gain over torch.save)"
+    )
     print(f"  shm reader peak / data returned:     {_fmt(summary['shm_peak'])}  target <= 1.2")
     print(f"  NFSWorkspace reader peak / data:     {_fmt(summary['nfs_peak'])}  target <= 1.2")
     print(f"  torch.load reader peak / data:       {_fmt(summary['save_peak'])}")
     print(f"  (median shm/memcpy {statistics.median(summary['shm_vs_copy']):.2f})")
+    shutil.rmtree(root_for_limits, ignore_errors=True)
     return 0
 
 

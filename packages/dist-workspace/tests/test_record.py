@@ -278,3 +278,60 @@ def test_large_tensor_flip_in_last_chunk(tmp_path: Path) -> None:
         handle.write(bytes([byte[0] ^ 0x10]))
     with pytest.raises(WorkspaceError, match="checksum mismatch in tensor 'big'"):
         workspace.read_configs_and_weights_from_rank(0)
+
+
+def _flip_last_data_byte(path: Path) -> None:
+    _, end = _data_region(path)
+    with path.open("r+b") as handle:
+        handle.seek(end - 1)
+        byte = handle.read(1)
+        handle.seek(end - 1)
+        handle.write(bytes([byte[0] ^ 0x01]))
+
+
+def test_large_records_are_mapped_copy_on_write(any_dir: Path) -> None:
+    # 8 MiB on a local file system: mapped, not read. Writing to the returned tensor
+    # must not reach the file, and the file's checksum is still verified.
+    workspace = NFSWorkspace(any_dir)
+    big = torch.arange(2 * 1024 * 1024, dtype=torch.int32)
+    path = workspace.write_configs_and_weights({"k": 1}, {"big": big}, rank=1)
+    _, weights = workspace.read_configs_and_weights_from_rank(1)
+    assert weights is not None and torch.equal(weights["big"], big)
+    weights["big"].zero_()
+    _, again = workspace.read_configs_and_weights_from_rank(1)
+    assert again is not None and torch.equal(again["big"], big), "the file changed"
+    _flip_last_data_byte(path)
+    with pytest.raises(WorkspaceError, match=r"rank-1\.safetensors.*checksum mismatch.*'big'"):
+        workspace.read_configs_and_weights_from_rank(1)
+
+
+def test_a_truncated_large_record_is_an_error_not_a_sigbus(tmp_path: Path) -> None:
+    workspace = NFSWorkspace(tmp_path)
+    path = workspace.write_configs_and_weights({}, {"big": torch.ones(3 * 1024 * 1024)}, rank=0)
+    os.truncate(path, path.stat().st_size - 4096)
+    with pytest.raises(WorkspaceError, match=r"rank 0's file .*rank-0\.safetensors"):
+        workspace.read_configs_and_weights_from_rank(0)
+
+
+def test_network_file_systems_are_read_into_private_memory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # On NFS a mapped page may be fetched again later, after another client replaced
+    # the file: there the reader copies, so its tensors never change under it.
+    from dist_workspace import fsutil
+
+    monkeypatch.setattr(fsutil, "filesystem_type", lambda path: "nfs4")
+    workspace = NFSWorkspace(tmp_path)
+    big = torch.arange(2 * 1024 * 1024, dtype=torch.int32)
+    path = workspace.write_configs_and_weights({}, {"big": big}, rank=0)
+    _, weights = workspace.read_configs_and_weights_from_rank(0)
+    _flip_last_data_byte(path)  # in place: a mapped tensor would see it
+    assert weights is not None and torch.equal(weights["big"], big)
+
+
+def test_filesystem_type_reads_mountinfo() -> None:
+    from dist_workspace.fsutil import filesystem_type, is_local_filesystem
+
+    assert filesystem_type("/proc/self") == "proc"
+    if Path("/dev/shm").is_dir():
+        assert filesystem_type("/dev/shm") == "tmpfs" and is_local_filesystem("/dev/shm")

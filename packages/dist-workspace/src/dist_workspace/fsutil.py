@@ -14,6 +14,13 @@ import secrets
 from collections.abc import Callable
 from pathlib import Path
 
+# File systems whose pages another client may invalidate under a mapping (a file
+# replaced on the server makes a later page-in fail with a SIGBUS): read into memory.
+_NETWORK_FILESYSTEMS = frozenset(
+    {"nfs", "nfs4", "cifs", "smb3", "smbfs", "9p", "afs", "ceph", "glusterfs", "lustre"}
+    | {"gpfs", "beegfs", "orangefs", "pvfs2", "ocfs2", "gfs2", "virtiofs"}
+)
+
 
 def fsync_directory(directory: Path) -> None:
     """Flushes a directory's entries (renames, unlinks) to stable storage."""
@@ -71,6 +78,40 @@ def atomic_write(
         raise
     if durable:
         fsync_directory(directory)
+
+
+def filesystem_type(path: str | os.PathLike[str]) -> str:
+    """The type of the file system holding ``path`` (``"ext4"``, ``"nfs4"``, ...).
+
+    Reads ``/proc/self/mountinfo``; returns ``""`` when it cannot tell.
+    """
+    try:
+        real = os.path.realpath(path)
+        with open("/proc/self/mountinfo") as handle:
+            lines = handle.read().splitlines()
+    except OSError:
+        return ""
+    best_point, best_type = "", ""
+    for line in lines:
+        fields = line.split(" - ", 1)
+        if len(fields) != 2:
+            continue
+        mount_point = fields[0].split()[4].replace("\\040", " ")
+        fs_type = fields[1].split()[0]
+        inside = real == mount_point or real.startswith(mount_point.rstrip("/") + "/")
+        if inside and len(mount_point) >= len(best_point):
+            best_point, best_type = mount_point, fs_type
+    return best_type
+
+
+def is_local_filesystem(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is on a file system of this machine (so mapping it is safe).
+
+    Unknown types count as network file systems, and FUSE ones too: a mapping then
+    falls back to reading.
+    """
+    fs_type = filesystem_type(path)
+    return bool(fs_type) and fs_type not in _NETWORK_FILESYSTEMS and not fs_type.startswith("fuse")
 
 
 def write_all(fd: int, data: memoryview | bytes, offset: int) -> int:
