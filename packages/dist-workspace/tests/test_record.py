@@ -166,6 +166,16 @@ def _data_region(path: Path) -> tuple[int, int]:
     return 8 + header_size, len(raw)
 
 
+def _flip_data_byte(path: Path, *, from_end: int = 1, mask: int = 0x01) -> None:
+    """Flips bits of one data byte in place, ``from_end`` bytes before the data's end."""
+    _, end = _data_region(path)
+    with path.open("r+b") as handle:
+        handle.seek(end - from_end)
+        byte = handle.read(1)
+        handle.seek(end - from_end)
+        handle.write(bytes([byte[0] ^ mask]))
+
+
 def test_one_flipped_byte_is_detected(tmp_path: Path) -> None:
     workspace = NFSWorkspace(tmp_path)
     weights = {"a": torch.randn(1000), "b": torch.arange(500, dtype=torch.int16)}
@@ -270,23 +280,9 @@ def test_large_tensor_flip_in_last_chunk(tmp_path: Path) -> None:
     path = workspace.write_configs_and_weights({}, {"big": big}, rank=0)
     _, weights = workspace.read_configs_and_weights_from_rank(0)
     assert weights is not None and torch.equal(weights["big"], big)
-    _, end = _data_region(path)
-    with path.open("r+b") as handle:
-        handle.seek(end - 3)
-        byte = handle.read(1)
-        handle.seek(end - 3)
-        handle.write(bytes([byte[0] ^ 0x10]))
+    _flip_data_byte(path, from_end=3, mask=0x10)
     with pytest.raises(WorkspaceError, match="checksum mismatch in tensor 'big'"):
         workspace.read_configs_and_weights_from_rank(0)
-
-
-def _flip_last_data_byte(path: Path) -> None:
-    _, end = _data_region(path)
-    with path.open("r+b") as handle:
-        handle.seek(end - 1)
-        byte = handle.read(1)
-        handle.seek(end - 1)
-        handle.write(bytes([byte[0] ^ 0x01]))
 
 
 def test_large_records_are_mapped_copy_on_write(any_dir: Path) -> None:
@@ -300,7 +296,7 @@ def test_large_records_are_mapped_copy_on_write(any_dir: Path) -> None:
     weights["big"].zero_()
     _, again = workspace.read_configs_and_weights_from_rank(1)
     assert again is not None and torch.equal(again["big"], big), "the file changed"
-    _flip_last_data_byte(path)
+    _flip_data_byte(path)
     with pytest.raises(WorkspaceError, match=r"rank-1\.safetensors.*checksum mismatch.*'big'"):
         workspace.read_configs_and_weights_from_rank(1)
 
@@ -325,7 +321,7 @@ def test_network_file_systems_are_read_into_private_memory(
     big = torch.arange(2 * 1024 * 1024, dtype=torch.int32)
     path = workspace.write_configs_and_weights({}, {"big": big}, rank=0)
     _, weights = workspace.read_configs_and_weights_from_rank(0)
-    _flip_last_data_byte(path)  # in place: a mapped tensor would see it
+    _flip_data_byte(path)  # in place: a mapped tensor would see it
     assert weights is not None and torch.equal(weights["big"], big)
 
 
