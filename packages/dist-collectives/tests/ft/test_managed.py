@@ -83,6 +83,41 @@ def test_manager_averages_every_kind_of_tensor_in_place() -> None:
     assert run_ranks(_tensor_kinds_worker, 2, timeout=120) == [first * 2, second * 2]
 
 
+def _overdue_worker() -> list[object]:
+    import time
+
+    rank = dist.get_rank()
+    manager = Manager(
+        ProcessGroupGloo(timeout=timedelta(seconds=5)),
+        load_state_dict=lambda state: None,
+        state_dict=lambda: {},
+        min_replica_size=2,
+        replica_id=f"overdue{rank}",
+        timeout=timedelta(seconds=3),
+        namespace="test-manager-overdue",
+    )
+    manager.start_quorum()
+    started = time.monotonic()
+    if rank == 0:  # rank 1 is alive but never joins this allreduce
+        future = manager.allreduce(torch.ones(2))
+    committed = manager.should_commit()
+    elapsed = time.monotonic() - started
+    error = manager.errored()
+    result: list[object] = [committed, type(error).__name__ if error else None, elapsed < 10]
+    if rank == 0:
+        future.wait()  # completed by the failure, not by gloo's own 5 s timeout
+        result.append(str(error))
+    manager.shutdown()
+    return result
+
+
+def test_an_overdue_allreduce_fails_the_step_on_every_replica() -> None:
+    first, second = run_ranks(_overdue_worker, 2, timeout=120)
+    assert first[:3] == [False, "TimeoutError", True]
+    assert "allreduce did not finish within 0:00:03" in str(first[3])
+    assert second[0] is False, "the replica that did vote must not commit either"
+
+
 def _mesh_worker() -> list[object]:
     from torch.distributed.device_mesh import init_device_mesh
 
