@@ -93,7 +93,9 @@ def _overdue_worker() -> list[object]:
         state_dict=lambda: {},
         min_replica_size=2,
         replica_id=f"overdue{rank}",
-        timeout=timedelta(seconds=3),
+        # Rank 1's own commit wait must outlast rank 0's: else it may give up first and
+        # its error, not rank 0's timeout, fails the step.
+        timeout=timedelta(seconds=3 if rank == 0 else 60),
         namespace="test-manager-overdue",
     )
     manager.start_quorum()
@@ -107,13 +109,14 @@ def _overdue_worker() -> list[object]:
     if rank == 0:
         future.wait()  # completed by the failure, not by gloo's own 5 s timeout
         result.append(str(error))
+    dist.barrier()  # nobody closes its connections while the other still decides
     manager.shutdown()
     return result
 
 
 def test_an_overdue_allreduce_fails_the_step_on_every_replica() -> None:
     first, second = run_ranks(_overdue_worker, 2, timeout=120)
-    assert first[:3] == [False, "TimeoutError", True]
+    assert first[:3] == [False, "TimeoutError", True], first
     assert "allreduce did not finish within 0:00:03" in str(first[3])
     assert second[0] is False, "the replica that did vote must not commit either"
 
