@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 
 import pytest
@@ -10,17 +11,43 @@ import torch.distributed as dist
 
 import dist_core
 from dist_core import DistEnvError
+from dist_core.backend import choose_backend
+from dist_core.devices import accelerator_device_count, accelerator_type, cuda_device_count
 from dist_core.testing import run_ranks
 
 
-def test_default_backend_on_cpu_is_gloo() -> None:
-    assert not torch.cuda.is_available()
+def test_default_backend_without_an_accelerator_is_gloo() -> None:
+    if accelerator_type() is not None:
+        pytest.skip(f"this host has a {accelerator_type()} accelerator")
     assert dist_core.default_backend() == "gloo"
+    assert dist_core.default_backend(local_world_size=8) == "gloo"
+
+
+def test_more_local_ranks_than_devices_gets_gloo() -> None:
+    # True on every host: one rank more than there are accelerator devices (0 on CPU).
+    crowded = accelerator_device_count() + 1
+    choice = choose_backend(crowded)
+    assert choice.backend == "gloo"
+    assert choice.local_world_size == crowded
+    assert choice.shares_devices == (choice.accelerator is not None)
+
+
+def test_default_backend_reads_local_world_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(accelerator_device_count() + 1))
+    assert dist_core.default_backend() == "gloo"
+
+
+@pytest.mark.cuda
+def test_one_rank_per_gpu_gets_nccl() -> None:
+    assert dist_core.default_backend(local_world_size=1) == "nccl"
+    assert dist_core.default_backend(local_world_size=cuda_device_count()) == "nccl"
 
 
 def test_backend_variable(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TORCH_DISTRIBUTED_BACKEND", "")  # restored after the test
-    assert dist_core.get_distributed_backend() == "gloo"
+    assert dist_core.get_distributed_backend() == dist_core.default_backend()
     dist_core.set_distributed_backend("nccl")
     assert os.environ["TORCH_DISTRIBUTED_BACKEND"] == "nccl"
     assert dist_core.get_distributed_backend() == "nccl"
@@ -68,7 +95,7 @@ def _init_destroy_twice() -> list[int]:
         sums.append(int(value.item()))
         dist_core.destroy_dist()
         assert not dist_core.is_initialized()
-    dist_core.init_process_group_from_backend()  # leave a group for run_ranks to destroy
+    dist_core.init_process_group_from_backend("gloo")  # leave a group for run_ranks
     return sums
 
 
@@ -77,7 +104,7 @@ def test_init_then_destroy_twice_in_one_process() -> None:
 
 
 def _init_twice_without_destroy() -> None:
-    dist_core.init_process_group_from_backend()
+    dist_core.init_process_group_from_backend("gloo")
 
 
 def test_second_init_without_destroy_is_a_clear_error() -> None:
@@ -93,10 +120,93 @@ def test_single_process_init_and_destroy(monkeypatch: pytest.MonkeyPatch) -> Non
         monkeypatch.setenv("RANK", "0")  # let monkeypatch restore what set_dist writes
         monkeypatch.setenv("WORLD_SIZE", "1")
         monkeypatch.setenv("MASTER_PORT", str(port))
-        dist_core.init_dist(0, 0, 1, 1, "127.0.0.1", port, "env://")
+        dist_core.init_dist(0, 0, 1, 1, "127.0.0.1", port, "env://")  # the default backend
         try:
             assert dist_core.is_initialized(), round_
             assert dist_core.get_world_size() == 1
         finally:
             dist_core.destroy_dist()
         assert not dist_core.is_initialized()
+
+
+def _clear_rank_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in list(os.environ):
+        if name.startswith(("SLURM_", "OMPI_", "PMI_")) or name in (
+            "GROUP_RANK",
+            "NODE_RANK",
+            "TORCH_DISTRIBUTED_BACKEND",
+            "CUDA_VISIBLE_DEVICES",
+        ):
+            monkeypatch.delenv(name)
+
+
+def test_explicit_nccl_with_too_few_gpus_fails_before_any_group(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _clear_rank_variables(monkeypatch)
+    crowded = cuda_device_count() + 1
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", str(crowded))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(crowded))
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    # Nobody listens there: a group that got as far as the rendezvous would hang.
+    monkeypatch.setenv("MASTER_PORT", str(dist_core.get_unused_port()))
+    pattern = f"LOCAL_WORLD_SIZE={crowded} ranks .* has {crowded - 1} device"
+    with pytest.raises(DistEnvError, match=pattern):
+        dist_core.init_process_group_from_backend("nccl")
+    assert not dist.is_initialized()
+    monkeypatch.setenv("TORCH_DISTRIBUTED_BACKEND", "cpu:gloo,cuda:nccl")
+    with pytest.raises(DistEnvError, match="backend cpu:gloo,cuda:nccl needs one"):
+        dist_core.init_process_group_from_backend()
+    assert not dist.is_initialized()
+
+
+def _init_with_default_backend_and_report() -> tuple[str, str | None]:
+    """Re-initializes run_ranks' group with no backend named anywhere."""
+    dist_core.destroy_dist()
+    os.environ.pop("TORCH_DISTRIBUTED_BACKEND", None)
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    backend_logger = logging.getLogger("dist_core.backend")
+    backend_logger.addHandler(Keep())
+    backend_logger.setLevel(logging.INFO)
+    dist_core.init_process_group_from_backend()
+    fallback = [r.getMessage() for r in records if "ranks per node share" in r.getMessage()]
+    return dist.get_backend(), fallback[0] if fallback else None
+
+
+@pytest.mark.cuda
+def test_more_ranks_than_gpus_run_on_gloo_and_rank_zero_says_why() -> None:
+    crowded = cuda_device_count() + 1
+    results = run_ranks(_init_with_default_backend_and_report, crowded)
+    assert [backend for backend, _ in results] == ["gloo"] * crowded
+    line = results[0][1]
+    assert line is not None and f"{crowded} ranks per node share" in line
+    assert "TORCH_DISTRIBUTED_BACKEND=nccl" in line
+    assert all(message is None for _, message in results[1:])
+
+
+def _nccl_group_of_one() -> tuple[str, str, list[str]]:
+    import warnings
+
+    dist_core.destroy_dist()
+    os.environ.pop("TORCH_DISTRIBUTED_BACKEND", None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dist_core.init_process_group_from_backend()
+        value = torch.ones(2, device="cuda")
+        dist.all_reduce(value)
+        dist.barrier()
+    return dist.get_backend(), str(value.device), [str(w.message) for w in caught]
+
+
+@pytest.mark.cuda
+def test_one_rank_on_a_gpu_gets_nccl_bound_to_its_device_without_warnings() -> None:
+    [(backend, device, warned)] = run_ranks(_nccl_group_of_one, 1)
+    assert backend == "nccl" and device == "cuda:0"
+    assert not [w for w in warned if "device_id" in w], warned

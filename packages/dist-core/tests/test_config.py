@@ -5,6 +5,9 @@ from __future__ import annotations
 import dataclasses
 import pickle
 
+import pytest
+
+import dist_core
 from dist_core import MISSING, MultiprocessConfig, is_missing
 from dist_core.ports import release_port
 
@@ -38,8 +41,8 @@ def test_has_every_seed_field_with_seed_defaults() -> None:
 def test_resolve_fills_missing_fields_in_place() -> None:
     cfg = MultiprocessConfig()
     assert MultiprocessConfig.resolve(cfg) is None
-    assert cfg.world_size == 1  # one device on CPU
-    assert cfg.local_world_size == 1
+    assert cfg.world_size == dist_core.device_count()  # 1 on CPU, the GPU count on CUDA
+    assert cfg.local_world_size == cfg.world_size
     assert isinstance(cfg.master_port, int) and 0 < cfg.master_port < 65536
     release_port(cfg.master_port)
 
@@ -47,7 +50,7 @@ def test_resolve_fills_missing_fields_in_place() -> None:
 def test_resolve_keeps_given_fields() -> None:
     cfg = MultiprocessConfig(world_size=4, master_port=1234)
     MultiprocessConfig.resolve(cfg)
-    assert (cfg.world_size, cfg.local_world_size, cfg.master_port) == (4, 1, 1234)
+    assert (cfg.world_size, cfg.master_port) == (4, 1234)
     cfg = MultiprocessConfig(world_size=4, local_world_size=4)
     MultiprocessConfig.resolve(cfg)
     assert cfg.local_world_size == 4
@@ -58,3 +61,20 @@ def test_missing_survives_pickling() -> None:
     cfg = pickle.loads(pickle.dumps(MultiprocessConfig()))
     assert cfg.world_size is MISSING
     assert repr(MISSING) == "MISSING"
+
+
+def test_resolve_puts_every_rank_on_this_node_unless_told_otherwise() -> None:
+    # world_size=4 without local_world_size once started 1 rank that waited 30 min for
+    # 3 others "on other nodes", whatever the device count.
+    cfg = MultiprocessConfig(world_size=4, master_port=1234)
+    MultiprocessConfig.resolve(cfg)
+    assert cfg.local_world_size == 4
+    cfg = MultiprocessConfig(world_size=4, local_world_size=2, master_port=1234)
+    MultiprocessConfig.resolve(cfg)
+    assert cfg.local_world_size == 2
+
+
+def test_resolve_refuses_more_local_ranks_than_the_job_has() -> None:
+    cfg = MultiprocessConfig(world_size=2, local_world_size=4, master_port=1234)
+    with pytest.raises(ValueError, match=r"local_world_size=4\) is larger than world_size=2"):
+        MultiprocessConfig.resolve(cfg)

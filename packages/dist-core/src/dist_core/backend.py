@@ -1,19 +1,29 @@
 """Backend choice, process-group initialization and teardown.
 
 The backend is ``TORCH_DISTRIBUTED_BACKEND`` when set, else :func:`default_backend`:
-``nccl`` on CUDA, the backend torch registers for another accelerator (``xccl`` on
-XPU, ...), ``gloo`` on CPU.
+``nccl`` when every local rank gets a CUDA device of its own, the backend torch
+registers for another accelerator (``xccl`` on XPU, ...) under the same condition, and
+``gloo`` otherwise. NCCL refuses two ranks on one GPU ("Duplicate GPU detected"), so a
+node with more local ranks than GPUs (4 ranks on a 1-GPU laptop) gets gloo, which moves
+CUDA tensors too, and rank 0 says so in one log line. An explicit ``nccl`` on such a
+node fails before any process group is created, naming both counts.
+
+Nothing here initialises CUDA in the calling process before a worker binds its device
+(see :mod:`dist_core.devices`), so a launcher may still fork.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from dist_core.devices import accelerator_device_count, accelerator_type, device_count
 from dist_core.env import DistEnv
 from dist_core.errors import DistEnvError
 from dist_core.log import INFOALL
@@ -22,39 +32,103 @@ logger = logging.getLogger(__name__)
 
 BACKEND_VARIABLE = "TORCH_DISTRIBUTED_BACKEND"
 INIT_METHOD_VARIABLE = "INIT_METHOD"
+_LOCAL_WORLD_SIZE_VARIABLE = "LOCAL_WORLD_SIZE"
+
+__all__ = [
+    "BACKEND_VARIABLE",
+    "INIT_METHOD_VARIABLE",
+    "BackendChoice",
+    "choose_backend",
+    "default_backend",
+    "destroy_dist",
+    "device_count",
+    "get_distributed_backend",
+    "get_init_method",
+    "init_dist",
+    "init_process_group_from_backend",
+    "set_dist",
+    "set_distributed_backend",
+]
 
 
-def _accelerator_type() -> str | None:
-    """The device type of the accelerator torch sees (``cuda``, ``xpu``, ...), if any."""
-    if torch.cuda.is_available():
-        return "cuda"
-    accelerator = getattr(torch, "accelerator", None)
-    if accelerator is not None and accelerator.is_available():
-        current = accelerator.current_accelerator()
-        if current is not None and current.type != "cpu":
-            return str(current.type)
-    return None
+@dataclass(frozen=True)
+class BackendChoice:
+    """The default backend for a node, and why.
+
+    Attributes:
+        backend: ``nccl``, the accelerator's own backend, or ``gloo``.
+        accelerator: The accelerator's device type (``cuda``, ...), None on CPU.
+        devices: Accelerator devices this process sees (0 on CPU).
+        local_world_size: Ranks on this node the choice was made for.
+    """
+
+    backend: str
+    accelerator: str | None
+    devices: int
+    local_world_size: int
+
+    @property
+    def shares_devices(self) -> bool:
+        """True when there is an accelerator but fewer devices than local ranks."""
+        return self.accelerator is not None and self.devices < self.local_world_size
+
+    def fallback_message(self) -> str:
+        """The one line rank 0 logs when ranks share devices and gloo was chosen."""
+        accelerator_backend = _accelerator_backend(self.accelerator)
+        return (
+            f"{self.local_world_size} ranks per node share {self.devices} "
+            f"{self.accelerator} device(s): using gloo, since {accelerator_backend} needs "
+            f"one device per rank ({self.accelerator} tensors still work over gloo); to use "
+            f"{accelerator_backend}, start at most {self.devices} rank(s) per node, or set "
+            f"{BACKEND_VARIABLE}={accelerator_backend} where each rank sees its own device"
+        )
 
 
-def device_count() -> int:
-    """Number of accelerator devices on this node; 1 on a CPU-only node."""
-    kind = _accelerator_type()
-    if kind == "cuda":
-        return torch.cuda.device_count()
-    if kind is not None:
-        return max(1, int(torch.accelerator.device_count()))
-    return 1
-
-
-def default_backend() -> str:
-    """The backend for this node's devices: nccl on CUDA, the accelerator's own, else gloo."""
-    kind = _accelerator_type()
+def _accelerator_backend(kind: str | None) -> str:
     if kind is None:
         return "gloo"
     if kind == "cuda":
         return "nccl"
     backend = dist.Backend.default_device_backend_map.get(kind)
     return str(backend) if backend is not None else "gloo"
+
+
+def _local_world_size_from(environ: Mapping[str, str]) -> int:
+    """``LOCAL_WORLD_SIZE`` (or what :class:`DistEnv` derives); 1 when unknown or malformed."""
+    try:
+        return DistEnv.from_environ(environ).local_world_size
+    except DistEnvError:
+        raw = environ.get(_LOCAL_WORLD_SIZE_VARIABLE, "")
+        return int(raw) if raw.isdigit() and int(raw) > 0 else 1
+
+
+def choose_backend(
+    local_world_size: int | None = None, environ: Mapping[str, str] | None = None
+) -> BackendChoice:
+    """The default backend for ``local_world_size`` ranks on this node, with the reason.
+
+    Reads ``LOCAL_WORLD_SIZE`` (and the other variables :class:`DistEnv` reads) when
+    ``local_world_size`` is None, and ``CUDA_VISIBLE_DEVICES`` through torch. Does not
+    initialise CUDA.
+    """
+    if local_world_size is None:
+        local_world_size = _local_world_size_from(os.environ if environ is None else environ)
+    kind = accelerator_type()
+    devices = accelerator_device_count() if kind is not None else 0
+    backend = _accelerator_backend(kind)
+    if kind is not None and devices < local_world_size:
+        backend = "gloo"
+    return BackendChoice(backend, kind, devices, local_world_size)
+
+
+def default_backend(local_world_size: int | None = None) -> str:
+    """The backend for this node: nccl when every local rank gets its own GPU, else gloo.
+
+    The accelerator's own backend (``xccl``, ...) under the same condition on other
+    accelerators. Reads ``LOCAL_WORLD_SIZE`` when ``local_world_size`` is None (1 when
+    it is unset: a single process always gets the accelerator's backend).
+    """
+    return choose_backend(local_world_size).backend
 
 
 def get_distributed_backend() -> str:
@@ -126,7 +200,7 @@ def set_dist(
 
 def _bind_device(local_rank: int) -> torch.device:
     """Makes the accelerator of ``local_rank`` current; the CPU when there is none."""
-    kind = _accelerator_type()
+    kind = accelerator_type()
     if kind is None:
         return torch.device("cpu")
     index = local_rank % device_count()
@@ -137,22 +211,64 @@ def _bind_device(local_rank: int) -> torch.device:
     return torch.device(kind, index)
 
 
+def _backend_names(backend: str) -> set[str]:
+    """``{"gloo", "nccl"}`` for ``"cpu:gloo,cuda:nccl"``; ``{"nccl"}`` for ``"nccl"``."""
+    return {part.split(":")[-1].strip().lower() for part in backend.split(",") if part.strip()}
+
+
+def _check_devices_for(backend: str, env: DistEnv) -> None:
+    """Refuses an accelerator backend on a node with fewer devices than local ranks.
+
+    Skipped when ``CUDA_VISIBLE_DEVICES`` is set and each process sees fewer devices
+    than there are local ranks: a scheduler (SLURM's ``--gpus-per-task``, Kubernetes'
+    device plugin) may have given every rank a device of its own, which one process
+    cannot tell apart from ranks sharing one.
+    """
+    choice = choose_backend(env.local_world_size)
+    accelerator_backend = _accelerator_backend(choice.accelerator)
+    wanted = _backend_names(backend) & {"nccl", accelerator_backend} - {"gloo"}
+    if not wanted or not (choice.devices < env.local_world_size):
+        return
+    if os.environ.get("CUDA_VISIBLE_DEVICES", "").strip() and choice.devices > 0:
+        logger.warning(
+            "%s with LOCAL_WORLD_SIZE=%d and %d visible device(s) per process: assuming "
+            "the scheduler gave each rank its own (CUDA_VISIBLE_DEVICES=%s)",
+            backend,
+            env.local_world_size,
+            choice.devices,
+            os.environ["CUDA_VISIBLE_DEVICES"],
+        )
+        return
+    raise DistEnvError(
+        f"backend {backend} needs one {choice.accelerator or 'CUDA'} device per local rank, "
+        f"but LOCAL_WORLD_SIZE={env.local_world_size} ranks run on this node (node "
+        f"{env.node_rank}) and it has {choice.devices} device(s); use gloo "
+        f"({BACKEND_VARIABLE}=gloo, or leave it unset to get gloo by default) or start at "
+        f"most {choice.devices} rank(s) per node"
+    )
+
+
 def init_process_group_from_backend(
     backend: str | None = None, timeout: timedelta | None = None
 ) -> None:
     """Initializes the default process group from the environment and checks it works.
 
-    Reads the rank variables through :meth:`DistEnv.from_environ`, ``INIT_METHOD``
-    and ``TORCH_DISTRIBUTED_BACKEND`` (when ``backend`` is None). Binds this process
-    to the device ``LOCAL_RANK % device_count`` when an accelerator exists, then runs
-    an all-reduce of ones and checks the sum equals the world size.
+    Reads the rank variables through :meth:`DistEnv.from_environ`, ``INIT_METHOD``,
+    ``TORCH_DISTRIBUTED_BACKEND`` (when ``backend`` is None) and
+    ``CUDA_VISIBLE_DEVICES`` (through torch). Binds this process to the device
+    ``LOCAL_RANK % device_count`` when an accelerator exists and passes it to torch as
+    ``device_id`` for an accelerator backend, then runs an all-reduce of ones and
+    checks the sum equals the world size. Without a backend named anywhere, the backend
+    is :func:`default_backend` for ``LOCAL_WORLD_SIZE`` ranks, and rank 0 logs one line
+    when ranks share devices and gloo was chosen for that.
 
     Args:
         backend: The backend; :func:`get_distributed_backend` when None.
         timeout: Timeout of the group's operations; torch's default when None.
 
     Raises:
-        DistEnvError: The environment is malformed.
+        DistEnvError: The environment is malformed, or an accelerator backend was asked
+            for on a node with fewer devices than local ranks (before any group exists).
         RuntimeError: A group is already initialized, or the sanity all-reduce gave a
             wrong sum.
     """
@@ -162,7 +278,17 @@ def init_process_group_from_backend(
             "dist_core.destroy_dist() before initializing another"
         )
     env = DistEnv.from_environ()
-    chosen = get_distributed_backend() if backend is None else backend
+    explicit = backend is not None or bool(os.environ.get(BACKEND_VARIABLE, "").strip())
+    if backend is not None:
+        chosen = backend
+    elif explicit:
+        chosen = get_distributed_backend()
+    else:
+        choice = choose_backend(env.local_world_size)
+        chosen = choice.backend
+        if choice.shares_devices and env.rank == 0:
+            logger.info("%s", choice.fallback_message())
+    _check_devices_for(chosen, env)
     init_method = get_init_method()
     logger.log(
         INFOALL,
@@ -173,14 +299,19 @@ def init_process_group_from_backend(
         init_method,
     )
     device = _bind_device(env.local_rank)
+    uses_accelerator_backend = device.type != "cpu" and _backend_names(chosen) != {"gloo"}
     dist.init_process_group(
         backend=chosen,
         init_method=init_method,
         world_size=env.world_size,
         rank=env.rank,
         timeout=timeout,
+        # Binding the group to its device mutes torch's "using the device under current
+        # context" warning at every barrier, and lets NCCL connect eagerly.
+        device_id=device if uses_accelerator_backend else None,
     )
-    probe = torch.ones(1, device=device)
+    # gloo is probed on the CPU: a CPU-only script on a GPU host never touches CUDA here.
+    probe = torch.ones(1, device=device if uses_accelerator_backend else "cpu")
     dist.all_reduce(probe)
     if int(probe.item()) != env.world_size:
         raise RuntimeError(

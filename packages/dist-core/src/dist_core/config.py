@@ -62,17 +62,35 @@ class MultiprocessConfig:
     def resolve(cls, config: MultiprocessConfig) -> None:
         """Fills the missing fields of ``config`` in place.
 
-        ``world_size`` becomes the number of devices (1 on CPU), ``local_world_size``
-        the smaller of that and ``world_size``, and ``master_port`` a free port
-        (29500 when free, see :func:`dist_core.get_unused_port`).
-        """
-        from dist_core.backend import device_count  # noqa: PLC0415 - imports torch
+        ``world_size`` becomes the number of accelerator devices (1 on CPU);
+        ``local_world_size`` becomes ``world_size``: every rank runs on this node unless
+        the caller names ``local_world_size`` itself, as a multi-node launch does (one
+        call per node, each with its ``rank_offset``). ``master_port`` becomes a free
+        port (29500 when free, see :func:`dist_core.get_unused_port`). Reads
+        ``CUDA_VISIBLE_DEVICES`` through torch, without initialising CUDA, so the caller
+        can still fork workers that use it.
 
-        devices = device_count()
+        Raises:
+            ValueError: ``local_world_size`` is larger than ``world_size``, or either
+                is not positive.
+        """
+        from dist_core.devices import device_count  # noqa: PLC0415 - imports torch
+
         if is_missing(config, "world_size"):
-            config.world_size = devices
+            config.world_size = device_count()
         if is_missing(config, "local_world_size"):
-            config.local_world_size = min(devices, config.world_size)
+            config.local_world_size = config.world_size
+        if config.world_size < 1 or config.local_world_size < 1:
+            raise ValueError(
+                f"MultiprocessConfig(world_size={config.world_size}, local_world_size="
+                f"{config.local_world_size}): both must be at least 1"
+            )
+        if config.local_world_size > config.world_size:
+            raise ValueError(
+                f"MultiprocessConfig(local_world_size={config.local_world_size}) is larger "
+                f"than world_size={config.world_size}: a node cannot run more ranks than "
+                "the whole job"
+            )
         if is_missing(config, "master_port"):
             config.master_port = get_unused_port(DEFAULT_PORT)
 

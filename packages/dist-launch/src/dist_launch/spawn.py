@@ -262,6 +262,26 @@ def _run_in_this_process(
         destroy_dist()
 
 
+def _span(first: int, last: int) -> str:
+    return str(first) if first == last else f"{first}-{last}"
+
+
+def _waiting_for_other_nodes(cfg: MultiprocessConfig, timeout: float | None) -> str:
+    """The line rank 0's node logs when ranks of the job run on other nodes."""
+    local = cfg.local_world_size
+    how_long = (
+        f"{timeout:.0f} s ({TIMEOUT_VARIABLE})"
+        if timeout is not None
+        else "the process group's timeout (torch's default: 30 min; set "
+        f"{TIMEOUT_VARIABLE} to bound it)"
+    )
+    return (
+        f"starting ranks {_span(0, local - 1)} of {cfg.world_size} on this node; waiting "
+        f"for ranks {_span(local, cfg.world_size - 1)} from other nodes at "
+        f"{cfg.master_addr}:{cfg.master_port} for up to {how_long}"
+    )
+
+
 def launch_subprocesses(
     func: Callable[..., Any],
     cfg: MultiprocessConfig,
@@ -274,7 +294,10 @@ def launch_subprocesses(
 
     Resolves ``cfg`` (:meth:`MultiprocessConfig.resolve`), then starts
     ``cfg.local_world_size`` processes with global ranks ``rank_offset + i`` and
-    local ranks ``i``; ``cfg.world_size`` is the total over all nodes. Each process
+    local ranks ``i``; ``cfg.world_size`` is the total over all nodes. Left unset,
+    ``local_world_size`` is ``world_size``: all ranks on this node. A multi-node launch
+    names ``local_world_size`` and ``rank_offset`` on each node, and the node of rank 0
+    logs one line naming the ranks it waits for from other nodes and for how long. Each process
     runs ``setup()`` (when given), then :func:`init_and_run`. With
     ``cfg.world_size <= 1`` everything runs in this process (``setup``, then
     :func:`init_and_run` with a group of one, destroyed afterwards; an exception of
@@ -315,6 +338,8 @@ def launch_subprocesses(
         )
     grace_period = _seconds_from_env(GRACE_PERIOD_VARIABLE, DEFAULT_GRACE_PERIOD)
     timeout = _seconds_from_env(TIMEOUT_VARIABLE, None)
+    if local < cfg.world_size and rank_offset == 0:
+        logger.info("%s", _waiting_for_other_nodes(cfg, timeout))
     context = _context(cfg.launch_method, func)
     task: _Task | bytes = (
         _Task(func, setup, args, kwargs)
