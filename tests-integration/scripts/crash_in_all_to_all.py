@@ -5,7 +5,7 @@ import torch
 import dist_collectives
 import dist_core
 
-dist_core.init_process_group_from_backend()
+dist_core.init_process_group_from_backend("gloo")  # CPU tensors, on any host
 rank, world = dist_core.get_rank(), dist_core.get_world_size()
 rows = torch.arange(world * 2, dtype=torch.float32).unsqueeze(1)
 splits = [2] * world

@@ -9,7 +9,7 @@ import torch
 import dist_core
 from dist_workspace import get_tensors_parallel
 
-dist_core.init_process_group_from_backend()
+dist_core.init_process_group_from_backend("gloo")  # CPU tensors, on any host
 rank = dist_core.get_rank()
 print(f"rank={rank} pid={os.getpid()}", flush=True)
 tensor = torch.full((4 * 1024 * 1024,), float(rank))

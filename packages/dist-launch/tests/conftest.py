@@ -6,3 +6,17 @@ from pathlib import Path
 _HERE = str(Path(__file__).resolve().parent)
 if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
+
+
+import pytest  # noqa: E402 - after the sys.path set-up above
+
+
+@pytest.fixture(autouse=True)
+def _gloo_unless_testing_gpus(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Multi-rank tests send CPU tensors, so they pin gloo: on a host with one GPU per
+    # rank the default would be nccl. Tests of GPU behaviour (marked cuda) keep the
+    # default.
+    if request.node.get_closest_marker("cuda") is None:
+        monkeypatch.setenv("TORCH_DISTRIBUTED_BACKEND", "gloo")

@@ -40,3 +40,16 @@ def print_pid_and_wait() -> None:
 
     os.write(1, f"ready {os.getpid()}\n".encode())  # one write: lines of ranks never mix
     time.sleep(120)
+
+
+def write_cuda_sum(out_dir: str) -> None:
+    """Sums a CUDA tensor over the group (gloo or nccl, whichever the launch chose)."""
+    import torch
+    import torch.distributed as dist
+
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
+    value = torch.ones(2, device=device) * (dist.get_rank() + 1)
+    dist.all_reduce(value)
+    Path(out_dir, f"rank{dist.get_rank()}").write_text(
+        f"{dist.get_backend()} {value.device.type} {int(value[0].item())}"
+    )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import os
 from pathlib import Path
 
 import pytest
@@ -74,8 +75,11 @@ def test_root_cause_is_right_ten_times_in_a_row() -> None:
     assert named == [1] * 10
 
 
-def test_two_calls_with_rank_offsets_form_one_world(tmp_path: Path) -> None:
+def test_two_calls_with_rank_offsets_form_one_world(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """As two nodes would: each call starts 2 local ranks of a 4-rank world."""
+    import logging
     import threading
 
     from dist_launch_test_workers import write_rank_and_sum
@@ -93,13 +97,20 @@ def test_two_calls_with_rank_offsets_form_one_world(tmp_path: Path) -> None:
             errors.append(error)
 
     threads = [threading.Thread(target=node, args=(offset,)) for offset in (0, 2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(150)
+    with caplog.at_level(logging.INFO, logger="dist_launch.spawn"):
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(150)
     assert not errors, errors
     lines = sorted(path.read_text() for path in tmp_path.iterdir())
     assert lines == ["0 4 6 0", "1 4 6 1", "2 4 6 0", "3 4 6 1"]
+    # Only rank 0's node says whom it waits for, once.
+    waiting = [r.getMessage() for r in caplog.records if "from other nodes" in r.getMessage()]
+    assert len(waiting) == 1, waiting
+    assert "ranks 0-1 of 4 on this node" in waiting[0]
+    assert f"ranks 2-3 from other nodes at 127.0.0.1:{port}" in waiting[0]
+    assert "DIST_LAUNCH_TIMEOUT" in waiting[0]
 
 
 def test_rank_offset_outside_the_world_is_refused(tmp_path: Path) -> None:
@@ -197,3 +208,101 @@ def _alive(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+_FORK_ON_A_GPU_HOST = """\
+import sys
+sys.path.insert(0, {tests!r})
+import dist_core
+from dist_core.config import MultiprocessConfig
+from dist_launch import launch_subprocesses
+from dist_launch_test_workers import write_cuda_sum
+
+if __name__ == "__main__":
+    # Everything a parent does before it forks: each once poisoned fork on a GPU host.
+    dist_core.default_backend()
+    dist_core.device_count()
+    cfg = MultiprocessConfig(world_size={world}, launch_method="fork")
+    MultiprocessConfig.resolve(cfg)
+    launch_subprocesses(write_cuda_sum, cfg, None, 0, {out!r})
+    import torch
+    assert not torch.cuda.is_initialized(), "the launcher initialised CUDA in the parent"
+"""
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("ranks_per_gpu", [1, 2])
+def test_fork_workers_use_cuda_after_the_parent_resolved_the_config(
+    tmp_path: Path, ranks_per_gpu: int
+) -> None:
+    import subprocess
+    import sys
+
+    from dist_core.devices import cuda_device_count
+
+    world = max(2, cuda_device_count() * ranks_per_gpu)
+    out = tmp_path / "out"
+    out.mkdir()
+    script = tmp_path / "fork_on_gpu.py"
+    script.write_text(
+        _FORK_ON_A_GPU_HOST.format(tests=str(Path(__file__).parent), world=world, out=str(out))
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_DISTRIBUTED_BACKEND"}
+    done = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=150
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    expected_backend = "nccl" if world <= cuda_device_count() else "gloo"
+    total = sum(range(1, world + 1))
+    lines = sorted(path.read_text() for path in out.iterdir())
+    assert lines == [f"{expected_backend} cuda {total}"] * world
+
+
+_FORK_AFTER_CUDA_INIT = """\
+import sys
+sys.path.insert(0, {tests!r})
+import torch
+from dist_core.config import MultiprocessConfig
+from dist_launch import LaunchError, launch_subprocesses
+from dist_launch_test_workers import write_rank_and_sum
+
+if __name__ == "__main__":
+    torch.cuda.init()
+    cfg = MultiprocessConfig(world_size=2, launch_method="fork", backend="gloo")
+    try:
+        launch_subprocesses(write_rank_and_sum, cfg, None, 0, {out!r})
+    except LaunchError as error:
+        print(error)
+        sys.exit(3)
+"""
+
+
+@pytest.mark.cuda
+def test_fork_after_the_caller_initialised_cuda_is_refused_by_name(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    script = tmp_path / "fork_after_init.py"
+    script.write_text(
+        _FORK_AFTER_CUDA_INIT.format(tests=str(Path(__file__).parent), out=str(tmp_path))
+    )
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=150
+    )
+    assert done.returncode == 3, done.stdout + done.stderr
+    assert "initialised CUDA" in done.stdout and "forkserver" in done.stdout
+    assert not list(tmp_path.glob("rank*"))
+
+
+def test_world_size_alone_starts_every_rank_on_this_node(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The README's call: once it started 1 rank that waited 30 min for 2 "other nodes".
+    from dist_launch_test_workers import write_rank_and_sum
+
+    monkeypatch.setenv("DIST_LAUNCH_TIMEOUT", "90")  # a regression fails, not hangs
+    launch_subprocesses(
+        write_rank_and_sum, MultiprocessConfig(world_size=3), None, 0, str(tmp_path)
+    )
+    lines = sorted(path.read_text() for path in tmp_path.iterdir())
+    assert lines == ["0 3 3 0", "1 3 3 1", "2 3 3 2"]

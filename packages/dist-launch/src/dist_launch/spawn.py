@@ -216,10 +216,25 @@ class _ProcessWorker:
         return self.process.sentinel
 
 
+def _cuda_initialised_here() -> bool:
+    """Whether this process initialised CUDA (asked without initialising it)."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return False
+    return bool(torch.cuda.is_initialized())
+
+
 def _context(method: str, func: Callable[..., Any]) -> Any:
     if method not in START_METHODS:
         raise LaunchError(
             f"launch_method={method!r} is not a start method; use one of {', '.join(START_METHODS)}"
+        )
+    if method == "fork" and _cuda_initialised_here():
+        raise LaunchError(
+            "launch_method='fork': this process already initialised CUDA, and a forked "
+            "worker cannot use it again (torch: 'Cannot re-initialize CUDA in forked "
+            "subprocess'); use launch_method='forkserver' (the default) or 'spawn', or "
+            "start the workers before anything touches CUDA"
         )
     context = mp.get_context(method)
     if method == "forkserver":
