@@ -128,6 +128,24 @@ def tests(session: nox.Session, package: str) -> None:
 
 
 @nox.session
+def cuda(session: nox.Session) -> None:
+    """Only the tests marked ``cuda``, of every package; fails where torch sees no GPU.
+
+    Not a default session: CI has no GPU. On a GPU machine, ``nox -s cuda`` runs the
+    GPU checks alone (plain ``nox`` runs them too, with everything else).
+    """
+    _install_packages(session, PACKAGES, extras="[test]")
+    session.run(
+        "python",
+        "-c",
+        "import sys; from dist_core.devices import cuda_device_count as n; "
+        "sys.exit(0 if n() else 'nox -s cuda: torch sees no CUDA device here')",
+    )
+    test_dirs = [str(PACKAGES_DIR / package / "tests") for package in PACKAGES]
+    session.run("pytest", "-m", "cuda", *test_dirs, *session.posargs)
+
+
+@nox.session
 def integration(session: nox.Session) -> None:
     """Tests that need several packages at once, real processes and real faults."""
     _install_packages(session, PACKAGES, extras="")

@@ -13,7 +13,6 @@ if TYPE_CHECKING:
     from dist_core.backend import (
         default_backend,
         destroy_dist,
-        device_count,
         get_distributed_backend,
         get_init_method,
         init_dist,
@@ -22,6 +21,7 @@ if TYPE_CHECKING:
         set_distributed_backend,
     )
     from dist_core.config import MISSING, MultiprocessConfig, is_missing
+    from dist_core.devices import device_count
     from dist_core.env import DistEnv
     from dist_core.errors import DistEnvError
     from dist_core.log import INFOALL, configure_logging
@@ -45,7 +45,6 @@ _LAZY: dict[str, str] = {
         [
             "default_backend",
             "destroy_dist",
-            "device_count",
             "get_distributed_backend",
             "get_init_method",
             "init_dist",
@@ -56,6 +55,7 @@ _LAZY: dict[str, str] = {
         "dist_core.backend",
     ),
     **dict.fromkeys(["MISSING", "MultiprocessConfig", "is_missing"], "dist_core.config"),
+    "device_count": "dist_core.devices",
     "DistEnv": "dist_core.env",
     "DistEnvError": "dist_core.errors",
     **dict.fromkeys(["INFOALL", "configure_logging"], "dist_core.log"),

@@ -41,7 +41,6 @@ __all__ = [
     "choose_backend",
     "default_backend",
     "destroy_dist",
-    "device_count",
     "get_distributed_backend",
     "get_init_method",
     "init_dist",

@@ -15,7 +15,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dist_core.backend import BACKEND_VARIABLE, default_backend, device_count
+from dist_core.backend import BACKEND_VARIABLE, default_backend
+from dist_core.devices import device_count
 from dist_core.env import DistEnv
 from dist_core.errors import DistEnvError
 

@@ -16,6 +16,11 @@ from __future__ import annotations
 import torch
 
 
+def _cuda_built() -> bool:
+    """Whether torch was built with CUDA (or ROCm, which torch also calls ``cuda``)."""
+    return torch.version.cuda is not None or getattr(torch.version, "hip", None) is not None
+
+
 def _compiled_accelerator() -> str | None:
     """The accelerator torch was built for (``cuda``, ``xpu``, ...), or None; no driver call."""
     accelerator = getattr(torch, "accelerator", None)  # torch >= 2.6
@@ -24,7 +29,7 @@ def _compiled_accelerator() -> str | None:
         if current is None or current.type == "cpu":
             return None
         return str(current.type)
-    return "cuda" if torch.backends.cuda.is_built() else None
+    return "cuda" if _cuda_built() else None
 
 
 def cuda_device_count() -> int:
@@ -33,7 +38,7 @@ def cuda_device_count() -> int:
     Reads ``CUDA_VISIBLE_DEVICES`` (through torch and NVML). 0 on a torch built without
     CUDA, and on a host whose driver reports no device.
     """
-    if not torch.backends.cuda.is_built():
+    if not _cuda_built():
         return 0
     try:
         return max(0, int(torch.cuda.device_count()))
