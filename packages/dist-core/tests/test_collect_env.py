@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from dist_core.backend import default_backend
 from dist_core.collect_env import collect, format_report, main
-from dist_core.devices import device_count
+from dist_core.devices import accelerator_type, cuda_device_count
+from dist_core.interfaces import Interface, gloo_choice, nccl_choice
 
 
 def test_report_names_source_backend_devices_and_versions(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -22,7 +24,8 @@ def test_report_names_source_backend_devices_and_versions(monkeypatch: pytest.Mo
     assert report["environment"]["source"] == "openmpi"
     assert report["environment"]["rank"] == 1
     assert report["backend"]["default"] == default_backend()  # for this environment's ranks
-    assert report["devices"]["count"] == device_count()
+    assert report["devices"]["cuda_devices"] == cuda_device_count()
+    assert report["devices"]["accelerator"] == (accelerator_type() or "none (CPU only)")
     assert "dist-core" in report["versions"] and "torch" in report["versions"]
     assert "source: openmpi" in format_report(report)
 
@@ -47,3 +50,40 @@ def test_module_entry_point_runs() -> None:
     )
     assert completed.returncode == 0, completed.stderr
     assert "environment:" in completed.stdout and "versions:" in completed.stdout
+
+
+def test_report_has_what_distributed_bug_reports_need(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NCCL_DEBUG", "INFO")
+    monkeypatch.setenv("NCCL_IB_DISABLE", "1")
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", "DETAIL")
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    report = collect()
+    assert report["variables"]["NCCL_DEBUG"] == "INFO"
+    assert report["variables"]["NCCL_IB_DISABLE"] == "1"
+    assert report["variables"]["TORCH_DISTRIBUTED_DEBUG"] == "DETAIL"
+    assert report["variables"]["OMP_NUM_THREADS"] == "3"
+    assert "lo 127.0.0.1" in report["network"]["interfaces"]
+    assert report["network"]["gloo_would_use"] == "lo (GLOO_SOCKET_IFNAME)"
+    assert "nccl_version" in report["backend"]
+    if Path("/dev/shm").is_dir():
+        assert report["shared_memory"]["size_gib"] > 0
+        assert 0 <= report["shared_memory"]["free_gib"] <= report["shared_memory"]["size_gib"]
+    text = format_report(report)
+    assert text.splitlines()[0].startswith("Copy and paste everything below into your bug report")
+    assert "count: 1" not in text  # one of what? the keys say what they count
+
+
+def test_nccl_and_gloo_choices_follow_their_documented_defaults() -> None:
+    lo, eth, dock, ib = (
+        Interface("lo", "127.0.0.1"),
+        Interface("eth0", "10.0.0.2"),
+        Interface("docker0", "172.17.0.1"),
+        Interface("ib0", "10.1.0.2"),
+    )
+    assert nccl_choice({}, [lo, dock, eth, ib]).startswith("ib0")
+    assert nccl_choice({}, [lo, dock, eth]).startswith("eth0")
+    assert nccl_choice({}, [lo]).startswith("lo")
+    assert nccl_choice({"NCCL_SOCKET_IFNAME": "eth1"}, [lo, eth]) == "eth1 (NCCL_SOCKET_IFNAME)"
+    assert gloo_choice({"GLOO_SOCKET_IFNAME": "eth0"}, [lo]) == "eth0 (GLOO_SOCKET_IFNAME)"
+    assert "host name" in gloo_choice({}, [lo, eth])
