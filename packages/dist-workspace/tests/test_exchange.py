@@ -75,6 +75,58 @@ def test_values_arrive_in_ranks_order(tmp_path: Path) -> None:
         assert result["dir_left"] == []
 
 
+def _own_entries(directory: str) -> dict[str, Any]:
+    """What the receiver gets back of its own value, through each transport."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    out: dict[str, Any] = {}
+    for transport, path in (("shm", None), ("dir", directory)):
+        scale = torch.full((3,), float(rank))
+        config = {"scale": scale, "tied": scale, "tail": scale[1:], "pair": (rank, 1)}
+        with get_configs_parallel(config, [0, 1], None, path) as configs:
+            if not configs:
+                continue
+            own, peer = configs
+            entry: dict[str, Any] = {
+                "equal": torch.equal(own["scale"], scale) and own["pair"] == [0, 1],
+                "not_the_callers": own["scale"] is not scale
+                and own["scale"].untyped_storage().data_ptr() != scale.untyped_storage().data_ptr(),
+                "devices": sorted({str(c[k].device) for c in configs for k in ("scale", "tail")}),
+            }
+            own["scale"].add_(7.0)  # changing the result never changes the caller's config
+            entry["caller_unchanged"] = scale.tolist() == [0.0, 0.0, 0.0]
+            entry["ties_kept"] = [
+                c["tied"].tolist() == c["scale"].tolist()
+                and c["tail"].tolist() == c["scale"][1:].tolist()
+                for c in configs
+            ]
+            peer["scale"].add_(1.0)
+            entry["peer_ties_kept"] = peer["tied"].tolist() == [2.0] * 3
+            out[transport] = entry
+    mine = torch.arange(4, dtype=torch.float32) + rank
+    with get_tensors_parallel(mine, [0, 1]) as tensors:
+        if tensors:
+            tensors[0].zero_()
+            out["tensor_caller_unchanged"] = mine.tolist() == [0.0, 1.0, 2.0, 3.0]
+    return out
+
+
+def test_the_receivers_own_value_is_a_copy_like_its_peers(tmp_path: Path) -> None:
+    results = run_ranks(_own_entries, 2, str(tmp_path), timeout=120)
+    assert results[1] == {}
+    for transport in ("shm", "dir"):
+        assert results[0][transport] == {
+            "equal": True,
+            "not_the_callers": True,
+            "devices": ["cpu"],
+            "caller_unchanged": True,
+            "ties_kept": [True, True],
+            "peer_ties_kept": True,
+        }, transport
+    assert results[0]["tensor_caller_unchanged"] is True
+
+
 def _catch(fn: Any) -> str:
     try:
         fn()
@@ -169,6 +221,12 @@ def test_single_process_without_a_group() -> None:
         assert [t.tolist() for t in tensors] == [[1.0, 1.0]]
     with get_configs_parallel({"a": (1,)}, [0], None) as configs:
         assert configs == [{"a": [1]}]
+    mine = torch.ones(2)
+    with get_tensors_parallel(mine, [0]) as tensors:
+        tensors[0].add_(1)
+    with get_configs_parallel({"t": mine}, [0], None) as configs:
+        configs[0]["t"].add_(1)
+    assert mine.tolist() == [1.0, 1.0]  # the caller's own value is copied, as on a receiver
     needs_group = pytest.raises(WorkspaceError, match="needs an initialized process group")
     with needs_group, get_tensors_parallel(torch.ones(2), [0, 1]):
         pass

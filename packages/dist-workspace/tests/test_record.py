@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dist_workspace import NFSWorkspace, WorkspaceError
+from dist_workspace import NFSWorkspace, WorkspaceError, record
 from dist_workspace.record import supported_dtypes
 
 
@@ -110,6 +110,54 @@ def test_shared_storage_is_stored_once_and_sharing_restored(tmp_path: Path) -> N
     result["embed.weight"][3, 0] = 123.0
     assert result["lm_head.weight"][3, 0] == 123.0 and result["row"][0] == 123.0
     assert result["other"].untyped_storage().data_ptr() != pointer
+
+
+def test_ties_are_found_before_the_copy_off_the_device(
+    any_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Off a GPU every copy to CPU has a storage of its own; on CPU ``.cpu()`` is the
+    # tensor itself. Make every copy to CPU a fresh storage, as from a GPU, so that
+    # ties survive only if they are found on the tensors as given.
+    copies: list[int] = []
+
+    def fresh_copy(tensor: torch.Tensor) -> torch.Tensor:
+        copies.append(tensor.numel())
+        return tensor.clone()
+
+    monkeypatch.setattr(record, "to_host", fresh_copy)
+    embedding = torch.randn(50, 8)
+    scale = torch.ones(3)
+    weights = {
+        "emb.weight": embedding,
+        "head.weight": embedding,
+        "emb.T": embedding.t(),
+        "other": torch.randn(4),
+    }
+    workspace = NFSWorkspace(any_dir / "ws")
+    path = workspace.write_configs_and_weights({"a": scale, "b": scale[1:]}, weights, rank=0)
+    assert path.stat().st_size < 2 * embedding.nbytes  # the tied block is stored once
+    assert sorted(copies) == sorted([scale.nbytes, embedding.nbytes, 4])  # one copy per block
+    config, result = workspace.read_configs_and_weights_from_rank(0)
+    assert result is not None and isinstance(config, dict)
+    for name, tensor in weights.items():
+        assert torch.equal(result[name], tensor) and result[name].stride() == tensor.stride()
+    pointer = result["emb.weight"].untyped_storage().data_ptr()
+    assert result["head.weight"].untyped_storage().data_ptr() == pointer
+    assert result["emb.T"].untyped_storage().data_ptr() == pointer
+    result["emb.weight"][0, 0] = 123.0
+    assert result["head.weight"][0, 0] == 123.0 and result["emb.T"][0, 0] == 123.0
+    config["a"][1] = 5.0  # tensors in the config keep their ties too
+    assert config["b"].tolist() == [5.0, 1.0]
+
+
+def test_tensors_over_one_buffer_of_different_lengths_are_stored_once(tmp_path: Path) -> None:
+    buffer = bytearray(torch.arange(16, dtype=torch.float32).numpy().tobytes())
+    short = torch.frombuffer(buffer, dtype=torch.float32, count=4)
+    whole = torch.frombuffer(buffer, dtype=torch.float32)
+    _, result = _roundtrip(tmp_path, {"short": short, "whole": whole})
+    assert torch.equal(result["short"], short) and torch.equal(result["whole"], whole)
+    result["whole"][0] = -1.0
+    assert result["short"][0] == -1.0
 
 
 def test_config_json_values_and_tuples(tmp_path: Path) -> None:

@@ -25,6 +25,12 @@ mappings of the writers' segments: writing to them never affects the writer, and
 they stay valid after the context exits (the memory is freed when the last tensor is
 dropped). Segments are unlinked before the context body runs and, on every error
 path, in ``finally`` blocks.
+
+Device rule: every value the receiver gets is on CPU, its own included, whatever
+device the tensors were on. The receiver's own value goes through the same record
+encoding and decoding as a peer's (in anonymous memory, see
+:func:`~dist_workspace.record.copy_through_record`), so it never aliases the
+caller's tensors and shared storage inside it stays shared.
 """
 
 from __future__ import annotations
@@ -45,12 +51,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dist_workspace.config_codec import decode_config, encode_config
 from dist_workspace.errors import WorkspaceError
 from dist_workspace.fsutil import make_private_directory
 from dist_workspace.jobid import current_job_id, short_tag
 from dist_workspace.record import (
     assemble,
+    copy_through_record,
     parse_header,
     prepare_record,
     view_entries,
@@ -393,16 +399,20 @@ def _receive(
 # ---------------------------------------------------------------- public API
 
 
-def _as_cpu_tensor(tensor: Any) -> torch.Tensor:
+def _own_tensor(tensor: Any, rank: int | None, job: str) -> torch.Tensor:
+    """This rank's tensor as the receiver gets peers' ones: on CPU, a copy."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"get_tensors_parallel needs a torch.Tensor, got {type(tensor).__name__}")
-    return tensor.detach().cpu()
+    where = f"rank {rank}'s own tensor"
+    _, weights = copy_through_record({"tensor": tensor}, None, rank=rank, job=job, where=where)
+    return weights["tensor"]
 
 
-def _normalized(config: Any) -> Any:
-    """The config as the receiver gets peers' ones: validated, tuples as lists."""
-    text, tensors = encode_config(config)
-    return decode_config(text, tensors, "this rank's config")
+def _own_config(config: Any, rank: int | None, job: str) -> Any:
+    """This rank's config as the receiver gets peers' ones: a copy, tensors on CPU."""
+    where = f"rank {rank}'s own config"
+    value, _ = copy_through_record({}, config, rank=rank, job=job, where=where)
+    return value
 
 
 @contextlib.contextmanager
@@ -421,15 +431,16 @@ def get_tensors_parallel(
     300 by default) when ``timeout`` is None, and ``DIST_WORKSPACE_SHM_DIR``.
 
     Args:
-        tensor: This rank's tensor (moved to CPU; any dtype safetensors stores).
+        tensor: This rank's tensor, on any device (any dtype safetensors stores).
         ranks: Global ranks taking part; the first one receives.
         group: The process group they belong to; None means the world.
         timeout: Seconds to wait for a peer before raising, naming it.
 
     Yields:
-        On the first rank, the tensors (its own first, as a CPU tensor; the others
-        zero-copy views of shared memory that stay valid after the context); on the
-        other ranks an empty list.
+        On the first rank, the tensors, all on CPU whatever device they were on
+        (peers' ones zero-copy views of shared memory that stay valid after the
+        context; its own a CPU copy that never aliases ``tensor``); on the other
+        ranks an empty list.
 
     Raises:
         WorkspaceError: The caller is not in ``ranks``; a rank failed, timed out, or
@@ -437,13 +448,15 @@ def get_tensors_parallel(
     """
     exchange = _start("get_tensors_parallel", ranks, group, None, timeout)
     if exchange is None:
-        yield [_as_cpu_tensor(tensor)]
+        yield [_own_tensor(tensor, None, "")]
         return
     if exchange.rank != exchange.receiver:
         _send(exchange, {"tensor": tensor}, None)
         yield []
         return
-    received = _receive(exchange, lambda: (None, {"tensor": _as_cpu_tensor(tensor)}))
+    received = _receive(
+        exchange, lambda: (None, {"tensor": _own_tensor(tensor, exchange.rank, exchange.job)})
+    )
     yield [weights["tensor"] for _, weights in received]
 
 
@@ -471,7 +484,10 @@ def get_configs_parallel(
         timeout: Seconds to wait for a peer before raising, naming it.
 
     Yields:
-        The configs on the first rank, an empty list elsewhere.
+        The configs on the first rank, an empty list elsewhere. Every tensor in them
+        is on CPU, whatever device it was on, the first rank's own config included;
+        its own config is a copy (through the same encoding as the others'), so
+        changing it never changes ``config``.
 
     Raises:
         TypeError: This rank's config is not JSON (naming the key path).
@@ -479,11 +495,11 @@ def get_configs_parallel(
     """
     exchange = _start("get_configs_parallel", ranks, group, workspace_path, timeout)
     if exchange is None:
-        yield [_normalized(config)]
+        yield [_own_config(config, None, "")]
         return
     if exchange.rank != exchange.receiver:
         _send(exchange, {}, config)
         yield []
         return
-    received = _receive(exchange, lambda: (_normalized(config), {}))
+    received = _receive(exchange, lambda: (_own_config(config, exchange.rank, exchange.job), {}))
     yield [value for value, _ in received]

@@ -14,7 +14,10 @@ Format decisions (the safetensors format leaves them open):
   buffer) are stored once: the byte span of the storage that covers all of them
   becomes one ``U8`` entry named ``dist_workspace.shared.{n}``, and the layout
   metadata records each member's dtype, shape, stride and byte offset in it. Reading
-  rebuilds them as views of one buffer, so the sharing comes back.
+  rebuilds them as views of one buffer, so the sharing comes back. Sharing is found
+  on the tensors as given (their storage's device and address), before anything is
+  copied to CPU: each copy off a GPU has a storage of its own, so looking after the
+  copy would find no sharing at all. The span is then copied to CPU once.
 - Any other tensor is written as its own elements only (``.contiguous()``): a narrow,
   chunk or slice of a large buffer costs its own size, not the buffer's.
 - The metadata keys are ``dist_workspace.format`` (``"1"``), ``dist_workspace.config``
@@ -196,7 +199,45 @@ def _check_tensor(label: str, tensor: torch.Tensor) -> torch.Tensor:
             f"{label} has dtype {tensor.dtype}, which safetensors cannot store; supported: "
             + ", ".join(str(dtype) for dtype in _NAME_BY_DTYPE)
         )
-    return tensor.detach().cpu()
+    return tensor.detach()  # still on its device: sharing is found before any copy
+
+
+def to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` on CPU: itself when it is there already, else a copy (with a new storage).
+
+    The only place a record moves data off a device; sharing between tensors must be
+    found before it (see :func:`shared_groups`).
+    """
+    return tensor.to("cpu")
+
+
+def _storage_key(tensor: torch.Tensor) -> tuple[str, int] | None:
+    """Where ``tensor``'s storage lives (device, address); None when it holds no bytes."""
+    if tensor.numel() == 0:
+        return None
+    try:
+        storage = tensor.untyped_storage()
+        pointer = int(storage.data_ptr())
+    except (RuntimeError, NotImplementedError):  # a tensor without a plain storage
+        return None
+    if storage.nbytes() == 0 or pointer == 0:
+        return None
+    return str(tensor.device), pointer
+
+
+def shared_groups(tensors: dict[str, torch.Tensor]) -> list[list[str]]:
+    """Names of tensors that share a storage, grouped, in the order given.
+
+    Decided on the tensors as given, on any device: two tensors share when their
+    storages start at the same address on the same device (tied weights, a tensor and
+    its transpose, rows of one matrix). Call it before any copy to CPU.
+    """
+    by_storage: dict[tuple[str, int], list[str]] = {}
+    for name, tensor in tensors.items():
+        key = _storage_key(tensor)
+        if key is not None:
+            by_storage.setdefault(key, []).append(name)
+    return [names for names in by_storage.values() if len(names) > 1]
 
 
 def prepare_record(
@@ -229,15 +270,9 @@ def prepare_record(
     for name, tensor in config_tensors.items():
         logical[name] = _check_tensor(f"the config's tensor {name}", tensor)
 
-    by_storage: dict[int, list[str]] = {}
-    for name, tensor in logical.items():
-        storage = tensor.untyped_storage()
-        if tensor.numel() == 0 or storage.nbytes() == 0:
-            continue
-        by_storage.setdefault(storage.data_ptr(), []).append(name)
-    shared_groups = [names for names in by_storage.values() if len(names) > 1]
+    groups = shared_groups(logical)
     blob_of: dict[str, int] = {}
-    for index, names in enumerate(shared_groups):
+    for index, names in enumerate(groups):
         for name in names:
             blob_of[name] = index
 
@@ -247,7 +282,7 @@ def prepare_record(
     for name, tensor in logical.items():
         block = blob_of.get(name)
         if block is None:
-            data = tensor.contiguous()
+            data = to_host(tensor).contiguous()  # its own elements only, on CPU
             shape = tuple(int(dim) for dim in data.shape)
             payloads.append((name, _NAME_BY_DTYPE[data.dtype], shape, byte_view(data)))
             continue
@@ -255,8 +290,13 @@ def prepare_record(
         if index in emitted_blobs:
             continue
         emitted_blobs.add(index)
-        members = shared_groups[index]
-        storage = logical[members[0]].untyped_storage()
+        members = groups[index]
+        # Storages made over one buffer (frombuffer, from_blob) may differ in length:
+        # take the longest, which covers every member.
+        storage = max(
+            (logical[member].untyped_storage() for member in members),
+            key=lambda candidate: candidate.nbytes(),
+        )
         spans = []
         for member in members:
             view = logical[member]
@@ -270,7 +310,9 @@ def prepare_record(
         end = max(stop for _, stop in spans)
         blob_name = f"{SHARED_PREFIX}{index}"
         length = int(end - start)
-        blob = torch.empty(0, dtype=torch.uint8).set_(storage, start, (length,), (1,))
+        on_device = torch.empty(0, dtype=torch.uint8, device=storage.device)
+        on_device.set_(storage, start, (length,), (1,))
+        blob = to_host(on_device)  # one copy of the span for every member
         payloads.append((blob_name, "U8", (length,), blob))
         for member in members:
             view = logical[member]
@@ -650,3 +692,39 @@ def read_record_fd(
             if mapped:
                 return header, mapped
     return header, load_entries(fd, header, where)
+
+
+def copy_through_record(
+    weights: dict[str, torch.Tensor], config: Any, *, rank: int | None, job: str, where: str
+) -> tuple[Any, dict[str, torch.Tensor]]:
+    """``(config, weights)`` exactly as a reader of their record gets them.
+
+    The record is written into anonymous memory (``memfd_create``) and parsed back
+    like a peer's segment: every tensor comes back on CPU, bit-exact, shared storage
+    still shared, and none aliases the tensors passed in (writing to the result never
+    changes them, nor they it). Tuples in the config come back as lists.
+
+    Raises:
+        TypeError, ValueError: As :func:`prepare_record`.
+    """
+    record = prepare_record(weights, config, rank=rank, job=job, checksums=False)
+    memfd_create = getattr(os, "memfd_create", None)
+    if memfd_create is not None:
+        fd = memfd_create("dist-workspace-own-value", os.MFD_CLOEXEC)
+    else:  # pragma: no cover - every Linux since 3.17 has memfd_create
+        import tempfile  # noqa: PLC0415
+
+        fd, path = tempfile.mkstemp(prefix="dist-workspace-own-value-")
+        os.unlink(path)
+    try:
+        os.ftruncate(fd, record.total_size)
+        write_record(fd, record)
+        mapping = mmap.mmap(
+            fd, record.total_size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
+        )
+    finally:
+        os.close(fd)
+    header = parse_header(
+        lambda offset, length: mapping[offset : offset + length], record.total_size, where
+    )
+    return assemble(view_entries(mapping, header), header, where)
