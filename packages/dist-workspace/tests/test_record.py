@@ -112,6 +112,27 @@ def test_shared_storage_is_stored_once_and_sharing_restored(tmp_path: Path) -> N
     assert result["other"].untyped_storage().data_ptr() != pointer
 
 
+def test_conjugate_and_negative_views_keep_their_values(tmp_path: Path) -> None:
+    # A conj view shares its storage with its source: written as a view of that
+    # storage it came back as the source's values, silently.
+    complex_values = torch.tensor([1 + 2j, 3 - 1j, -2 + 0.5j], dtype=torch.complex64)
+    real_values = torch.tensor([1.5, -2.0, 0.25])
+    weights = {
+        "z": complex_values,
+        "z_conj": complex_values.conj(),
+        "x": real_values,
+        "x_neg": real_values._neg_view(),
+        "conj_alone": torch.tensor([5 - 5j], dtype=torch.complex64).conj(),
+    }
+    workspace = NFSWorkspace(tmp_path)
+    workspace.write_configs_and_weights({}, weights, rank=0)
+    _, result = workspace.read_configs_and_weights_from_rank(0)
+    assert result is not None
+    for name, tensor in weights.items():
+        assert torch.equal(result[name], tensor.resolve_conj().resolve_neg()), name
+        assert not result[name].is_conj() and not result[name].is_neg(), name
+
+
 def test_ties_are_found_before_the_copy_off_the_device(
     any_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -199,7 +199,15 @@ def _check_tensor(label: str, tensor: torch.Tensor) -> torch.Tensor:
             f"{label} has dtype {tensor.dtype}, which safetensors cannot store; supported: "
             + ", ".join(str(dtype) for dtype in _NAME_BY_DTYPE)
         )
-    return tensor.detach()  # still on its device: sharing is found before any copy
+    tensor = tensor.detach()  # still on its device: sharing is found before any copy
+    # A conjugate or negative view shares its storage with the tensor it views but
+    # reads it with a lazy sign flip that raw bytes cannot carry: written as a view of
+    # that storage it would come back as the original's values. Materialise it.
+    if tensor.is_conj():
+        tensor = tensor.resolve_conj()
+    if tensor.is_neg():
+        tensor = tensor.resolve_neg()
+    return tensor
 
 
 def to_host(tensor: torch.Tensor) -> torch.Tensor:
