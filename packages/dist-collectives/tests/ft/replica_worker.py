@@ -26,13 +26,19 @@ def _digest(model: nn.Module, optimizer: torch.optim.Optimizer) -> str:
     h = hashlib.sha256()
     for name, tensor in sorted(model.state_dict().items()):
         h.update(name.encode())
-        h.update(tensor.detach().contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     for index, state in sorted(optimizer.state_dict()["state"].items()):
         for key, value in sorted(state.items()):
             h.update(f"{index}.{key}".encode())
             if isinstance(value, torch.Tensor):
                 h.update(
-                    value.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+                    value.detach()
+                    .cpu()
+                    .contiguous()
+                    .reshape(-1)
+                    .view(torch.uint8)
+                    .numpy()
+                    .tobytes()
                 )
     return h.hexdigest()
 
@@ -57,11 +63,13 @@ def main() -> None:
     parser.add_argument("--kill-when-count", type=int, default=4)
     parser.add_argument("--min-replicas", type=int, default=1)
     parser.add_argument("--restarted", action="store_true")
+    parser.add_argument("--device", default="cpu", help="where the model lives (cuda: a GPU check)")
     args = parser.parse_args()
 
     torch.manual_seed(0)  # every replica starts from the same weights
     torch.set_num_threads(1)
-    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    device = torch.device(args.device)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1)).to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
 
     def state_dict() -> dict[str, Any]:
@@ -94,7 +102,7 @@ def main() -> None:
         ):
             break
         manager.start_quorum()
-        x = torch.randn(32, 8, generator=generator)
+        x = torch.randn(32, 8, generator=generator).to(device)
         y = x.sum(dim=1, keepdim=True)
         optimizer.zero_grad()
         kill_now = (

@@ -25,14 +25,16 @@ def _spawn(port: int, replica: str, out: Path, *extra: str) -> subprocess.Popen[
     return subprocess.Popen([*command, "--out", str(out), *extra])
 
 
-def _run_kill_and_rejoin(tmp_path: Path, replicas: int, mode: str) -> dict[str, Any]:
+def _run_kill_and_rejoin(
+    tmp_path: Path, replicas: int, mode: str, device: str = "cpu"
+) -> dict[str, Any]:
     port = get_unused_port()
     store = dist.TCPStore(
         "127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=120)
     )
     victim = f"replica{replicas - 1}"
     outs = {f"replica{i}": tmp_path / f"replica{i}.json" for i in range(replicas)}
-    common = ["--mode", mode, "--min-replicas", str(replicas - 1)]
+    common = ["--mode", mode, "--min-replicas", str(replicas - 1), "--device", device]
     procs = {}
     try:
         for replica, out in outs.items():
@@ -105,5 +107,15 @@ def test_sigkill_mid_allreduce_survivors_go_on_and_the_replica_rejoins(tmp_path:
 @pytest.mark.timeout(400)
 def test_ddp_survivors_go_on_after_a_peer_dies_mid_backward(tmp_path: Path) -> None:
     result = _run_kill_and_rejoin(tmp_path, 3, "ddp")
+    notice = _check(result, 3)
+    print(f"survivors noticed the kill after {[round(n, 3) for n in notice]} s")
+
+
+@pytest.mark.cuda
+@pytest.mark.timeout(400)
+def test_ddp_on_a_gpu_survivors_go_on_and_end_identical(tmp_path: Path) -> None:
+    # The same run with the model on the GPU: the replicas' digests must still agree
+    # (device-less futures let DDP read its buckets before the averaged values landed).
+    result = _run_kill_and_rejoin(tmp_path, 3, "ddp", "cuda")
     notice = _check(result, 3)
     print(f"survivors noticed the kill after {[round(n, 3) for n in notice]} s")

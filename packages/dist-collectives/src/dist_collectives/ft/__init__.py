@@ -6,7 +6,12 @@ A :class:`Manager` forms a quorum of live replicas through that store, heals rep
 that join, and decides per step whether it may be committed.
 """
 
-from dist_collectives.ft.baby import BabyProcessError, ProcessGroupBaby, ProcessGroupBabyGloo
+from dist_collectives.ft.baby import (
+    BabyProcessError,
+    ProcessGroupBaby,
+    ProcessGroupBabyGloo,
+    ProcessGroupBabyNCCL,
+)
 from dist_collectives.ft.ddp import DistributedDataParallel, ReplicaAveraging, ft_allreduce_hook
 from dist_collectives.ft.device_mesh import extend_device_mesh
 from dist_collectives.ft.dummy import ProcessGroupDummy
@@ -17,7 +22,11 @@ from dist_collectives.ft.nccl import ProcessGroupNCCL
 from dist_collectives.ft.process_group import ProcessGroup, StoreAddressReusedError
 from dist_collectives.ft.quorum import Quorum, QuorumTimeoutError
 from dist_collectives.ft.state_transfer import StateTransferError
-from dist_collectives.ft.store import StoreAddressError, create_store_client
+from dist_collectives.ft.store import (
+    RendezvousTimeoutError,
+    StoreAddressError,
+    create_store_client,
+)
 from dist_collectives.ft.work import DummyWork, FutureWork
 from dist_collectives.ft.wrappers import ErrorSwallowingProcessGroupWrapper, ProcessGroupWrapper
 
@@ -30,6 +39,7 @@ __all__ = [
     "ProcessGroupDummy",
     "ProcessGroupBaby",
     "ProcessGroupBabyGloo",
+    "ProcessGroupBabyNCCL",
     "BabyProcessError",
     "Manager",
     "ManagedProcessGroup",
@@ -43,6 +53,7 @@ __all__ = [
     "create_store_client",
     "StoreAddressError",
     "StoreAddressReusedError",
+    "RendezvousTimeoutError",
     "ManagerConfigError",
     "ReplicaError",
     "QuorumTimeoutError",

@@ -2,18 +2,41 @@
 
 A collective that waits for a dead or hung peer cannot be interrupted inside gloo or
 NCCL; it can only be killed with the process that runs it. So the backend lives in a
-child: the parent shares each tensor with it through shared memory, sends the
-operation over a pipe, and copies the result back when the child answers. When the
-child dies, or an operation outlives the timeout (the child is then killed), every
-pending operation fails in the parent, and the next :meth:`configure` starts a fresh
-child.
+child, started with ``spawn``, and the parent sends each operation over a pipe. When
+the child dies, or an operation outlives the timeout (the child is then killed), every
+pending operation fails in the parent, :meth:`ProcessGroupBaby.error` says why until
+the next :meth:`~ProcessGroupBaby.configure`, and that call starts a fresh child.
+
+How tensors get to the child:
+
+- :class:`ProcessGroupBabyGloo`: a copy in shared memory. The copy to it is made on
+  the caller's thread and current stream (``.to("cpu")`` waits for that stream), the
+  copy back into the caller's tensors on the reader thread (a blocking copy); the
+  Work's future carries the tensors' CUDA devices, so a caller's stream that waits on
+  it is ordered after the copy back.
+- :class:`ProcessGroupBabyNCCL`: no copy. The caller's CUDA tensors are shared with
+  the child through CUDA IPC (torch.multiprocessing's reductions), and the order of
+  the GPU work is kept by two interprocess CUDA events: the parent funnels the
+  caller's current stream into one "submit" stream and records an event there that
+  the child's stream waits for before the collective; the child records an event
+  after it, which the parent's reader stream waits for before the Work's future is
+  completed on it. Nothing waits on the CPU for the GPU: ``Work.wait()`` returns once
+  the child enqueued the collective, with the caller's stream waiting for it.
+
+  A CUDA tensor shared through IPC is kept alive in the parent until the child
+  releases it (torch counts the child's references in shared memory). A child that
+  dies never releases what it held, and torch would keep those blocks for the life of
+  the parent: so the parent counts, per operation, what the child has not yet
+  released, and releases it on the child's behalf once the child is gone.
 
 The pipe carries this process's own messages to its own child (operation names,
-shared-memory tensors, error strings); nothing from another host is unpickled.
+shared tensors, IPC handles, error strings); nothing from another host is unpickled.
 """
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import itertools
 import logging
 import multiprocessing as mp
@@ -26,14 +49,16 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing
+import torch.multiprocessing  # registers the reductions of CUDA tensors and events
 from torch._C._distributed_c10d import Store
 from torch.futures import Future
+from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
 from dist_collectives.ft.gloo import create_gloo_backend
+from dist_collectives.ft.nccl import create_nccl_backend, nccl_unavailable_reason
 from dist_collectives.ft.process_group import DEFAULT_TIMEOUT, ProcessGroup, reduce_op_name
-from dist_collectives.ft.store import create_store_client
-from dist_collectives.ft.work import FutureWork
+from dist_collectives.ft.store import create_store_client, wait_for_arrivals
+from dist_collectives.ft.work import FutureWork, future_for
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +68,14 @@ _PARENT_POLL_SECONDS = 0.5
 # Starting the child imports torch, which takes seconds on a loaded machine; that is
 # not the group's fault, so it does not count against the group's timeout.
 CHILD_START_SECONDS = 60.0
+
+# Where rebuild_cuda_tensor's arguments name the reference counter of a shared block.
+_REBUILD_PARAMETERS = list(inspect.signature(rebuild_cuda_tensor).parameters)
+_COUNTER_HANDLE = _REBUILD_PARAMETERS.index("ref_counter_handle")
+_COUNTER_OFFSET = _REBUILD_PARAMETERS.index("ref_counter_offset")
+
+# An IPC reference counter the child owes the parent: (handle, offset, device index).
+_Slot = tuple[bytes, int, int]
 
 
 class BabyProcessError(RuntimeError):
@@ -64,6 +97,74 @@ def _exit_with_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, name="ft-baby-parent-watch", daemon=True).start()
 
 
+def _run_operation(backend: Any, operation: str, tensors: list[torch.Tensor], argument: Any) -> Any:
+    if operation == "allreduce":
+        return backend.allreduce(tensors, getattr(dist.ReduceOp, argument))
+    if operation == "broadcast":
+        options = dist.BroadcastOptions()
+        options.rootRank = argument
+        return backend.broadcast(tensors, options)
+    if operation == "send":
+        peer, tag = argument
+        return backend.send(tensors, peer, tag)
+    if operation == "recv":
+        peer, tag = argument
+        return backend.recv(tensors, peer, tag)
+    if operation == "barrier":
+        return backend.barrier()
+    raise ValueError(f"unknown operation {operation!r}")
+
+
+def _serve_cpu(backend: Any, conn: mp_connection.Connection) -> None:
+    """The child's loop for shared-memory tensors: one blocking operation at a time."""
+    while True:
+        try:
+            op_id, operation, tensors, argument = conn.recv()
+        except EOFError:
+            return
+        try:
+            _run_operation(backend, operation, tensors, argument).wait()
+            conn.send(("done", op_id, None))
+        except Exception as error:
+            conn.send(("error", op_id, f"{type(error).__name__}: {error}"))
+
+
+def _serve_cuda(
+    backend: Any,
+    conn: mp_connection.Connection,
+    stream: torch.cuda.Stream,
+    to_child: torch.cuda.Event,
+    from_child: torch.cuda.Event,
+) -> None:
+    """The child's loop for CUDA IPC tensors (see the module doc for the events)."""
+    while True:
+        try:
+            op_id, operation, payload, argument = conn.recv()
+        except EOFError:
+            return
+        tensors: list[torch.Tensor] = []
+        work: Any = None
+        try:
+            tensors = [rebuild(*args) for rebuild, args in payload]
+            with torch.cuda.stream(stream):
+                to_child.wait(stream)  # the parent's caller stream produced the inputs
+                work = _run_operation(backend, operation, tensors, argument)
+                work.wait()  # NCCL: this stream waits for the collective, the CPU does not
+                from_child.record(stream)
+            conn.send(("done", op_id, None))
+        except Exception as error:
+            conn.send(("error", op_id, f"{type(error).__name__}: {error}"))
+        finally:
+            # Release the parent's memory only once the GPU is done with it: the IPC
+            # storage's deleter synchronises the current stream, and this one.
+            with torch.cuda.stream(stream):
+                stream.synchronize()
+                work = None
+                tensors.clear()
+                payload = None
+            conn.send(("released", op_id, None))
+
+
 def _child_main(
     factory: type[ProcessGroupBaby],
     conn: mp_connection.Connection,
@@ -72,50 +173,97 @@ def _child_main(
     world_size: int,
     timeout_seconds: float,
     parent_pid: int,
+    cuda: tuple[int, torch.cuda.Event] | None,
 ) -> None:
     _exit_with_parent(parent_pid)
     timeout = timedelta(seconds=timeout_seconds)
     try:
-        backend = factory._create_backend(
-            create_store_client(store_addr, timeout), rank, world_size, timeout
+        if cuda is not None:
+            device_index, to_child = cuda
+            torch.cuda.set_device(device_index)
+            stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+            from_child = torch.cuda.Event(interprocess=True)  # type: ignore[no-untyped-call]
+        store = create_store_client(store_addr, timeout)
+        wait_for_arrivals(
+            store, store_addr, rank, world_size, timeout, f"{factory.__name__}.configure"
         )
+        backend = factory._create_backend(store, rank, world_size, timeout)
     except Exception as error:
         conn.send(("failed", f"{type(error).__name__}: {error}"))
         return
-    conn.send(("ready", None))
-    while True:
-        try:
-            message = conn.recv()
-        except EOFError:
-            return
-        op_id, operation, tensors, argument = message
-        try:
-            if operation == "allreduce":
-                work = backend.allreduce(tensors, getattr(dist.ReduceOp, argument))
-            elif operation == "broadcast":
-                options = dist.BroadcastOptions()
-                options.rootRank = argument
-                work = backend.broadcast(tensors, options)
-            elif operation == "send":
-                peer, tag = argument
-                work = backend.send(tensors, peer, tag)
-            elif operation == "recv":
-                peer, tag = argument
-                work = backend.recv(tensors, peer, tag)
-            elif operation == "barrier":
-                work = backend.barrier()
-            else:
-                raise ValueError(f"unknown operation {operation!r}")
-            work.wait()
-            conn.send((op_id, None))
-        except Exception as error:
-            conn.send((op_id, f"{type(error).__name__}: {error}"))
+    if cuda is None:
+        conn.send(("ready", None))
+        _serve_cpu(backend, conn)
+    else:
+        conn.send(("ready", from_child))  # pickled as an IPC handle
+        _serve_cuda(backend, conn, stream, to_child, from_child)
 
 
 def _shared_copy(tensor: torch.Tensor) -> torch.Tensor:
+    # A blocking copy on the caller's current stream: it waits for the kernels that
+    # produced the tensor there.
     copy = tensor.detach().to("cpu").clone()
     copy.share_memory_()  # type: ignore[no-untyped-call]
     return copy
+
+
+def _release_slots(slots: list[_Slot]) -> None:
+    """Releases, on a dead child's behalf, the IPC references it never released."""
+    if not slots:
+        return
+    for handle, offset, device in slots:
+        try:
+            release = torch.UntypedStorage._release_ipc_counter
+            release(handle, offset, device=device)  # type: ignore[no-untyped-call]
+        except Exception:
+            logger.warning("could not release a CUDA IPC reference of a dead child", exc_info=True)
+    with contextlib.suppress(Exception):
+        # Frees the blocks whose last reference that was.
+        torch.cuda.ipc_collect()  # type: ignore[no-untyped-call]
+
+
+class _CudaLink:
+    """The parent's side of a CUDA child: its device, streams and the two events."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        with torch.cuda.device(device):
+            self.submit_stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+            self.reader_stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+            self.to_child = torch.cuda.Event(interprocess=True)  # type: ignore[no-untyped-call]
+        self.from_child: torch.cuda.Event | None = None
+
+    def export(self, tensors: list[torch.Tensor]) -> tuple[list[Any], list[_Slot]]:
+        """Orders the child after the caller's stream and shares ``tensors`` (no copy).
+
+        Call it under the group's lock, right before sending: the child waits for
+        the latest record of ``to_child``, and the submit stream has waited for every
+        caller stream recorded so far, so that record covers this operation's inputs.
+        """
+        for tensor in tensors:
+            if tensor.device != self.device:
+                raise ValueError(
+                    f"ProcessGroupBabyNCCL was configured on {self.device}; got a tensor on "
+                    f"{tensor.device} (every tensor must be on the configured device)"
+                )
+        self.submit_stream.wait_stream(torch.cuda.current_stream(self.device))
+        self.to_child.record(self.submit_stream)
+        payload: list[Any] = []
+        slots: list[_Slot] = []
+        for tensor in tensors:
+            rebuild, args = reduce_tensor(tensor.detach())  # type: ignore[no-untyped-call]
+            payload.append((rebuild, args))
+            handle = args[_COUNTER_HANDLE]
+            if handle is not None:
+                slots.append((handle, int(args[_COUNTER_OFFSET]), self.device.index or 0))
+        return payload, slots
+
+    def complete(self, future: Future[Any], value: Any) -> None:
+        """Sets ``future`` on the reader stream, after the child's collective."""
+        assert self.from_child is not None
+        with torch.cuda.device(self.device), torch.cuda.stream(self.reader_stream):
+            self.from_child.wait(self.reader_stream)
+            future.set_result(value)  # records the future's event on the reader stream
 
 
 class _Pending:
@@ -125,48 +273,75 @@ class _Pending:
         originals: list[torch.Tensor],
         shared: list[torch.Tensor],
         deadline: float,
+        slots: list[_Slot],
     ) -> None:
         self.future = future
         self.originals = originals
         self.shared = shared
         self.deadline = deadline
+        self.slots = slots
+
+
+class _Child:
+    """One child process and what the parent has outstanding with it."""
+
+    def __init__(self, process: Any, conn: mp_connection.Connection, link: _CudaLink | None):
+        self.process = process
+        self.conn = conn
+        self.link = link
+        self.pending: dict[int, _Pending] = {}
+        # op id -> IPC references the child has not released yet (done, not released).
+        self.unreleased: dict[int, list[_Slot]] = {}
+        self.gone: BabyProcessError | None = None
 
 
 class ProcessGroupBaby(ProcessGroup):
     """A reconfigurable group whose backend runs in a child process (see the module doc).
 
-    Supports ``allreduce``, ``broadcast``, ``barrier``, ``send`` and ``recv`` on CPU
-    tensors.
+    Supports ``allreduce``, ``broadcast``, ``barrier``, ``send`` and ``recv``.
 
     Args:
         timeout: How long the child may take to join the group, and one operation may
             take before the child is killed and the operation fails.
     """
 
+    _uses_cuda_ipc = False
+
     def __init__(self, timeout: timedelta = DEFAULT_TIMEOUT) -> None:
         super().__init__()
         self._timeout = timeout
         self._lock = threading.Lock()
-        self._child: Any = None
-        self._conn: mp_connection.Connection | None = None
-        self._pending: dict[int, _Pending] = {}
+        self._child_state: _Child | None = None
         self._ids = itertools.count()
         self._reader: threading.Thread | None = None
+        self._error: BabyProcessError | None = None
 
     @classmethod
     def _create_backend(cls, store: Store, rank: int, world_size: int, timeout: timedelta) -> Any:
         """Builds the torch backend; runs in the child."""
         raise NotImplementedError(f"{cls.__name__} must implement _create_backend")
 
+    def _check_machine(self) -> None:
+        """Raises when this machine cannot run the child's backend (before anything changes)."""
+
     def configure(self, store_addr: str, rank: int, world_size: int) -> None:
         """Kills the current child (failing what is pending) and starts one in the new group.
 
+        The arguments are checked first: a refused call (a reused address, a bad rank)
+        leaves the current child and configuration as they were.
+
         Raises:
-            BabyProcessError: the child died or could not join within the timeout.
+            StoreAddressReusedError: this group was configured on ``store_addr`` before.
+            BabyProcessError: the child died, or could not join within the timeout
+                (the message names the ranks that did not arrive).
         """
+        self._check_machine()
         self._claim_configuration(store_addr, rank, world_size)
         self._stop_child(BabyProcessError("the group was reconfigured"))
-        context = mp.get_context("spawn")
+        link = None
+        if self._uses_cuda_ipc:
+            link = _CudaLink(torch.device("cuda", torch.cuda.current_device()))
+        context = mp.get_context("spawn")  # CUDA cannot be used in a forked child
         parent_conn, child_conn = context.Pipe()
         child = context.Process(
             target=_child_main,
@@ -178,6 +353,7 @@ class ProcessGroupBaby(ProcessGroup):
                 world_size,
                 self._timeout.total_seconds(),
                 os.getpid(),
+                None if link is None else (link.device.index, link.to_child),
             ),
             name=f"ft-baby-{rank}",
             daemon=True,
@@ -201,86 +377,144 @@ class ProcessGroupBaby(ProcessGroup):
         if status != "ready":
             child.join()
             raise BabyProcessError(f"the child could not join {store_addr}: {detail}")
+        if link is not None:
+            link.from_child = detail
+        state = _Child(child, parent_conn, link)
         with self._lock:
-            self._child, self._conn = child, parent_conn
+            self._child_state = state
+            self._error = None
+        self._set_configuration(rank, world_size)
         self._reader = threading.Thread(
-            target=self._read_replies, args=(child, parent_conn), name="ft-baby-reader", daemon=True
+            target=self._read_replies, args=(state,), name="ft-baby-reader", daemon=True
         )
         self._reader.start()
 
-    def _stop_child(self, reason: Exception) -> None:
-        with self._lock:
-            child, conn, self._child, self._conn = self._child, self._conn, None, None
-        if child is None:
-            return
-        if child.is_alive():
-            child.kill()
-        child.join(_STOP_SECONDS)
-        assert conn is not None
-        conn.close()
-        self._fail_all(reason)
+    def error(self) -> BabyProcessError | None:
+        """Why the child is gone (it died, hung or was stopped), or None.
 
-    def _fail_all(self, reason: Exception) -> None:
+        Stays set until the next successful :meth:`configure`. With CUDA tensors an
+        operation completes once the child has enqueued it, so a child that dies
+        afterwards, before the GPU finished, is reported only here: the
+        :class:`Manager` checks it before it votes on a step.
+        """
+        return self._error
+
+    def _stop_child(self, reason: BabyProcessError) -> None:
         with self._lock:
-            pending, self._pending = self._pending, {}
+            state, self._child_state = self._child_state, None
+        if state is not None:
+            self._retire(state, reason, record=False)
+
+    def _retire(self, state: _Child, reason: BabyProcessError, *, record: bool = True) -> None:
+        """Ends ``state``'s child (once), fails its pending work, releases what it held."""
+        with self._lock:
+            if state.gone is not None:
+                return
+            state.gone = reason
+            pending, state.pending = state.pending, {}
+            slots = [slot for op in pending.values() for slot in op.slots]
+            slots += [slot for held in state.unreleased.values() for slot in held]
+            state.unreleased = {}
+            if record and self._child_state is state and self._error is None:
+                self._error = reason
+        if state.process.is_alive():
+            state.process.kill()
+        state.process.join(_STOP_SECONDS)
+        with contextlib.suppress(OSError):
+            state.conn.close()
         for op in pending.values():
-            op.future.set_exception(reason)
+            with contextlib.suppress(RuntimeError):  # completed meanwhile
+                op.future.set_exception(reason)
+        if state.process.exitcode is not None:
+            _release_slots(slots)
+        elif slots:
+            logger.warning(
+                "the baby process %s did not exit; %d CUDA IPC references stay held",
+                state.process.pid,
+                len(slots),
+            )
 
-    def _read_replies(self, child: Any, conn: mp_connection.Connection) -> None:
+    def _read_replies(self, state: _Child) -> None:
         while True:
             try:
-                ready = conn.poll(_WATCH_INTERVAL)
+                ready = state.conn.poll(_WATCH_INTERVAL)
             except (OSError, ValueError):
                 return  # closed by configure or shutdown
             if not ready:
                 now = time.monotonic()
                 with self._lock:
-                    late = [i for i, op in self._pending.items() if op.deadline < now]
-                if late and self._child is child:
+                    late = any(op.deadline < now for op in state.pending.values())
+                if late:
                     logger.warning("baby process group: operation timed out; killing the child")
-                    child.kill()
-                    self._fail_all(
+                    self._retire(
+                        state,
                         BabyProcessError(
                             f"an operation took longer than {self._timeout}; the child was killed"
-                        )
+                        ),
                     )
+                    return
                 continue
             try:
-                op_id, error = conn.recv()
-            except (EOFError, OSError):
-                child.join(_STOP_SECONDS)
-                if self._child is child:
-                    self._fail_all(BabyProcessError(f"the child exited (code {child.exitcode})"))
+                kind, op_id, detail = state.conn.recv()
+            except (EOFError, OSError, ValueError):
+                state.process.join(_STOP_SECONDS)
+                self._retire(
+                    state, BabyProcessError(f"the child exited (code {state.process.exitcode})")
+                )
                 return
+            if kind == "released":
+                with self._lock:
+                    state.unreleased.pop(op_id, None)
+                continue
             with self._lock:
-                op = self._pending.pop(op_id, None)
+                op = state.pending.pop(op_id, None)
+                if op is not None and op.slots:
+                    state.unreleased[op_id] = op.slots
             if op is None:
                 continue
-            if error is not None:
-                op.future.set_exception(RuntimeError(f"in the child process: {error}"))
-                continue
-            for original, shared in zip(op.originals, op.shared, strict=True):
-                original.copy_(shared)
-            op.future.set_result(op.originals)
+            if kind == "error":
+                op.future.set_exception(RuntimeError(f"in the child process: {detail}"))
+            elif state.link is not None:
+                state.link.complete(op.future, op.originals)
+            else:
+                # A blocking copy on this thread's stream: done when copy_ returns, and
+                # the future (created with the tensors' devices) records its event after.
+                for original, shared in zip(op.originals, op.shared, strict=True):
+                    original.copy_(shared)
+                op.future.set_result(op.originals)
 
     def _submit(self, operation: str, tensors: list[torch.Tensor], argument: Any) -> dist.Work:
-        future: Future[Any] = Future()
+        future: Future[Any] = future_for(tensors)
         with self._lock:
-            conn = self._conn
-            if conn is None:
+            state = self._child_state
+            if state is None:
                 raise RuntimeError(
                     f"{type(self).__name__} is not configured (or was shut down); call "
                     "configure first"
                 )
+            if state.gone is not None:
+                future.set_exception(
+                    BabyProcessError(f"the child is gone ({state.gone}); call configure")
+                )
+                return FutureWork(future)
             op_id = next(self._ids)
-            shared = [_shared_copy(t) for t in tensors]
+            shared: list[torch.Tensor] = []
+            slots: list[_Slot] = []
+            if state.link is not None:
+                payload, slots = state.link.export(tensors)
+            else:
+                shared = [_shared_copy(t) for t in tensors]
+                payload = shared
             deadline = time.monotonic() + self._timeout.total_seconds()
-            self._pending[op_id] = _Pending(future, tensors, shared, deadline)
+            state.pending[op_id] = _Pending(future, tensors, shared, deadline, slots)
             try:
-                conn.send((op_id, operation, shared, argument))
+                state.conn.send((op_id, operation, payload, argument))
             except (OSError, ValueError) as error:
-                self._pending.pop(op_id, None)
+                state.pending.pop(op_id, None)
                 future.set_exception(BabyProcessError(f"cannot reach the child: {error}"))
+            else:
+                slots = []
+        _release_slots(slots)  # shared, but never sent
         return FutureWork(future)
 
     def allreduce(self, *args: Any) -> dist.Work:
@@ -317,12 +551,12 @@ class ProcessGroupBaby(ProcessGroup):
 
     def child_pid(self) -> int | None:
         """The pid of the child process, or None when not configured."""
-        child = self._child
-        return None if child is None else int(child.pid)
+        state = self._child_state
+        return None if state is None else int(state.process.pid)
 
 
 class ProcessGroupBabyGloo(ProcessGroupBaby):
-    """A :class:`ProcessGroupBaby` running gloo in its child."""
+    """A :class:`ProcessGroupBaby` running gloo in its child (tensors via shared memory)."""
 
     @classmethod
     def _create_backend(cls, store: Store, rank: int, world_size: int, timeout: timedelta) -> Any:
@@ -331,3 +565,35 @@ class ProcessGroupBabyGloo(ProcessGroupBaby):
     def getBackendName(self) -> str:  # torch's name
         """``"ft-baby-gloo"``."""
         return "ft-baby-gloo"
+
+
+class ProcessGroupBabyNCCL(ProcessGroupBaby):
+    """A :class:`ProcessGroupBaby` running NCCL in its child, on the current CUDA device.
+
+    CUDA tensors go to the child through CUDA IPC, without a copy, and the Work
+    synchronises on CUDA streams through interprocess events (see the module doc):
+    ``wait()`` makes the caller's current stream wait for the collective. Every tensor
+    must be on the device that was current at :meth:`configure`.
+
+    Raises:
+        RuntimeError: at :meth:`configure`, when torch has no CUDA or no NCCL or no GPU
+            is visible (the message names what is missing).
+    """
+
+    _uses_cuda_ipc = True
+
+    def _check_machine(self) -> None:
+        reason = nccl_unavailable_reason()
+        if reason is not None:
+            raise RuntimeError(
+                f"ProcessGroupBabyNCCL needs CUDA and a torch built with NCCL: {reason}; "
+                "use ProcessGroupBabyGloo on this machine"
+            )
+
+    @classmethod
+    def _create_backend(cls, store: Store, rank: int, world_size: int, timeout: timedelta) -> Any:
+        return create_nccl_backend(store, rank, world_size, timeout)
+
+    def getBackendName(self) -> str:  # torch's name
+        """``"ft-baby-nccl"``."""
+        return "ft-baby-nccl"

@@ -11,6 +11,7 @@ from torch.futures import Future
 
 from dist_collectives.ft.dummy import ProcessGroupDummy
 from dist_collectives.ft.manager import Manager
+from dist_collectives.ft.work import future_for
 
 
 class ReplicaAveraging:
@@ -34,8 +35,13 @@ class ReplicaAveraging:
         self._pending: list[tuple[GradBucket, Future[torch.Tensor]]] = []
 
     def add(self, bucket: GradBucket) -> Future[torch.Tensor]:
-        """Takes one bucket; reduces them all when it is the last one."""
-        future: Future[torch.Tensor] = Future()
+        """Takes one bucket; reduces them all when it is the last one.
+
+        The bucket's future is created with the buffer's CUDA device (if any): DDP's
+        reducer waits on it and then reads the buffer on its own stream, which must
+        first wait for the copies ``_reduce`` makes on another stream.
+        """
+        future: Future[torch.Tensor] = future_for(bucket.buffer())
         self._pending.append((bucket, future))
         if bucket.is_last():
             pending, self._pending = self._pending, []
@@ -55,6 +61,9 @@ class ReplicaAveraging:
         reduced = self.manager.allreduce(flat)
 
         def scatter(done: Future[torch.Tensor]) -> None:
+            # The manager's future carries the CUDA device of ``flat``: this callback
+            # runs on a stream that waited for the exchange, the copies below go on it,
+            # and each bucket's future records its event on it when set here.
             averaged, position = done.value(), 0
             for _, buf, offset, shape in slots:
                 size = shape.numel()

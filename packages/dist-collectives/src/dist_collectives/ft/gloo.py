@@ -13,6 +13,7 @@ from torch._C._distributed_c10d import Store
 
 from dist_collectives.ft.process_group import DEFAULT_TIMEOUT
 from dist_collectives.ft.wrappers import ProcessGroupWrapper
+from dist_core.devices import cuda_device_count
 
 logger = logging.getLogger(__name__)
 
@@ -66,5 +67,8 @@ class ProcessGroupGloo(ProcessGroupWrapper):
 
 
 def supports_cuda() -> bool:
-    """Whether CUDA tensors can go through the gloo groups of this process."""
-    return torch.cuda.is_available()
+    """Whether CUDA tensors can go through the gloo groups of this process.
+
+    Counts devices through NVML, so asking does not initialise CUDA.
+    """
+    return torch.backends.cuda.is_built() and cuda_device_count() > 0  # type: ignore[no-untyped-call]

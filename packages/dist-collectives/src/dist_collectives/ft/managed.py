@@ -6,11 +6,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.futures import Future, collect_all
+from torch.futures import Future
 
 from dist_collectives.ft.manager import Manager
 from dist_collectives.ft.process_group import ProcessGroup, reduce_op_name
-from dist_collectives.ft.work import FutureWork
+from dist_collectives.ft.work import FutureWork, all_done
 
 
 class ManagedProcessGroup(ProcessGroup):
@@ -63,7 +63,7 @@ class ManagedProcessGroup(ProcessGroup):
                 "supported (use SUM or AVG)"
             )
         futures = [self._manager.allreduce(tensor) for tensor in tensors]
-        combined: Future[list[torch.Tensor]] = collect_all(futures).then(
-            lambda _: tensors  # every future holds its own tensor, averaged in place
-        )
+        # Every future holds its own tensor, averaged in place; the combined one carries
+        # their CUDA devices and completes on a stream that waited for each of them.
+        combined: Future[list[torch.Tensor]] = all_done(futures, tensors)
         return FutureWork(combined)

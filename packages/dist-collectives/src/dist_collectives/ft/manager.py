@@ -47,6 +47,7 @@ from dist_collectives.ft.quorum import (
 )
 from dist_collectives.ft.state_transfer import recv_state, send_state
 from dist_collectives.ft.store import connect_tcp_store
+from dist_collectives.ft.work import future_for
 
 logger = logging.getLogger(__name__)
 
@@ -387,7 +388,10 @@ class Manager:
             (a healing replica's are zeros), since the exchange may have written part of
             the sum into it. The step is discarded everywhere, so nothing uses them.
         """
-        result: Future[torch.Tensor] = Future()
+        # With CUDA tensors the future records an event where its result is set: on
+        # the stream the group's own future runs ``finish`` on (after the exchange and
+        # the division), so a waiter's stream is ordered after both.
+        result: Future[torch.Tensor] = future_for(tensor)
         quorum = self._wait_for_quorum()
         if quorum is None or self._error is not None:
             result.set_result(tensor)
@@ -484,6 +488,12 @@ class Manager:
         for pending in list(self._pending):
             pending.future.wait()
         self._pending_deadline = None
+        # A group that records errors instead of raising them (the error-swallowing
+        # wrapper; a baby group whose child died after its work was handed back on the
+        # GPU streams) may have failed after the last allreduce completed.
+        swallowed = self._swallowed_error()
+        if swallowed is not None and self._error is None:
+            self.report_error(swallowed)
         if quorum is None:
             self._step_active = False
             return False

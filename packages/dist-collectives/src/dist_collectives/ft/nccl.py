@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from datetime import timedelta
 from typing import Any
 
@@ -11,58 +12,105 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import Store
 
 from dist_collectives.ft.process_group import DEFAULT_TIMEOUT
-from dist_collectives.ft.wrappers import ProcessGroupWrapper
+from dist_collectives.ft.wrappers import ProcessGroupWrapper, retire_in_background
+from dist_core.devices import cuda_device_count
 
 logger = logging.getLogger(__name__)
+
+
+def nccl_unavailable_reason() -> str | None:
+    """Why NCCL cannot run in this process, or None when it can.
+
+    Counts devices through NVML (:func:`dist_core.devices.cuda_device_count`), so asking
+    does not initialise CUDA in a parent process that may still fork.
+    """
+    if not torch.backends.cuda.is_built():  # type: ignore[no-untyped-call]
+        return f"torch {torch.__version__} was built without CUDA"
+    if not dist.is_nccl_available():
+        return f"torch {torch.__version__} was built without NCCL"
+    if cuda_device_count() == 0:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        where = "" if visible is None else f" (CUDA_VISIBLE_DEVICES={visible!r})"
+        return f"no CUDA device is visible to this process{where}"
+    return None
+
+
+def create_nccl_backend(store: Store, rank: int, world_size: int, timeout: timedelta) -> Any:
+    """A torch NCCL backend on the current CUDA device, with a non-blocking communicator.
+
+    Every member has already arrived on the store when this runs
+    (:func:`~dist_collectives.ft.store.wait_for_arrivals`), so a peer that never came
+    was reported by name within the timeout. A peer can still die between its arrival
+    and NCCL's connect, and a blocking ``ncclCommInitRank`` then waits for it for ever
+    (torch's timeout does not cover it). So the communicator is created non-blocking
+    (``ProcessGroupNCCL.Options().config.blocking = 0``, as torchft does): the eager
+    connect below returns while NCCL connects in the background, and an operation that
+    needs the unfinished communicator is failed by torch's watchdog at ``timeout``.
+    """
+    options: Any = dist.ProcessGroupNCCL.Options()
+    options._timeout = timeout
+    config = getattr(options, "config", None)
+    if config is not None and hasattr(config, "blocking"):
+        config.blocking = 0
+    backend = dist.ProcessGroupNCCL(store, rank, world_size, options)
+    # Without it the communicator is created at the first collective; with it, a bad
+    # configuration fails here (non-blocking: this starts the connect, it does not
+    # wait for it).
+    backend.eager_connect_single_device(torch.device("cuda", torch.cuda.current_device()))
+    return backend
+
+
+def abort_backend(backend: Any) -> None:
+    """Aborts an NCCL backend's communicators, failing what is pending on them.
+
+    Blocks for about a second (torch joins its watchdog); the groups call it on a
+    background thread.
+    """
+    try:
+        backend.abort()
+    except Exception:
+        logger.warning("aborting an old NCCL communicator failed", exc_info=True)
 
 
 class ProcessGroupNCCL(ProcessGroupWrapper):
     """An NCCL group that :meth:`configure` can rebuild with new members.
 
-    On reconfiguration the old communicator is aborted first: an NCCL kernel waiting
-    for a dead peer never returns on its own, and aborting is what makes pending work on
-    the old communicator fail instead of hanging. The new communicator uses the current
-    CUDA device.
+    :meth:`configure` checks its arguments first (a refused call leaves the current
+    communicator working), waits until every member arrived on the store (a missing
+    one fails the call within the timeout, naming the store address and its rank),
+    builds the new communicator on the current CUDA device, and only then retires the
+    old one: it is aborted on a background thread, which fails whatever still waits on
+    it (an NCCL kernel waiting for a dead peer never returns on its own) without making
+    the caller wait the second an abort takes. :meth:`shutdown` aborts in the
+    background too; :func:`~dist_collectives.ft.wrappers.wait_for_retirements` waits
+    for those aborts.
 
     Args:
         timeout: How long one operation and the rendezvous may take.
 
     Raises:
-        RuntimeError: at :meth:`configure` when torch has no NCCL or no GPU.
+        RuntimeError: at :meth:`configure` when torch has no NCCL or no GPU (the message
+            says which).
     """
 
     def __init__(self, timeout: timedelta = DEFAULT_TIMEOUT) -> None:
         super().__init__(timeout=timeout)
 
     def configure(self, store_addr: str, rank: int, world_size: int) -> None:
-        """Aborts the old communicator, then joins the new group (see the class doc)."""
-        if not (torch.cuda.is_available() and dist.is_nccl_available()):
+        """Joins the new group, then aborts the old communicator in the background."""
+        reason = nccl_unavailable_reason()
+        if reason is not None:
             raise RuntimeError(
-                "ProcessGroupNCCL needs CUDA and a torch built with NCCL; use "
+                f"ProcessGroupNCCL needs CUDA and a torch built with NCCL: {reason}; use "
                 "ProcessGroupGloo on this machine"
             )
-        old_backend, self._backend = self._backend, None
-        if old_backend is not None:
-            self._abort(old_backend)
         super().configure(store_addr, rank, world_size)
 
-    def _abort(self, backend: Any) -> None:
-        try:
-            backend.abort()
-        except Exception:
-            logger.warning("aborting the old NCCL communicator failed", exc_info=True)
-
     def _retire(self, backend: Any) -> None:
-        self._abort(backend)
+        retire_in_background(backend, self._timeout, finalize=abort_backend)
 
     def _create_pg(self, store: Store, rank: int, world_size: int) -> Any:
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = self._timeout
-        backend = dist.ProcessGroupNCCL(store, rank, world_size, options)
-        # The first collective would create the communicator lazily; binding the device
-        # now makes a bad configuration fail here, in configure, not in a training step.
-        backend.eager_connect_single_device(torch.device("cuda", torch.cuda.current_device()))
-        return backend
+        return create_nccl_backend(store, rank, world_size, self._timeout)
 
     def getBackendName(self) -> str:
         """``"ft-nccl"``."""

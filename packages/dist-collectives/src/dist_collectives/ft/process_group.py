@@ -63,8 +63,13 @@ class ProcessGroup(dist.ProcessGroup):
         """
         raise NotImplementedError(f"{type(self).__name__} does not implement configure")
 
-    def _claim_configuration(self, store_addr: str, rank: int, world_size: int) -> None:
-        """Checks the arguments of :meth:`configure` and records the address as used."""
+    def _check_configuration(self, store_addr: str, rank: int, world_size: int) -> None:
+        """Raises when :meth:`configure` must refuse these arguments; changes nothing.
+
+        Every ``configure`` calls this (or :meth:`_claim_configuration`) before it
+        touches the current configuration, so that a refused call leaves the group
+        working as it was.
+        """
         if world_size < 1:
             raise ValueError(f"world_size={world_size} must be at least 1")
         if not 0 <= rank < world_size:
@@ -73,9 +78,23 @@ class ProcessGroup(dist.ProcessGroup):
             raise StoreAddressReusedError(
                 f"{type(self).__name__} was already configured on store address "
                 f"{store_addr!r}; every configuration needs a new prefix (for example "
-                "append the quorum id) because the old keys would corrupt the rendezvous"
+                "append the quorum id) because the old keys would corrupt the rendezvous; "
+                "the group keeps its current configuration"
             )
+
+    def _claim_configuration(self, store_addr: str, rank: int, world_size: int) -> None:
+        """Checks the arguments of :meth:`configure` and records the address as used.
+
+        Call it before anything else in ``configure``: it raises without side effects.
+        Once it returned, the address counts as used even if the configuration fails
+        later (its keys may be in the store already). The rank and size answered by
+        :meth:`rank` and :meth:`size` change only at :meth:`_set_configuration`.
+        """
+        self._check_configuration(store_addr, rank, world_size)
         self._used_store_addrs.add(store_addr)
+
+    def _set_configuration(self, rank: int, world_size: int) -> None:
+        """Records the rank and size of a configuration that is now in place."""
         self._configured_rank = rank
         self._configured_world_size = world_size
 

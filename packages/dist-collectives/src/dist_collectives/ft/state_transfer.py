@@ -5,6 +5,16 @@ as JSON with each tensor replaced by its index, shape and dtype; the tensors fol
 raw bytes over point-to-point sends. The receiver rebuilds everything from that
 description alone, so it needs no state of its own (a fresh optimizer has none yet)
 and never executes anything it receives.
+
+Devices and streams: the bytes travel on the group's transport device, the CPU for
+gloo groups and the current CUDA device for NCCL groups (``getBackendName()``
+containing ``nccl``), and the receiver gets its tensors on that device. The state
+sent was written by the training thread, on whatever stream it uses, while this runs
+on the Manager's quorum thread: before anything is read, every CUDA device holding a
+tensor of the state is synchronised, and after the last send (and after the last
+receive) the transport stream is synchronised too, so that neither side hands a
+tensor to another thread, or lets it be overwritten, while the GPU still reads or
+writes it.
 """
 
 from __future__ import annotations
@@ -28,8 +38,13 @@ class StateTransferError(RuntimeError):
 
 def _encode(value: Any, tensors: list[torch.Tensor], path: str) -> Any:
     if isinstance(value, torch.Tensor):
-        tensors.append(value.detach().to("cpu").contiguous())
-        return {"tensor": len(tensors) - 1, "shape": list(value.shape), "dtype": str(value.dtype)}
+        tensors.append(value.detach())
+        return {
+            "tensor": len(tensors) - 1,
+            "shape": list(value.shape),
+            "dtype": str(value.dtype),
+            "cuda": value.device.type == "cuda",
+        }
     if isinstance(value, dict):
         items = []
         for key, item in value.items():
@@ -78,10 +93,11 @@ def _decode(node: Any, tensors: list[torch.Tensor]) -> Any:
     raise StateTransferError(f"received a malformed state description: {node!r:.80}")
 
 
-def _tensor_specs(node: Any, specs: dict[int, tuple[list[int], torch.dtype]]) -> None:
+def _tensor_specs(node: Any, specs: dict[int, tuple[list[int], torch.dtype, bool]]) -> None:
     if isinstance(node, dict):
         if "tensor" in node:
-            specs[int(node["tensor"])] = ([int(d) for d in node["shape"]], _dtype(node["dtype"]))
+            shape = [int(d) for d in node["shape"]]
+            specs[int(node["tensor"])] = (shape, _dtype(node["dtype"]), bool(node.get("cuda")))
             return
         for value in node.values():
             _tensor_specs(value, specs)
@@ -94,8 +110,30 @@ def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.reshape(-1).view(torch.uint8)
 
 
+def transport_device(pg: ProcessGroup) -> torch.device:
+    """The device the bytes of a state travel on over ``pg`` (see the module doc)."""
+    if "nccl" in pg.getBackendName().lower():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _synchronize(devices: set[torch.device]) -> None:
+    """Waits for all queued work on each CUDA device in ``devices``, on every stream.
+
+    The caller cannot know which stream wrote (or still reads) a tensor of the state:
+    that happened on another thread. A state transfer heals a replica, which is rare,
+    so the cost of a device-wide synchronisation does not matter.
+    """
+    for device in sorted(devices, key=str):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+
 def send_state(pg: ProcessGroup, state: Any, step: int, dst: int) -> None:
     """Sends ``state`` (and the step it belongs to) to rank ``dst`` of ``pg``; blocks.
+
+    CUDA tensors of ``state`` are read only after their devices are synchronised, and
+    the call returns only once the GPU is done reading them (see the module doc).
 
     Raises:
         StateTransferError: ``state`` holds something other than tensors, containers
@@ -103,41 +141,59 @@ def send_state(pg: ProcessGroup, state: Any, step: int, dst: int) -> None:
     """
     tensors: list[torch.Tensor] = []
     header = json.dumps({"step": step, "state": _encode(state, tensors, "state")}).encode()
-    header_tensor = torch.frombuffer(bytearray(header), dtype=torch.uint8)
-    pg.send([torch.tensor([header_tensor.numel()], dtype=torch.int64)], dst, 0).wait()
+    device = transport_device(pg)
+    _synchronize({t.device for t in tensors})
+    header_tensor = torch.frombuffer(bytearray(header), dtype=torch.uint8).to(device)
+    length = torch.tensor([header_tensor.numel()], dtype=torch.int64, device=device)
+    pg.send([length], dst, 0).wait()
     pg.send([header_tensor], dst, 1).wait()
     for index, tensor in enumerate(tensors):
         if tensor.numel() > 0:
-            pg.send([_as_bytes(tensor)], dst, 2 + index).wait()
+            # A blocking copy to the CPU (gloo); on NCCL the tensor itself, if on device.
+            payload = tensor.to(device).contiguous()
+            pg.send([_as_bytes(payload)], dst, 2 + index).wait()
+    # On NCCL, wait() only made this thread's stream wait for the sends: the caller
+    # may change the state as soon as this returns, so the GPU must be done with it.
+    _synchronize({device})
     logger.info("sent step %d (%d tensors) to rank %d", step, len(tensors), dst)
 
 
 def recv_state(pg: ProcessGroup, src: int) -> tuple[Any, int]:
     """Receives what :func:`send_state` sent from rank ``src``; returns (state, step).
 
+    The tensors are on the group's transport device (the CPU for gloo groups), and
+    the GPU is done writing them when this returns.
+
     Raises:
         StateTransferError: what arrived is not a state description.
     """
-    length = torch.zeros(1, dtype=torch.int64)
+    device = transport_device(pg)
+    length = torch.zeros(1, dtype=torch.int64, device=device)
     pg.recv([length], src, 0).wait()
-    header_tensor = torch.empty(int(length), dtype=torch.uint8)
+    header_tensor = torch.empty(int(length.item()), dtype=torch.uint8, device=device)
     pg.recv([header_tensor], src, 1).wait()
     try:
-        header = json.loads(bytes(header_tensor.numpy()).decode())
+        header = json.loads(bytes(header_tensor.cpu().numpy()).decode())
         step = int(header["step"])
         description = header["state"]
     except (ValueError, KeyError, TypeError) as error:
         raise StateTransferError(f"rank {src} sent a malformed state header: {error}") from None
-    specs: dict[int, tuple[list[int], torch.dtype]] = {}
+    specs: dict[int, tuple[list[int], torch.dtype, bool]] = {}
     _tensor_specs(description, specs)
     tensors: list[torch.Tensor] = []
     for index in range(len(specs)):
         if index not in specs:
             raise StateTransferError(f"rank {src} described no tensor number {index}")
-        shape, dtype = specs[index]
-        tensor = torch.empty(shape, dtype=dtype)
+        shape, dtype, _ = specs[index]
+        tensor = torch.empty(shape, dtype=dtype, device=device)
         if tensor.numel() > 0:
             pg.recv([_as_bytes(tensor)], src, 2 + index).wait()
         tensors.append(tensor)
+    # The state goes to load_state_dict on the training thread, whose stream has not
+    # waited for these receives (on NCCL, wait() ordered only this thread's stream).
+    _synchronize({device})
+    if device.type == "cuda":
+        # What was on the CPU goes back to the CPU (an optimizer's step counters must).
+        tensors = [t if specs[i][2] else t.cpu() for i, t in enumerate(tensors)]
     logger.info("received step %d (%d tensors) from rank %d", step, len(tensors), src)
     return _decode(description, tensors), step

@@ -15,10 +15,11 @@ import dataclasses
 import logging
 import os
 import threading
+import time
 from collections.abc import Iterator
 from datetime import timedelta
 
-from torch._C._distributed_c10d import PrefixStore, TCPStore
+from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +34,23 @@ _leases: dict[tuple[str, int, int], threading.Lock] = {}
 
 class StoreAddressError(ValueError):
     """A store address is not of the form ``host:port/prefix``."""
+
+
+class RendezvousTimeoutError(TimeoutError):
+    """Some ranks of a new configuration did not arrive at its store address in time.
+
+    Attributes:
+        store_addr: The configuration's ``host:port/prefix``.
+        missing: The ranks that did not arrive, in order.
+    """
+
+    def __init__(self, message: str, store_addr: str, missing: list[int]) -> None:
+        super().__init__(message)
+        self.store_addr = store_addr
+        self.missing = missing
+
+
+ARRIVAL_KEY = "dist_collectives/arrived/"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,3 +166,54 @@ def create_store_client(store_addr: str, timeout: timedelta = DEFAULT_STORE_TIME
     address = parse_store_addr(store_addr)
     client = connect_tcp_store(address.host, address.port, timeout)
     return PrefixStore(address.prefix, client)
+
+
+def wait_for_arrivals(
+    store: Store,
+    store_addr: str,
+    rank: int,
+    world_size: int,
+    timeout: timedelta,
+    who: str = "configure",
+) -> None:
+    """Marks ``rank`` as arrived under the configuration's prefix and waits for the others.
+
+    Runs before a backend is built, so that a peer that never comes fails the
+    configuration within ``timeout`` with the ranks it waited for, whatever the
+    backend would do (NCCL's connect waits for ever). Backend-independent: every
+    reconfigurable group calls it on the :class:`~torch.distributed.PrefixStore` of
+    its new configuration. A group of one member waits for nobody and touches no key.
+
+    Raises:
+        RendezvousTimeoutError: some ranks did not arrive within ``timeout``; the
+            message names the store address and those ranks.
+    """
+    if world_size <= 1:
+        return
+    started = time.monotonic()
+    store.set(f"{ARRIVAL_KEY}{rank}", "1")
+    others = [f"{ARRIVAL_KEY}{peer}" for peer in range(world_size) if peer != rank]
+    try:
+        store.wait(others, timeout)
+        return
+    except Exception as error:
+        failure: Exception = error
+    try:
+        missing = [
+            peer
+            for peer in range(world_size)
+            if peer != rank and not store.check([f"{ARRIVAL_KEY}{peer}"])
+        ]
+    except Exception:
+        raise failure from None
+    if not missing:  # they all came just as the wait gave up
+        return
+    waited = time.monotonic() - started
+    raise RendezvousTimeoutError(
+        f"{who}: rank(s) {missing} of world_size={world_size} did not arrive at store "
+        f"address {store_addr} within {timeout} (waited {waited:.1f} s as rank {rank}); "
+        "check that every member calls configure with the same address, and that the "
+        "missing ones are alive",
+        store_addr,
+        missing,
+    ) from None

@@ -1,25 +1,109 @@
-"""Work objects that a reconfigurable group hands back without a torch backend behind them."""
+"""Work objects that a reconfigurable group hands back without a torch backend behind them.
+
+Futures and CUDA streams: a :class:`torch.futures.Future` created without ``devices``
+knows nothing of the GPU, so whoever waits on it (DDP's reducer, ``Work.wait``) reads
+its CUDA tensors on its own stream while the kernels that wrote them may still be
+queued on another: the values read are whatever was there before (replicas that
+diverge silently). A future created with the tensors' CUDA devices records an event on
+the current stream when its result is set, and makes the waiter's current stream wait
+for that event. Every future in ``dist_collectives.ft`` that carries tensors is made
+by :func:`future_for` (or :func:`completed_future`), and its result is set on the
+stream that wrote the tensors (or on one that waited for it).
+"""
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch.futures import Future
 
 
+def _tensors_in(value: Any, found: list[torch.Tensor], depth: int = 0) -> None:
+    if isinstance(value, torch.Tensor):
+        found.append(value)
+    elif depth < 4 and isinstance(value, list | tuple):
+        for item in value:
+            _tensors_in(item, found, depth + 1)
+    elif depth < 4 and isinstance(value, dict):
+        for item in value.values():
+            _tensors_in(item, found, depth + 1)
+
+
+def cuda_devices(value: Any) -> list[torch.device]:
+    """The CUDA devices of the tensors in ``value``, sorted, each once; empty if none.
+
+    ``value`` is a tensor, or lists, tuples and dicts of them.
+
+    Does not initialise CUDA: it reads each tensor's ``device``.
+    """
+    found: list[torch.Tensor] = []
+    _tensors_in(value, found)
+    indices = {t.device.index for t in found if t.device.type == "cuda"}
+    return [torch.device("cuda", index) for index in sorted(i for i in indices if i is not None)]
+
+
+def future_for(value: Any) -> Future[Any]:
+    """An empty future that may carry the tensors in ``value`` (see the module doc).
+
+    With CUDA tensors in ``value`` the future is created with their devices, so that
+    setting its result records an event on the current stream and waiting on it makes
+    the waiter's stream wait for that event; without, it is a plain CPU future.
+    """
+    devices: list[int | str | torch.device] = list(cuda_devices(value))
+    return Future(devices=devices) if devices else Future()
+
+
 def completed_future(value: Any) -> Future[Any]:
-    """A future that already holds ``value``."""
-    future: Future[Any] = Future()
+    """A future that already holds ``value``, set on the current stream (see the module doc)."""
+    future = future_for(value)
     future.set_result(value)
     return future
+
+
+def all_done(futures: Sequence[Future[Any]], value: Any) -> Future[Any]:
+    """A future of ``value`` that completes once every one of ``futures`` is done.
+
+    It fails with the first error among them. Unlike :func:`torch.futures.collect_all`,
+    which needs every future to have the same devices, it accepts CPU and CUDA futures
+    mixed: before setting the result it waits on each future, which makes the current
+    stream wait for that future's CUDA events, so the result's event covers them all.
+    """
+    combined = future_for(value)
+    if not futures:
+        combined.set_result(value)
+        return combined
+    remaining = [len(futures)]
+    lock = threading.Lock()
+
+    def one_done(_: Future[Any]) -> None:
+        with lock:
+            remaining[0] -= 1
+            if remaining[0] > 0:
+                return
+        try:
+            for future in futures:
+                future.wait()  # raises its error; makes this stream wait for its events
+        except Exception as error:
+            combined.set_exception(error)
+            return
+        combined.set_result(value)
+
+    for future in futures:
+        future.add_done_callback(one_done)
+    return combined
 
 
 class FutureWork(dist.Work):
     """A :class:`~torch.distributed.Work` driven by a :class:`torch.futures.Future`.
 
-    ``wait`` raises what the future raised; ``is_completed`` says whether it is done.
+    ``wait`` raises what the future raised; on a future made by :func:`future_for` it
+    also makes the caller's current CUDA stream wait for the result. ``is_completed``
+    says whether it is done.
     """
 
     def __init__(self, future: Future[Any]) -> None:
@@ -27,7 +111,11 @@ class FutureWork(dist.Work):
         self._future = future
 
     def wait(self, timeout: timedelta | None = None) -> bool:
-        """Blocks until the future is done, then raises its error, if any."""
+        """Blocks until the future is done, then raises its error, if any.
+
+        With CUDA tensors the caller's current stream then waits for the result's event
+        (the CPU does not wait for the GPU).
+        """
         self._future.wait()
         return True
 

@@ -6,6 +6,7 @@ import atexit
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -20,7 +21,7 @@ from dist_collectives.ft.process_group import (
     ProcessGroup,
     tensors_of,
 )
-from dist_collectives.ft.store import rendezvous_store
+from dist_collectives.ft.store import rendezvous_store, wait_for_arrivals
 from dist_collectives.ft.work import DummyWork, completed_future
 
 logger = logging.getLogger(__name__)
@@ -35,7 +36,15 @@ _drain_seconds = EXIT_DRAIN_SECONDS
 _graveyard: queue.SimpleQueue[object] = queue.SimpleQueue()
 _reaper: threading.Thread | None = None
 _reaper_lock = threading.Lock()
+_finalizers: set[threading.Thread] = set()
 _STOP = object()
+
+
+class _Marker:
+    """Put in the graveyard to learn when everything retired before it is gone."""
+
+    def __init__(self) -> None:
+        self.reached = threading.Event()
 
 
 def _reap_forever() -> None:
@@ -43,6 +52,9 @@ def _reap_forever() -> None:
         retired = _graveyard.get()
         if retired is _STOP:
             return
+        if isinstance(retired, _Marker):
+            retired.reached.set()
+            continue
         # The last reference goes here: a gloo group's destructor joins its worker
         # threads, which may sit in an operation on a dead peer until the group's
         # timeout. torch releases the GIL in that destructor, so only this thread waits.
@@ -50,12 +62,16 @@ def _reap_forever() -> None:
 
 
 def _drain_at_exit() -> None:
+    deadline = time.monotonic() + _drain_seconds
     with _reaper_lock:
         reaper = _reaper
+        finalizers = list(_finalizers)
+    for thread in finalizers:
+        thread.join(max(0.0, deadline - time.monotonic()))
     if reaper is None:
         return
     _graveyard.put(_STOP)
-    reaper.join(_drain_seconds)
+    reaper.join(max(0.0, deadline - time.monotonic()))
     if reaper.is_alive():
         logger.warning(
             "a retired process group is still being torn down after %.0f s (a peer died "
@@ -64,13 +80,25 @@ def _drain_at_exit() -> None:
         )
 
 
-def retire_in_background(backend: object, timeout: timedelta | None = None) -> None:
+def retire_in_background(
+    backend: object,
+    timeout: timedelta | None = None,
+    finalize: Callable[[Any], None] | None = None,
+) -> None:
     """Drops the last reference to ``backend`` on a background thread.
 
     Tearing down a group whose peers died can take as long as its timeout; doing it here
     lets the caller go on with the new configuration at once. At the interpreter's exit
     the teardown is awaited for up to the longest ``timeout`` given (plus a margin), so
     that the process exits cleanly instead of aborting.
+
+    Args:
+        backend: The retired backend.
+        timeout: Its timeout (how long its teardown may take).
+        finalize: Called with ``backend`` first (an NCCL communicator's ``abort``, which
+            blocks for about a second). Each such teardown gets a thread of its own, so
+            that quick reconfigurations do not queue their aborts one behind the other
+            while the old communicators still hold GPU memory.
     """
     global _reaper, _drain_seconds
     with _reaper_lock:
@@ -80,7 +108,46 @@ def retire_in_background(backend: object, timeout: timedelta | None = None) -> N
             _reaper = threading.Thread(target=_reap_forever, name="ft-group-reaper", daemon=True)
             _reaper.start()
             atexit.register(_drain_at_exit)
-    _graveyard.put(backend)
+    if finalize is None:
+        _graveyard.put(backend)
+        return
+    holder = [backend]
+    del backend
+
+    def run() -> None:
+        try:
+            finalize(holder[0])
+        except Exception:
+            logger.warning("tearing down a retired process group failed", exc_info=True)
+        finally:
+            holder.clear()  # the last reference, dropped on this thread
+            with _reaper_lock:
+                _finalizers.discard(threading.current_thread())
+
+    thread = threading.Thread(target=run, name="ft-group-finalizer", daemon=True)
+    with _reaper_lock:
+        _finalizers.add(thread)
+    thread.start()
+
+
+def wait_for_retirements(timeout: float) -> bool:
+    """Waits until every group retired so far is torn down; False if ``timeout`` passed.
+
+    For tests and benchmarks that measure what the old groups held (GPU memory).
+    """
+    deadline = time.monotonic() + timeout
+    with _reaper_lock:
+        reaper = _reaper
+        finalizers = list(_finalizers)
+    for thread in finalizers:
+        thread.join(max(0.0, deadline - time.monotonic()))
+        if thread.is_alive():
+            return False
+    if reaper is None:
+        return True
+    marker = _Marker()
+    _graveyard.put(marker)
+    return marker.reached.wait(max(0.0, deadline - time.monotonic()))
 
 
 class ProcessGroupWrapper(ProcessGroup):
@@ -109,20 +176,35 @@ class ProcessGroupWrapper(ProcessGroup):
     def configure(self, store_addr: str, rank: int, world_size: int) -> None:
         """See :meth:`ProcessGroup.configure`.
 
-        A new backend is built before the old one is released, and the old one is torn
-        down in the background, so a group whose peers died does not hold this call up.
+        The arguments are checked before anything changes: a refused call
+        (:class:`StoreAddressReusedError`, a bad rank) leaves the current
+        configuration working. Then every member's arrival is awaited on the store
+        (:func:`~dist_collectives.ft.store.wait_for_arrivals`: a missing peer fails
+        within the timeout, naming its rank), a new backend is built, and only then is
+        the old one released, torn down in the background, so a group whose peers
+        died does not hold this call up.
+
+        Raises:
+            RendezvousTimeoutError: some members did not arrive within the timeout;
+                the old configuration is left in place.
         """
         if self._wrapped is None and type(self)._create_pg is ProcessGroupWrapper._create_pg:
             raise NotImplementedError(
                 f"{type(self).__name__} needs a group to wrap (pg=...) or must implement _create_pg"
             )
-        self._claim_configuration(store_addr, rank, world_size)
         if self._wrapped is not None:
+            self._check_configuration(store_addr, rank, world_size)
             self._wrapped.configure(store_addr, rank, world_size)
+            self._claim_configuration(store_addr, rank, world_size)
+            self._set_configuration(rank, world_size)
             return
+        self._claim_configuration(store_addr, rank, world_size)
         with rendezvous_store(store_addr, self._timeout) as store:
+            who = f"{type(self).__name__}.configure"
+            wait_for_arrivals(store, store_addr, rank, world_size, self._timeout, who)
             new_backend = self._create_pg(store, rank, world_size)
         old_backend, self._backend = self._backend, new_backend
+        self._set_configuration(rank, world_size)
         if old_backend is not None:
             self._retire(old_backend)
         logger.debug("%s configured on %s as %d/%d", self, store_addr, rank, world_size)
@@ -192,10 +274,14 @@ class ErrorSwallowingProcessGroupWrapper(ProcessGroupWrapper):
         self._error_lock = threading.Lock()
 
     def configure(self, store_addr: str, rank: int, world_size: int) -> None:
-        """Configures the wrapped group and forgets the recorded error."""
+        """Configures the wrapped group and forgets the recorded error.
+
+        A refused or failed configuration keeps the recorded error, as it keeps the
+        old configuration.
+        """
+        super().configure(store_addr, rank, world_size)
         with self._error_lock:
             self._error = None
-        super().configure(store_addr, rank, world_size)
 
     def error(self) -> Exception | None:
         """The first error since the last :meth:`configure`, or None."""
