@@ -37,11 +37,11 @@ logger = logging.getLogger(__name__)
 DATA_DIR = Path("_data") / "bench"
 OURS, PEER, LIMIT, TARGET = "#1f6fb4", "#e0821e", "#777777", "#c0392b"
 RC = {
-    "font.size": 9,
-    "axes.titlesize": 9.5,
+    "font.size": 10,
+    "axes.titlesize": 10.5,
     "axes.spines.top": False,
     "axes.spines.right": False,
-    "legend.fontsize": 7.5,
+    "legend.fontsize": 8.5,
     "legend.frameon": False,
     "svg.hashsalt": "dist-bench",  # the same data draws the same file
 }
@@ -59,7 +59,7 @@ def _footer(figure: Figure, data: Data) -> None:
     text = f"Data: docs/_data/bench/{data['benchmark']}.json, run {data['run']}"
     if data.get("note"):
         text += f"\n({data['note']})"
-    figure.text(0.01, -0.02, text, fontsize=7, color="#555555", va="top", wrap=True)
+    figure.text(0.01, -0.02, text, fontsize=8, color="#555555", va="top", wrap=True)
 
 
 def _label_points(axes: Axes, xs: Sequence[Any], ys: Sequence[float], fmt: str) -> None:
@@ -70,7 +70,7 @@ def _label_points(axes: Axes, xs: Sequence[Any], ys: Sequence[float], fmt: str) 
             textcoords="offset points",
             xytext=(0, 5),
             ha="center",
-            fontsize=7.5,
+            fontsize=8.5,
         )
 
 
@@ -84,7 +84,7 @@ def _ranks_axis(axes: Axes, ranks: Sequence[int]) -> None:
 
 def draw_launch(data: Data) -> Figure:
     """Start-up time against ranks, the ratio to torchrun, and crash-to-exit time."""
-    figure = Figure(figsize=(10, 3.4), layout="constrained")
+    figure = Figure(figsize=(10, 3.6), layout="constrained")
     seconds, ratio, crash = figure.subplots(1, 3, width_ratios=[1.3, 1, 0.9])
     ranks = data["ranks"]
     for name, color in (("dist-launch", OURS), ("torchrun", PEER)):
@@ -115,7 +115,7 @@ def draw_launch(data: Data) -> Figure:
             0.62,
             f"seconds at {', '.join(missing)} ranks\nnot kept for this run",
             transform=seconds.transAxes,
-            fontsize=7.5,
+            fontsize=8.5,
             color="#555555",
         )
     seconds.set(
@@ -131,7 +131,7 @@ def draw_launch(data: Data) -> Figure:
     ratio.plot(xs, ys, "o-", color=OURS)
     _label_points(ratio, xs, ys, "{:.2f}x")
     target = data["targets"]["ratio_at_8_ranks"]
-    ratio.plot([8], [target], "v", color=TARGET, label=f"target at 8 ranks: at most {target}x")
+    ratio.axhline(target, color=TARGET, ls=":", label=f"target at 8 ranks: at most {target}x")
     ratio.axhline(1.0, color=PEER, lw=1, ls="--", label="torchrun")
     ratio.set(
         xlabel="CPU ranks",
@@ -151,7 +151,7 @@ def draw_launch(data: Data) -> Figure:
         color=[OURS if n == "dist-launch" else PEER for n, _ in present],
     )
     for index, (_, value) in enumerate(present):
-        crash.text(value, index, f" {value:.2f} s", va="center", fontsize=7.5)
+        crash.text(value, index, f" {value:.2f} s", va="center", fontsize=8.5)
     limit = data["targets"]["crash_to_exit_s"]
     crash.axvline(limit, color=TARGET, ls=":", label=f"target: within {limit} s")
     crash.invert_yaxis()
@@ -163,17 +163,17 @@ def draw_launch(data: Data) -> Figure:
 
 
 WORKSPACE_METHODS = {
-    "shm": "shared memory (get_tensors_parallel)",
-    "nfsworkspace": "NFSWorkspace",
-    "nfsws-nofsync": "NFSWorkspace, durable=False",
-    "torch.save": "torch.save / torch.load",
-    "gloo-gather": "gloo gather",
+    "shm": ("shared memory (get_tensors_parallel)", OURS),
+    "nfsworkspace": ("NFSWorkspace", "#17a2b8"),
+    "nfsws-nofsync": ("NFSWorkspace, durable=False", "#8fd3de"),
+    "torch.save": ("torch.save / torch.load", PEER),
+    "gloo-gather": ("gloo gather", "#9467bd"),
 }
 
 
 def draw_workspace(data: Data) -> Figure:
     """Exchange bandwidth against size with the machine's limits; NFSWorkspace speed-up."""
-    figure = Figure(figsize=(10, 3.6), layout="constrained")
+    figure = Figure(figsize=(10, 4.4), layout="constrained")
     bandwidth, speedup = figure.subplots(1, 2)
     sizes = data["sizes_mib"]
     copy = data["copy_gbps"]
@@ -218,11 +218,11 @@ def draw_workspace(data: Data) -> Figure:
         color=TARGET,
         label=f"target for shared memory: {target}x copy",
     )
-    for key, label in WORKSPACE_METHODS.items():
+    for key, (label, color) in WORKSPACE_METHODS.items():
         if key not in x_copy:
             continue
         xs, ys = _present(sizes, scaled(x_copy[key]))
-        bandwidth.plot(xs, ys, "o-", label=label, color=OURS if key == "shm" else None)
+        bandwidth.plot(xs, ys, "o-", label=label, color=color)
         if key == "shm":
             _label_points(bandwidth, xs, ys, "{:.2f}")
     bandwidth.set_xscale("log", base=2)
@@ -234,7 +234,7 @@ def draw_workspace(data: Data) -> Figure:
         ylabel="GB/s received" if in_gbps else "bandwidth / pre-faulted copy",
         title="Exchange bandwidth and the machine's limits",
     )
-    bandwidth.legend(loc="center left", bbox_to_anchor=(1.0, 0.5))
+    bandwidth.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2)
 
     speed = data["speedup_over_torch_save"]
     labels = {
@@ -264,14 +264,14 @@ def draw_workspace(data: Data) -> Figure:
         ylim=(0, None),
         title="Through a directory: NFSWorkspace",
     )
-    speedup.legend(loc="center left", bbox_to_anchor=(1.0, 0.5))
+    speedup.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2)
     _footer(figure, data)
     return figure
 
 
 def draw_ft(data: Data) -> Figure:
     """Reconfiguration (new prefix, survivors) against torchft; Manager step overhead."""
-    figure = Figure(figsize=(10, 3.0), layout="constrained")
+    figure = Figure(figsize=(10, 3.3), layout="constrained")
     reconfigure, step = figure.subplots(1, 2, width_ratios=[1.6, 1])
     cases = data["reconfigure"]
     torchft = data.get("torchft")
@@ -286,14 +286,14 @@ def draw_ft(data: Data) -> Figure:
             color=OURS,
             label="dist_collectives.ft" if index == 0 else None,
         )
-        reconfigure.text(ours, index - height / 2, f" {ours:.2f} ms", va="center", fontsize=7.5)
+        reconfigure.text(ours, index - height / 2, f" {ours:.2f} ms", va="center", fontsize=8.5)
         if theirs is None:
             reconfigure.text(
                 0,
                 index + height / 2,
                 " torchft not installed: not measured",
                 va="center",
-                fontsize=7.5,
+                fontsize=8.5,
                 color="#555555",
             )
             continue
@@ -309,7 +309,7 @@ def draw_ft(data: Data) -> Figure:
             index + height / 2,
             f" {theirs:.2f} ms ({ours / theirs:.2f}x)",
             va="center",
-            fontsize=7.5,
+            fontsize=8.5,
         )
         reconfigure.plot(
             [ratio * theirs] * 2,
@@ -319,7 +319,7 @@ def draw_ft(data: Data) -> Figure:
             label=f"target: at most {ratio}x torchft" if index == 0 else None,
         )
     reconfigure.set_yticks(range(len(cases)), [f"{c['ranks']} ranks,\n{c['case']}" for c in cases])
-    reconfigure.invert_yaxis()
+    reconfigure.set_ylim(len(cases) - 0.4, -0.6)  # first case on top
     longest = max(max(c["ours_ms"], c["torchft_ms"] or 0) for c in cases)
     reconfigure.set_xlim(0, longest * 1.35)
     reconfigure.set(
@@ -333,7 +333,7 @@ def draw_ft(data: Data) -> Figure:
     step.bar(names, [steps[n] for n in names], color=[PEER, OURS][: len(names)], width=0.55)
     for index, name in enumerate(names):
         step.text(
-            index, steps[name], f"{steps[name]:.2f} ms", ha="center", va="bottom", fontsize=7.5
+            index, steps[name], f"{steps[name]:.2f} ms", ha="center", va="bottom", fontsize=8.5
         )
     limit = data["targets"]["step_ratio"] * steps["plain gloo"]
     step.axhline(
@@ -354,7 +354,7 @@ def draw_ft(data: Data) -> Figure:
 
 def draw_collectives(data: Data) -> Figure:
     """Per-call time of the wrappers over raw all_to_all_single, with the A/A control."""
-    figure = Figure(figsize=(6.5, 3.0), layout="constrained")
+    figure = Figure(figsize=(7, 3.3), layout="constrained")
     axes = figure.subplots()
     sizes = data["sizes"]
     positions = list(range(len(sizes)))
