@@ -181,7 +181,8 @@ def typecheck(session: nox.Session) -> None:
 def docs(session: nox.Session) -> None:
     """The Sphinx site, warnings as errors, offline (no inventory is fetched)."""
     _install_packages(session, PACKAGES)
-    session.install("sphinx>=7", "myst-parser>=3")
+    # matplotlib draws the benchmarks page's figures; it is never a package dependency.
+    session.install("sphinx>=7", "myst-parser>=3", "sphinx-argparse>=0.5", "matplotlib>=3.8")
     output = Path(session.create_tmp()) / "html"
     session.run("sphinx-build", "-W", "--keep-going", "-b", "html", str(ROOT / "docs"), str(output))
     session.log(f"docs built in {output}")
@@ -223,11 +224,19 @@ def demo(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """Every benchmark under benchmarks/, side by side with its peers; prints ratios."""
+    """Every benchmark under benchmarks/, side by side with its peers; prints ratios.
+
+    Each benchmark also writes its measurements to docs/_data/bench/<name>.json (commit
+    them to update the docs' figures), drawn here into the session's tmp/figures.
+    """
     _install_packages(session, PACKAGES)
     for requirements in sorted((ROOT / "benchmarks").glob("requirements*.txt")):
         session.install("-r", str(requirements))
+    session.install("matplotlib>=3.8")  # draws the figures below; never a package dependency
     scripts = sorted((ROOT / "benchmarks").glob("*.py"))
     selected = [s for s in scripts if not session.posargs or s.stem in session.posargs]
     for script in selected:
         session.run("python", str(script))
+    # Each benchmark wrote docs/_data/bench/<name>.json; draw them as the docs will.
+    figures = Path(session.create_tmp()) / "figures"
+    session.run("python", str(ROOT / "docs" / "_ext" / "bench_plots.py"), str(figures))

@@ -24,7 +24,8 @@ Methods:
   all_to_all_v (exch.)   output sizes exchanged by all_to_all_v (one extra tiny exchange)
 
 Target: at 1 MiB and above, all_to_all within 5% of raw and all_to_all_v (sizes given)
-within 5% of raw v.
+within 5% of raw v. The ratios also go to ``docs/_data/bench/collectives.json``
+(``--json``), which the docs draw as a figure.
 """
 
 from __future__ import annotations
@@ -159,6 +160,9 @@ def _format(seconds: float) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds (smoke test)")
+    from _lib.results import add_json_argument, write_results
+
+    add_json_argument(parser, "collectives")
     args = parser.parse_args()
     plan = {label: max(3, n // 10) for label, n in PLAN.items()} if args.quick else PLAN
     print(
@@ -195,6 +199,19 @@ def main() -> None:
     print("\nTarget (<= 5% slower at >= 1 MiB):")
     for line in verdicts:
         print(f"  {line}")
+    write_results(
+        args.json,
+        "collectives",
+        {
+            "ranks": WORLD,
+            "sizes": list(table),
+            "ratio": {
+                name: [round(row["ratio:" + name], 4) for row in table.values()]
+                for name in ("all_to_all", "all_to_all_v", "raw (again)")
+            },
+            "targets": {"ratio_from_1_mib": 1.05},
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -12,15 +12,19 @@ Four real processes on this machine share one TCPStore hosted by this script.
 
 Prints the medians and the ratios with the targets (reconfigure <= 0.25x torchft's,
 managed overhead <= 10 %). Without torchft installed it measures ours alone and says so.
+The measurements also go to ``docs/_data/bench/ft.json`` (``--json``), which the docs
+draw as a figure.
 """
 
 from __future__ import annotations
 
+import argparse
 import multiprocessing as mp
 import statistics
 import sys
 import time
 from datetime import timedelta
+from importlib.metadata import version
 from typing import Any
 
 WORLD = 4
@@ -154,8 +158,13 @@ def _worker(rank: int, port: int, queue: Any, with_torchft: bool) -> None:
 
 def main() -> None:
     import torch.distributed as dist
+    from _lib.results import add_json_argument, write_results
 
     from dist_core.ports import get_unused_port
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_json_argument(parser, "ft")
+    args = parser.parse_args()
 
     try:
         import torchft  # noqa: F401
@@ -184,6 +193,7 @@ def main() -> None:
 
     print(f"dist_collectives.ft benchmark: {WORLD} processes, {mp.cpu_count()} CPU cores")
     print(f"{'measurement':<44}{'ours':>10}{'torchft 0.2.0':>15}{'ratio':>9}  target")
+    reconfigure = []
     for world in (WORLD, WORLD - 1):
         label = (
             f"gloo configure, {world} ranks, new prefix"
@@ -191,8 +201,16 @@ def main() -> None:
             else f"gloo configure, {world} survivors"
         )
         ours = slowest_median(f"ours/{world}") * 1000
-        if with_torchft:
-            theirs = slowest_median(f"torchft/{world}") * 1000
+        theirs = slowest_median(f"torchft/{world}") * 1000 if with_torchft else None
+        reconfigure.append(
+            {
+                "ranks": world,
+                "case": "new prefix" if world == WORLD else "survivors after one left",
+                "ours_ms": round(ours, 3),
+                "torchft_ms": None if theirs is None else round(theirs, 3),
+            }
+        )
+        if theirs is not None:
             print(f"{label:<44}{ours:>8.2f}ms{theirs:>13.2f}ms{ours / theirs:>8.2f}x  <= 0.25x")
         else:
             print(f"{label:<44}{ours:>8.2f}ms{'n/a':>15}{'n/a':>9}  (torchft not installed)")
@@ -205,6 +223,16 @@ def main() -> None:
         " (target <= 10%)"
     )
     sys.stdout.flush()
+    write_results(
+        args.json,
+        "ft",
+        {
+            "torchft": version("torchft") if with_torchft else None,
+            "reconfigure": reconfigure,
+            "step_ms": {"plain gloo": round(plain, 3), "Manager": round(managed, 3)},
+            "targets": {"reconfigure_ratio": 0.25, "step_ratio": 1.10},
+        },
+    )
 
 
 if __name__ == "__main__":

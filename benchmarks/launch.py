@@ -12,6 +12,8 @@ For 2, 4 and 8 CPU ranks, in one run, side by side:
   exit, for both launchers.
 
 Run: ``python benchmarks/launch.py [--ranks 2 4 8] [--repeat N]`` (``nox -s bench``).
+The measurements also go to ``docs/_data/bench/launch.json`` (``--json``), which the
+docs draw as a figure.
 """
 
 from __future__ import annotations
@@ -129,6 +131,9 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--repeat", type=int, default=1, help="runs per point (min is kept)")
     parser.add_argument("--crash-ranks", type=int, default=4)
+    from _lib.results import add_json_argument, write_results
+
+    add_json_argument(parser, "launch")
     args = parser.parse_args()
     env = dict(os.environ)
     env.pop("OMP_NUM_THREADS", None)  # both launchers set 1 themselves
@@ -157,6 +162,9 @@ def main() -> None:
         )
         print(header)
         print("-" * len(header))
+        measured: dict[str, list[float | int]] = {
+            "dist-launch s": [], "torchrun s": [], "dist-launch PSS": [], "torchrun PSS": []
+        }  # fmt: skip
         for n in args.ranks:
             ours = [_run(dist_launch(n, script), env) for _ in range(args.repeat)]
             theirs = [_run(torchrun(n, script), env) for _ in range(args.repeat)]
@@ -164,6 +172,10 @@ def main() -> None:
             t_theirs = min(r[0] for r in theirs)
             pss_ours, rss_ours = max(r[1] for r in ours), max(r[2] for r in ours)
             pss_theirs, rss_theirs = max(r[1] for r in theirs), max(r[2] for r in theirs)
+            measured["dist-launch s"].append(round(t_ours, 3))
+            measured["torchrun s"].append(round(t_theirs, 3))
+            measured["dist-launch PSS"].append(pss_ours)
+            measured["torchrun PSS"].append(pss_theirs)
             print(
                 f"{n:>5} | {t_ours:>13.2f} {t_theirs:>10.2f} {t_ours / t_theirs:>6.2f} "
                 f"{t_ours / floor:>7.2f} | {pss_ours:>10} {pss_theirs:>8} "
@@ -186,6 +198,34 @@ def main() -> None:
             f"ratio {ours_crash / theirs_crash:.2f} (target: dist-launch <= 0.5 s + the time "
             "the stopped ranks take to die)"
         )
+    write_results(
+        args.json,
+        "launch",
+        {
+            "floor_s": round(floor, 3),
+            "ranks": args.ranks,
+            "start_to_exit_s": {
+                "dist-launch": measured["dist-launch s"],
+                "torchrun": measured["torchrun s"],
+            },
+            "ratio": [
+                round(ours / theirs, 3)
+                for ours, theirs in zip(
+                    measured["dist-launch s"], measured["torchrun s"], strict=True
+                )
+            ],
+            "peak_pss_mib": {
+                "dist-launch": measured["dist-launch PSS"],
+                "torchrun": measured["torchrun PSS"],
+            },
+            "crash_ranks": n,
+            "crash_to_exit_s": {
+                "dist-launch": round(ours_crash, 3),
+                "torchrun": round(theirs_crash, 3),
+            },
+            "targets": {"ratio_at_8_ranks": 0.35, "crash_to_exit_s": 0.5},
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -27,7 +27,8 @@ exchange and reports ``peak RSS above the start / bytes received``.
 
 Sizes shrink automatically (and the run says so) when /dev/shm or available memory
 cannot hold about 12x the largest size. ``--sizes 64,256`` picks sizes in MiB;
-``--repeats N`` repeats each measurement and keeps the fastest.
+``--repeats N`` repeats each measurement and keeps the fastest. The measurements also
+go to ``docs/_data/bench/workspace.json`` (``--json``), which the docs draw as a figure.
 """
 
 from __future__ import annotations
@@ -243,6 +244,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="64,256,1024", help="MiB per rank, comma separated")
     parser.add_argument("--repeats", type=int, default=2)
+    from _lib.results import add_json_argument, write_results
+
+    add_json_argument(parser, "workspace")
     args = parser.parse_args()
     sizes, notes = _choose_sizes([int(text) * MIB for text in args.sizes.split(",")])
     methods = ["shm", "nfsworkspace", "nfsws-nofsync", "torch.save", "gloo-gather"]
@@ -276,6 +280,10 @@ def main() -> int:
         "nfs_peak": [],
         "save_peak": [],
     }
+    # For the docs' figure: GB/s of the pre-faulted copy, and every method and limit as
+    # a fraction of it (the "x memcpy" column), per size.
+    copy_gbps: list[float] = []
+    x_copy: dict[str, list[float]] = {}
     for size in sizes:
         ceiling = _memcpy_bandwidth(size, args.repeats)
         copy_seconds = SENDERS * size / ceiling
@@ -283,12 +291,17 @@ def main() -> int:
             f"{'memcpy':<14}{size // MIB:>9}{copy_seconds:>10.3f}{ceiling / 1e9:>8.2f}"
             f"{1.0:>10.2f}{'-':>11}"
         )
+        copy_gbps.append(round(ceiling / 1e9, 3))
         fresh = _fresh_tmpfs_bandwidth(size, args.repeats)
+        x_copy.setdefault("fresh tmpfs", []).append(round(fresh / ceiling, 4))
         print(
             f"{'fresh tmpfs':<14}{size // MIB:>9}{SENDERS * size / fresh:>10.3f}"
             f"{fresh / 1e9:>8.2f}{fresh / ceiling:>10.2f}{'-':>11}"
         )
         fsync_seconds = _fsync_seconds(size, root_for_limits)
+        x_copy.setdefault("write+fsync", []).append(
+            round(SENDERS * size / fsync_seconds / ceiling, 4)
+        )
         print(
             f"{'write+fsync':<14}{size // MIB:>9}{fsync_seconds:>10.3f}"
             f"{SENDERS * size / fsync_seconds / 1e9:>8.2f}"
@@ -297,6 +310,7 @@ def main() -> int:
         for method in methods:
             item = results[f"{method}/{size}"]
             bandwidth = item["bytes"] / item["seconds"]
+            x_copy.setdefault(method, []).append(round(bandwidth / ceiling, 4))
             print(
                 f"{method:<14}{size // MIB:>9}{item['seconds']:>10.3f}{bandwidth / 1e9:>8.2f}"
                 f"{bandwidth / ceiling:>10.2f}{item['peak'] / item['bytes']:>11.2f}"
@@ -334,6 +348,27 @@ def main() -> int:
     print(f"  torch.load reader peak / data:       {_fmt(summary['save_peak'])}")
     print(f"  (median shm/memcpy {statistics.median(summary['shm_vs_copy']):.2f})")
     shutil.rmtree(root_for_limits, ignore_errors=True)
+    write_results(
+        args.json,
+        "workspace",
+        {
+            "senders": SENDERS,
+            "sizes_mib": [size // MIB for size in sizes],
+            "copy_gbps": copy_gbps,
+            "x_copy": x_copy,
+            "speedup_over_torch_save": {
+                "nfsworkspace": [round(v, 3) for v in summary["nfs_vs_save"]],
+                "nfsws-nofsync": [round(v, 3) for v in summary["nofsync_vs_save"]],
+                "write+fsync": [round(v, 3) for v in summary["save_vs_fsync"]],
+            },
+            "reader_peak_per_data": {
+                "shm": [round(v, 3) for v in summary["shm_peak"]],
+                "nfsworkspace": [round(v, 3) for v in summary["nfs_peak"]],
+                "torch.save": [round(v, 3) for v in summary["save_peak"]],
+            },
+            "targets": {"shm_x_copy": 0.5, "nfs_speedup": 2.0, "reader_peak_per_data": 1.2},
+        },
+    )
     return 0
 
 

@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from dist_core.backend import (
+        BackendChoice,
+        choose_backend,
         default_backend,
         destroy_dist,
         get_distributed_backend,
@@ -21,7 +23,7 @@ if TYPE_CHECKING:
         set_distributed_backend,
     )
     from dist_core.config import MISSING, MultiprocessConfig, is_missing
-    from dist_core.devices import device_count
+    from dist_core.devices import accelerator_type, cuda_device_count, device_count
     from dist_core.env import DistEnv
     from dist_core.errors import DistEnvError
     from dist_core.log import INFOALL, configure_logging
@@ -55,7 +57,8 @@ _LAZY: dict[str, str] = {
         "dist_core.backend",
     ),
     **dict.fromkeys(["MISSING", "MultiprocessConfig", "is_missing"], "dist_core.config"),
-    "device_count": "dist_core.devices",
+    **dict.fromkeys(["BackendChoice", "choose_backend"], "dist_core.backend"),
+    **dict.fromkeys(["accelerator_type", "cuda_device_count", "device_count"], "dist_core.devices"),
     "DistEnv": "dist_core.env",
     "DistEnvError": "dist_core.errors",
     **dict.fromkeys(["INFOALL", "configure_logging"], "dist_core.log"),
@@ -98,11 +101,15 @@ except PackageNotFoundError:  # running from a source tree that is not installed
 __all__ = [
     "INFOALL",
     "MISSING",
+    "BackendChoice",
     "DistEnv",
     "DistEnvError",
     "MultiprocessConfig",
     "__version__",
+    "accelerator_type",
+    "choose_backend",
     "configure_logging",
+    "cuda_device_count",
     "default_backend",
     "destroy_dist",
     "device_count",

@@ -6,6 +6,7 @@ distributed job needs. The text form starts with a line saying so, for copying w
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -200,15 +201,19 @@ def format_report(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Prints the report; ``--json`` prints it as JSON."""
-    import argparse  # noqa: PLC0415
-
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of ``python -m dist_core``."""
     parser = argparse.ArgumentParser(
-        prog="python -m dist_core", description="Print the detected distributed environment."
+        prog="python -m dist_core",
+        description="Print the detected distributed environment, for a bug report.",
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
-    options = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Prints the report; ``--json`` prints it as JSON."""
+    options = build_parser().parse_args(argv)
     report = collect()
     print(json.dumps(report, indent=2) if options.json else format_report(report))
     return 1 if "error" in report["environment"] else 0
