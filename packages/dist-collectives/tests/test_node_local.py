@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 import dist_collectives as dc
 from dist_core import get_local_rank, get_node_rank
-from dist_core.testing import run_ranks
+from dist_core.testing import RankFailedError, run_ranks
 
 OBSERVE_S = 1.0  # how long local rank 0 watches for a follower entering too early
 EVENT_S = 30.0  # bound on waiting for a file another rank writes
@@ -196,6 +196,34 @@ def test_followers_time_out_naming_local_rank_zero(tmp_path: Path) -> None:
             f"global rank {rank} (local rank {rank} of node 0) waited 2 s for local rank 0 "
             "of its node (global rank 0) to finish the block, and it did not signal"
         ) in results[rank]["message"]
+
+
+def dying_leader_worker(shared: str) -> None:
+    """Local rank 0 dies inside the block; the others write down what they got."""
+    rank = dist.get_rank()
+    try:
+        with dc.run_local_rank_zero_first(timeout=3600):
+            if rank == 0:
+                os._exit(3)
+            Path(shared, f"rank{rank}").write_text("ran")
+    except dc.CollectivesError as error:
+        Path(shared, f"rank{rank}").write_text(str(error))
+
+
+def test_followers_notice_a_dead_local_rank_zero(tmp_path: Path) -> None:
+    # run_ranks stops the others FAILURE_GRACE_SECONDS (2 s) after rank 0 dies: they
+    # have written their error before that only if they noticed the death, not the
+    # 3600 s timeout.
+    with pytest.raises(RankFailedError) as caught:
+        run_ranks(dying_leader_worker, 3, str(tmp_path), timeout=60)
+    assert caught.value.rank == 0
+    for rank in (1, 2):
+        message = (tmp_path / f"rank{rank}").read_text()
+        assert message.startswith(
+            f"run_local_rank_zero_first: global rank {rank} (local rank {rank} of node 0) "
+            "lost contact with local rank 0 of its node (global rank 0) after "
+        ), message
+        assert "It probably died (see its log)" in message
 
 
 def duplicate_place_worker() -> Any:

@@ -258,14 +258,24 @@ def _follow(node: _Node, seconds: float) -> None:
     """Another local rank: wait for local rank 0's signal; raise unless it succeeded."""
     me = node.ranks[node.local_rank]
     status = torch.zeros(_STATUS_BYTES, dtype=torch.uint8)
+    started = time.monotonic()
     try:
         _broadcast_status(node, status, seconds)
     except RuntimeError as error:
+        waited = time.monotonic() - started
+        if waited < 0.9 * seconds:  # the connection failed well before the timeout
+            what = (
+                f"lost contact with local rank 0 of its node (global rank {node.leader}) "
+                f"after {waited:.1f} s of the block: {error}. It probably died (see its log)"
+            )
+        else:
+            what = (
+                f"waited {seconds:g} s for local rank 0 of its node (global rank "
+                f"{node.leader}) to finish the block, and it did not signal: {error}. It "
+                "may still be running the block (pass a longer timeout) or be stuck"
+            )
         raise CollectivesError(
-            f"run_local_rank_zero_first: global rank {me} ({_where(node)}) waited "
-            f"{seconds:g} s for local rank 0 of its node (global rank {node.leader}) to "
-            f"finish the block, and it did not signal: {error}. It may have died (see its "
-            "log) or still be running the block (pass a longer timeout)"
+            f"run_local_rank_zero_first: global rank {me} ({_where(node)}) {what}"
         ) from error
     code, message = _decode_status(status)
     if code != _STATUS_OK:
