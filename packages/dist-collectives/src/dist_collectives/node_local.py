@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from dist_collectives._group import GroupView, ProcessGroup, resolve_group
-from dist_collectives.collectives import all_gather_object, broadcast_object_list
+from dist_collectives.collectives import all_gather_object, barrier, broadcast_object_list
 from dist_collectives.errors import CollectivesError
 from dist_core.ranks import get_local_rank, get_node_rank, get_rank
 
@@ -151,6 +151,11 @@ def _node_of(view: GroupView) -> _Node:
         created = dist.new_group(ranks, backend="gloo")
         if me in ranks and len(ranks) > 1:
             group = created
+    # A gloo group connects its members through the default group's store (hosted by
+    # rank 0) and new_group returns without waiting for the other members: without
+    # this barrier a rank could finish, or die, and take the store down while another
+    # node's ranks are still connecting.
+    barrier(group=world)
     node = _Node(node_rank, local_rank, tuple(layout[node_rank]), group)
     _nodes[world] = node
     return node
