@@ -2,8 +2,9 @@
 
 - :mod:`dist_collectives.all_to_all`: :func:`all_to_all` and :func:`all_to_all_v`,
   differentiable exchanges along dim 0.
-- :mod:`dist_collectives.collectives` and :mod:`dist_collectives.sampler`:
-  Composer-style helpers that also work in a single process.
+- :mod:`dist_collectives.collectives`, :mod:`dist_collectives.sampler` and
+  :mod:`dist_collectives.node_local`: Composer-style helpers that also work in a
+  single process (node-local ones: local rank 0 first, file waits, signal files).
 - :mod:`dist_collectives.parallel`: :func:`init_parallelism` and the model, pipeline
   and data parallel groups (layout in :mod:`dist_collectives.layout`).
 
@@ -27,6 +28,12 @@ from dist_collectives.collectives import (
 )
 from dist_collectives.errors import CollectivesError
 from dist_collectives.layout import ParallelLayout
+from dist_collectives.node_local import (
+    get_node_signal_file_name,
+    local_rank_zero_download_and_wait,
+    run_local_rank_zero_first,
+    write_signal_file,
+)
 from dist_collectives.parallel import (
     ParallelState,
     destroy_parallelism,
@@ -68,6 +75,10 @@ __all__ = [
     "broadcast",
     "broadcast_object_list",
     "get_sampler",
+    "get_node_signal_file_name",
+    "local_rank_zero_download_and_wait",
+    "run_local_rank_zero_first",
+    "write_signal_file",
     # parallel groups
     "ParallelLayout",
     "ParallelState",
