@@ -179,13 +179,15 @@ def typecheck(session: nox.Session) -> None:
 
 @nox.session
 def docs(session: nox.Session) -> None:
-    """The Sphinx site, warnings as errors, offline (no inventory is fetched)."""
+    """The Sphinx site, warnings as errors, offline; then the docs tests (docs/tests)."""
     _install_packages(session, PACKAGES)
     # matplotlib draws the benchmarks page's figures; it is never a package dependency.
     session.install("sphinx>=7", "myst-parser>=3", "sphinx-argparse>=0.5", "matplotlib>=3.8")
     output = Path(session.create_tmp()) / "html"
     session.run("sphinx-build", "-W", "--keep-going", "-b", "html", str(ROOT / "docs"), str(output))
     session.log(f"docs built in {output}")
+    session.install("pytest>=8", "pytest-timeout>=2")
+    session.run("pytest", str(ROOT / "docs" / "tests"), *session.posargs)
 
 
 @nox.session
