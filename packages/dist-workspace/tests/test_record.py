@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dist_workspace import NFSWorkspace, WorkspaceError, record
-from dist_workspace.record import supported_dtypes
+from dist_workspace import NFSWorkspace, WorkspaceError, writer
+from dist_workspace.format import supported_dtypes
 
 
 def _bits(tensor: torch.Tensor) -> torch.Tensor:
@@ -145,7 +145,7 @@ def test_ties_are_found_before_the_copy_off_the_device(
         copies.append(tensor.numel())
         return tensor.clone()
 
-    monkeypatch.setattr(record, "to_host", fresh_copy)
+    monkeypatch.setattr(writer, "to_host", fresh_copy)
     embedding = torch.randn(50, 8)
     scale = torch.ones(3)
     weights = {

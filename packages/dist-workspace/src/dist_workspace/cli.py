@@ -21,7 +21,7 @@ from pathlib import Path
 
 from dist_workspace.errors import WorkspaceError
 from dist_workspace.merge import merge_workspace, read_rank_files, weights_of
-from dist_workspace.record import META_CONFIG, load_entries
+from dist_workspace.reader import load_entries
 from dist_workspace.shm import remove_dead_segments, shm_directory
 from dist_workspace.workspace import RANK_FILE_PATTERN
 
@@ -54,7 +54,7 @@ def _inspect(directory: Path, as_json: bool, verify: bool) -> int:
                 "path": str(rank_file.path),
                 "job": rank_file.header.job,
                 "file_bytes": rank_file.header.total_size,
-                "config": json.loads(rank_file.header.metadata.get(META_CONFIG, "null")),
+                "config": json.loads(rank_file.header.config_text),
                 "tensors": tensors,
             }
         )

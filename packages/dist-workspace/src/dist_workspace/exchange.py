@@ -3,7 +3,7 @@
 Protocol (every wait bounded by ``timeout``):
 
 1. Every rank of ``ranks`` but the first (the *receiver*) writes its value as a
-   record (see :mod:`dist_workspace.record`): into a fresh shared-memory segment when
+   record (see :mod:`dist_workspace.format`): into a fresh shared-memory segment when
    ``workspace_path`` is None, else into a file of a per-exchange subdirectory of
    ``workspace_path``. It then posts a status to the process group's store: the
    segment name and size, shape and dtype, host, ``ranks`` and, when anything failed
@@ -29,7 +29,7 @@ path, in ``finally`` blocks.
 Device rule: every value the receiver gets is on CPU, its own included, whatever
 device the tensors were on. The receiver's own value goes through the same record
 encoding and decoding as a peer's (in anonymous memory, see
-:func:`~dist_workspace.record.copy_through_record`), so it never aliases the
+:func:`~dist_workspace.roundtrip.copy_through_record`), so it never aliases the
 caller's tensors and shared storage inside it stays shared.
 """
 
@@ -54,16 +54,11 @@ import torch.distributed as dist
 from dist_workspace.errors import WorkspaceError
 from dist_workspace.fsutil import make_private_directory
 from dist_workspace.jobid import current_job_id, short_tag
-from dist_workspace.record import (
-    assemble,
-    copy_through_record,
-    parse_header,
-    prepare_record,
-    view_entries,
-    write_record,
-)
+from dist_workspace.reader import assemble, parse_header, view_entries
+from dist_workspace.roundtrip import copy_through_record
 from dist_workspace.shm import Segment, create_segment, map_segment
 from dist_workspace.workspace import DEFAULT_DIR_MODE, NFSWorkspace
+from dist_workspace.writer import prepare_record, write_record
 
 logger = logging.getLogger(__name__)
 

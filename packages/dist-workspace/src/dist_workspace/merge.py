@@ -20,16 +20,9 @@ from typing import Any
 import torch
 
 from dist_workspace.errors import WorkspaceError
+from dist_workspace.format import RecordHeader, StoredEntry, ViewSpec, byte_view
 from dist_workspace.fsutil import atomic_write, write_all
-from dist_workspace.record import (
-    META_CONFIG,
-    RecordHeader,
-    StoredEntry,
-    byte_view,
-    dtype_from_name,
-    load_entries,
-    parse_header,
-)
+from dist_workspace.reader import load_entries, parse_header
 from dist_workspace.workspace import RANK_FILE_PATTERN
 
 _CHUNK_BYTES = 64 * 1024 * 1024
@@ -58,7 +51,7 @@ class WeightInfo:
     shape: tuple[int, ...]
     nbytes: int
     entry: StoredEntry | None  # stored as itself
-    view: dict[str, Any] | None  # or a view into a shared block
+    view: ViewSpec | None  # or a view into a shared block
 
 
 def _header_of(fd: int, where: str) -> RecordHeader:
@@ -95,21 +88,12 @@ def weights_of(rank_file: RankFile) -> list[WeightInfo]:
     """The logical weights of a rank file, in the order they were written."""
     header = rank_file.header
     stored = {entry.name: entry for entry in header.entries}
-    views = header.layout.get("views", {})
+    views = header.layout.views
     result = []
-    for name in header.layout.get("order", []):
+    for name in header.layout.order:
         if name in views:
             spec = views[name]
-            dtype = dtype_from_name(spec["dtype"])
-            if dtype is None:
-                raise WorkspaceError(f"{rank_file.where}: unknown dtype in view {name!r}")
-            shape = tuple(int(dim) for dim in spec["shape"])
-            numel = 1
-            for dim in shape:
-                numel *= dim
-            result.append(
-                WeightInfo(name, spec["dtype"], shape, numel * dtype.itemsize, None, spec)
-            )
+            result.append(WeightInfo(name, spec.dtype_name, spec.shape, spec.nbytes, None, spec))
         elif name in stored:
             entry = stored[name]
             result.append(
@@ -183,7 +167,7 @@ def merge_workspace(
         "__metadata__": {
             "dist_workspace.merged_ranks": json.dumps([f.rank for f in files]),
             "dist_workspace.configs": json.dumps(
-                {str(f.rank): f.header.metadata.get(META_CONFIG, "null") for f in files}
+                {str(f.rank): f.header.config_text for f in files}
             ),
         }
     }
@@ -221,7 +205,7 @@ def _copy_rank(
     entries: list[tuple[WeightInfo, str]],
     position: int,
 ) -> int:
-    crcs = rank_file.header.layout.get("crc32", {})
+    crcs = rank_file.header.layout.crc32 or {}
     blobs: dict[str, torch.Tensor] = {}
     stored = {entry.name: entry for entry in rank_file.header.entries}
     for info, _ in entries:
@@ -231,19 +215,18 @@ def _copy_rank(
             )
         else:
             assert info.view is not None
-            blob_name = info.view["blob"]
+            blob_name = info.view.blob
             if blob_name not in blobs:
                 blobs.clear()  # one shared block in memory at a time
-                only = dataclasses.replace(rank_file.header, entries=[stored[blob_name]])
-                blobs.update(load_entries(source, only, rank_file.where))
+                blobs.update(
+                    load_entries(source, rank_file.header, rank_file.where, [stored[blob_name]])
+                )
             blob = blobs[blob_name]
-            dtype = dtype_from_name(info.view["dtype"])
-            assert dtype is not None
-            view = torch.empty(0, dtype=dtype).set_(
+            view = torch.empty(0, dtype=info.view.dtype).set_(
                 blob.untyped_storage(),
-                int(info.view["offset"]) // dtype.itemsize,
+                info.view.offset // info.view.dtype.itemsize,
                 info.shape,
-                info.view["stride"],
+                info.view.stride,
             )
             write_all(target, memoryview(byte_view(view.contiguous()).numpy()), position)  # type: ignore[arg-type]
         position += info.nbytes

@@ -15,7 +15,8 @@ from filelock import FileLock, Timeout
 from dist_workspace.errors import WorkspaceError
 from dist_workspace.fsutil import atomic_write, make_private_directory, write_all
 from dist_workspace.jobid import current_job_id
-from dist_workspace.record import prepare_record, read_record_file, write_record
+from dist_workspace.reader import read_record_file
+from dist_workspace.writer import prepare_record, write_record
 
 logger = logging.getLogger(__name__)
 
