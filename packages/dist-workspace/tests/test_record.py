@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from dist_workspace import NFSWorkspace, WorkspaceError, writer
-from dist_workspace.format import supported_dtypes
+from dist_workspace.format import DIGEST_BYTES, header_digest, supported_dtypes
 
 
 def _bits(tensor: torch.Tensor) -> torch.Tensor:
@@ -146,7 +146,7 @@ def test_ties_are_found_before_the_copy_off_the_device(
         return tensor.clone()
 
     monkeypatch.setattr(writer, "to_host", fresh_copy)
-    embedding = torch.randn(50, 8)
+    embedding = torch.randn(200, 8)  # large enough for the header not to matter
     scale = torch.ones(3)
     weights = {
         "emb.weight": embedding,
@@ -229,10 +229,23 @@ def test_bad_weights_are_refused(tmp_path: Path) -> None:
     assert not (tmp_path / "rank-0.safetensors").exists()
 
 
+def _reseal(raw: bytes) -> bytes:
+    """``raw`` with its integrity digest recomputed, as a deliberate forger would."""
+    (header_size,) = struct.unpack("<Q", raw[:8])
+    return raw[:-DIGEST_BYTES] + header_digest(raw[: 8 + header_size])
+
+
 def _data_region(path: Path) -> tuple[int, int]:
+    """Where the tensor data starts and where the last tensor ends (file offsets)."""
     raw = path.read_bytes()
     (header_size,) = struct.unpack("<Q", raw[:8])
-    return 8 + header_size, len(raw)
+    header = json.loads(raw[8 : 8 + header_size])
+    end = max(
+        spec["data_offsets"][1]
+        for name, spec in header.items()
+        if name != "__metadata__" and not name.startswith("dist_workspace.")
+    )
+    return 8 + header_size, 8 + header_size + end
 
 
 def _flip_data_byte(path: Path, *, from_end: int = 1, mask: int = 0x01) -> None:
@@ -319,14 +332,13 @@ def test_foreign_safetensors_and_renamed_file(tmp_path: Path) -> None:
     path.rename(tmp_path / "rank-6.safetensors")
     with pytest.raises(WorkspaceError, match=r"rank 6's file .*written by rank 5"):
         workspace.read_configs_and_weights_from_rank(6)
-    header = json.dumps(
-        {
-            "__metadata__": {"dist_workspace.format": "1", "dist_workspace.layout": "{}"},
-            "w": {"dtype": "X9", "shape": [1], "data_offsets": [0, 1]},
-        }
-    ).encode()
-    (tmp_path / "rank-7.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + b"\0")
-    with pytest.raises(WorkspaceError, match="unknown dtype"):
+    # A header this package would accept but for its dtype, with a valid digest.
+    path = workspace.write_configs_and_weights({}, {"w": torch.ones(1, dtype=torch.uint8)}, rank=7)
+    raw = path.read_bytes()
+    (header_size,) = struct.unpack("<Q", raw[:8])
+    header = raw[8 : 8 + header_size].replace(b'"w":{"dtype":"U8"', b'"w":{"dtype":"X9"')
+    path.write_bytes(_reseal(raw[:8] + header + raw[8 + header_size :]))
+    with pytest.raises(WorkspaceError, match=r"rank 7's file .*unknown dtype 'X9'"):
         workspace.read_configs_and_weights_from_rank(7)
 
 

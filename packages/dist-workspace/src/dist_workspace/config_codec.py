@@ -10,6 +10,9 @@ under the name ``dist_workspace.config.{n}`` and replaced in the JSON by
 ``{"__dist_workspace_tensor__": "dist_workspace.config.{n}"}``. Decoding puts the
 tensor back. A dict whose only key is ``__dist_workspace_tensor__`` is therefore
 reserved and rejected on encode.
+
+Configs nest at most :data:`MAX_DEPTH` levels (lists and dicts), on write and on
+read, so that no hostile config can exhaust the parser's recursion.
 """
 
 from __future__ import annotations
@@ -20,7 +23,10 @@ from typing import Any
 
 import torch
 
+from dist_workspace.safejson import JsonRefused, loads
+
 TENSOR_MARKER = "__dist_workspace_tensor__"
+MAX_DEPTH = 64
 CONFIG_TENSOR_PREFIX = "dist_workspace.config."
 
 
@@ -58,6 +64,11 @@ def encode_config(config: Any) -> tuple[str, dict[str, torch.Tensor]]:
             name = f"{CONFIG_TENSOR_PREFIX}{len(tensors)}"
             tensors[name] = value
             return {TENSOR_MARKER: name}
+        if isinstance(value, dict | list | tuple) and len(path) >= MAX_DEPTH:
+            raise TypeError(
+                f"{_path_text(path)} nests deeper than {MAX_DEPTH} lists and dicts, "
+                "which dist-workspace refuses to read back: flatten it"
+            )
         if isinstance(value, dict):
             if list(value) == [TENSOR_MARKER]:
                 raise TypeError(
@@ -97,16 +108,17 @@ def decode_config(text: str, tensors: dict[str, torch.Tensor], where: str) -> An
         ValueError: The JSON is invalid or references a tensor the record lacks.
     """
     try:
-        parsed = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{where}: the config is not valid JSON ({error})") from None
+        # The JSON's own depth plus the tensor marker's object.
+        parsed = loads(text, max_depth=MAX_DEPTH + 1)
+    except JsonRefused as error:
+        raise ValueError(f"{where}: the config is refused: {error}") from None
 
     def restore(value: Any) -> Any:
         if isinstance(value, dict):
             if list(value) == [TENSOR_MARKER]:
                 name = value[TENSOR_MARKER]
-                if name not in tensors:
-                    raise ValueError(f"{where}: the config references tensor {name!r}, absent")
+                if not isinstance(name, str) or name not in tensors:
+                    raise ValueError(f"{where}: the config references tensor {name!r:.200}, absent")
                 return tensors[name]
             return {key: restore(item) for key, item in value.items()}
         if isinstance(value, list):

@@ -18,7 +18,14 @@ Format decisions (the safetensors format leaves them open):
 - The metadata keys are ``dist_workspace.format`` (:data:`FORMAT_VERSION`),
   ``dist_workspace.config`` (the config JSON), ``dist_workspace.layout`` (the
   :class:`Layout` as JSON: weight order, shared views, CRC-32 of every entry),
-  ``dist_workspace.rank`` and ``dist_workspace.job``.
+  ``dist_workspace.rank`` and ``dist_workspace.job``, and nothing else.
+- Integrity (format 2): the CRC-32 of every data entry is in the layout, hence in the
+  header, and the last entry, ``dist_workspace.integrity`` (``U8``, 32 bytes, the
+  file's last 32 bytes), holds the SHA-256 of the 8-byte header length and the
+  header. So every byte a reader trusts is covered: a change to a name, dtype,
+  shape, offset, the config or the layout breaks the digest, a change to tensor
+  data breaks its CRC-32, and padding must be zeros. Format 1 (dist-workspace 0.2
+  and earlier) had no header digest and is refused with a message that says so.
 
 Plain safetensors readers can open the files (they then also see the pad and shared
 entries).
@@ -27,19 +34,32 @@ entries).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
+import re
 from typing import Any
 
 import torch
 
 from dist_workspace.errors import WorkspaceError
+from dist_workspace.safejson import JsonRefused, loads
 
-FORMAT_VERSION = "1"
+FORMAT_VERSION = "2"
 ALIGNMENT = 64
 PAD_PREFIX = "dist_workspace.pad."
 SHARED_PREFIX = "dist_workspace.shared."
 RESERVED_PREFIX = "dist_workspace."
+INTEGRITY_ENTRY = "dist_workspace.integrity"
+DIGEST_BYTES = 32  # SHA-256
+# safetensors refuses headers over 100 MB (about a million entries); so do we.
+MAX_HEADER_BYTES = 100_000_000
+# Nesting of the JSON documents a header holds: the header itself is
+# {"name": {"shape": [...]}}, the layout {"views": {"name": {"shape": [...]}}}.
+HEADER_DEPTH = 3
+LAYOUT_DEPTH = 4
+# torch sizes and strides are int64; anything larger cannot be a tensor.
+_MAX_EXTENT = 2**62
 META_FORMAT = "dist_workspace.format"
 META_CONFIG = "dist_workspace.config"
 META_LAYOUT = "dist_workspace.layout"
@@ -94,6 +114,11 @@ def byte_view(tensor: torch.Tensor) -> torch.Tensor:
     """A 1-D uint8 view of a contiguous CPU tensor's elements."""
     flat = tensor.reshape(-1)
     return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
+
+
+def header_digest(length_and_header: bytes | memoryview) -> bytes:
+    """What the integrity entry holds: SHA-256 of the 8-byte length and the header."""
+    return hashlib.sha256(length_and_header).digest()
 
 
 def foreign(where: str, why: str) -> WorkspaceError:
@@ -155,63 +180,84 @@ class Layout:
         return json.dumps(document, separators=(",", ":"))
 
     @classmethod
-    def from_json(cls, text: object, where: str) -> Layout:
-        """Parses and validates the layout JSON.
+    def from_json(cls, text: str, where: str) -> Layout:
+        """Parses and type-checks the layout JSON (its references are checked by the reader).
 
         Raises:
             WorkspaceError: It is not a layout of this format.
         """
-        if not isinstance(text, str):
-            raise foreign(where, f"{META_LAYOUT} is missing")
         try:
-            document = json.loads(text)
-        except (json.JSONDecodeError, RecursionError):
-            raise foreign(where, f"{META_LAYOUT} is not JSON") from None
-        if not isinstance(document, dict):
-            raise foreign(where, f"{META_LAYOUT} is not a JSON object")
-        order = document.get("order", [])
+            document = loads(text, max_depth=LAYOUT_DEPTH)
+        except JsonRefused as error:
+            raise foreign(where, f"{META_LAYOUT} is refused: {error}") from None
+        if not isinstance(document, dict) or not set(document) <= {"order", "views", "crc32"}:
+            raise foreign(where, f"{META_LAYOUT} is not an object of order, views, crc32")
+        order = document.get("order")
         if not isinstance(order, list) or not all(isinstance(name, str) for name in order):
             raise foreign(where, f"{META_LAYOUT}'s order is not a list of names")
-        raw_views = document.get("views", {})
+        if len(set(order)) != len(order):
+            raise foreign(where, f"{META_LAYOUT}'s order names a weight twice")
+        raw_views = document.get("views")
         if not isinstance(raw_views, dict):
             raise foreign(where, f"{META_LAYOUT}'s views is not a JSON object")
         views = {name: _view_from_json(name, spec, where) for name, spec in raw_views.items()}
         crc32 = document.get("crc32")
         if crc32 is not None and (
-            not isinstance(crc32, dict) or not all(isinstance(v, str) for v in crc32.values())
+            not isinstance(crc32, dict)
+            or not all(isinstance(v, str) and _CRC_TEXT.fullmatch(v) for v in crc32.values())
         ):
-            raise foreign(where, f"{META_LAYOUT}'s crc32 is not a JSON object of strings")
+            raise foreign(where, f"{META_LAYOUT}'s crc32 is not an object of 8 hex digits each")
         return cls(tuple(order), views, crc32)
 
 
-def _int_list(value: object) -> tuple[int, ...] | None:
-    if not isinstance(value, list) or not all(
-        isinstance(item, int) and not isinstance(item, bool) for item in value
-    ):
+_CRC_TEXT = re.compile(r"[0-9a-f]{8}")
+
+
+def int_list(value: object) -> tuple[int, ...] | None:
+    """``value`` as a tuple of ints in [0, 2**62], or None when it is anything else."""
+    if not isinstance(value, list):
         return None
+    for item in value:
+        if type(item) is not int or not 0 <= item <= _MAX_EXTENT:
+            return None
     return tuple(value)
 
 
+def numel_within(shape: tuple[int, ...], limit: int) -> int | None:
+    """The element count of ``shape``, or None when it exceeds ``limit``.
+
+    Stops multiplying as soon as the count passes the limit, so a hostile shape of
+    many huge dimensions costs no big-integer arithmetic.
+    """
+    if 0 in shape:
+        return 0
+    count = 1
+    for dim in shape:
+        count *= dim
+        if count > limit:
+            return None
+    return count
+
+
 def _view_from_json(name: str, spec: object, where: str) -> ViewSpec:
-    if not isinstance(spec, dict):
-        raise foreign(where, f"view {name!r} is not a JSON object")
-    dtype = dtype_from_name(spec.get("dtype"))
-    shape = _int_list(spec.get("shape"))
-    stride = _int_list(spec.get("stride"))
-    blob = spec.get("blob")
-    offset = spec.get("offset")
+    if not isinstance(spec, dict) or set(spec) != {"blob", "dtype", "shape", "stride", "offset"}:
+        raise foreign(where, f"view {name!r:.200} is malformed")
+    dtype = dtype_from_name(spec["dtype"])
+    shape = int_list(spec["shape"])
+    stride = int_list(spec["stride"])
+    blob = spec["blob"]
+    offset = spec["offset"]
     if (
         dtype is None
         or shape is None
         or stride is None
         or len(shape) != len(stride)
-        or any(dim < 0 for dim in shape)
+        or numel_within(shape, _MAX_EXTENT) is None
         or not isinstance(blob, str)
-        or not isinstance(offset, int)
-        or isinstance(offset, bool)
-        or offset < 0
+        or type(offset) is not int
+        or not 0 <= offset <= _MAX_EXTENT
     ):
-        raise foreign(where, f"view {name!r} is malformed: {spec!r:.200}")
+        raise foreign(where, f"view {name!r:.200} is malformed: {spec!r:.200}")
     return ViewSpec(blob, dtype, shape, stride, offset)
 
 
@@ -240,5 +286,10 @@ class RecordHeader:
     total_size: int
 
     def data_entries(self) -> list[StoredEntry]:
-        """Entries that hold data (padding left out)."""
-        return [entry for entry in self.entries if not entry.name.startswith(PAD_PREFIX)]
+        """Entries that hold tensor data (padding and the integrity digest left out)."""
+        return [entry for entry in self.entries if is_data_entry(entry.name)]
+
+
+def is_data_entry(name: str) -> bool:
+    """Whether an entry of this name holds tensor data (not padding, not the digest)."""
+    return not name.startswith(PAD_PREFIX) and name != INTEGRITY_ENTRY

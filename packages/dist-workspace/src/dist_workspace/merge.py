@@ -22,7 +22,7 @@ import torch
 from dist_workspace.errors import WorkspaceError
 from dist_workspace.format import RecordHeader, StoredEntry, ViewSpec, byte_view
 from dist_workspace.fsutil import atomic_write, write_all
-from dist_workspace.reader import load_entries, parse_header
+from dist_workspace.reader import load_entries, read_header_fd
 from dist_workspace.workspace import RANK_FILE_PATTERN
 
 _CHUNK_BYTES = 64 * 1024 * 1024
@@ -54,11 +54,6 @@ class WeightInfo:
     view: ViewSpec | None  # or a view into a shared block
 
 
-def _header_of(fd: int, where: str) -> RecordHeader:
-    size = os.fstat(fd).st_size
-    return parse_header(lambda offset, length: os.pread(fd, length, offset), size, where)
-
-
 def read_rank_files(directory: Path) -> list[RankFile]:
     """Every ``rank-{r}.safetensors`` of ``directory`` with its header, by rank.
 
@@ -77,7 +72,7 @@ def read_rank_files(directory: Path) -> list[RankFile]:
         except OSError as error:
             raise WorkspaceError(f"{where}: cannot be opened safely: {error}") from None
         try:
-            header = _header_of(fd, where)
+            header = read_header_fd(fd, where)
         finally:
             os.close(fd)
         files.append(RankFile(rank, path, header))

@@ -21,7 +21,10 @@ from dist_workspace.config_codec import encode_config
 from dist_workspace.crc import CHUNK_BYTES, OverlappedCrc
 from dist_workspace.format import (
     ALIGNMENT,
+    DIGEST_BYTES,
     FORMAT_VERSION,
+    INTEGRITY_ENTRY,
+    MAX_HEADER_BYTES,
     META_CONFIG,
     META_FORMAT,
     META_JOB,
@@ -34,6 +37,7 @@ from dist_workspace.format import (
     ViewSpec,
     byte_view,
     dtype_name,
+    header_digest,
     supported_dtypes,
 )
 from dist_workspace.fsutil import write_all
@@ -49,7 +53,7 @@ class PlannedEntry:
     dtype_name: str
     shape: tuple[int, ...]
     nbytes: int
-    data: torch.Tensor | None  # 1-D uint8 bytes to write; None for padding
+    data: torch.Tensor | None  # 1-D uint8 bytes; None for padding and the digest
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,13 +239,21 @@ def prepare_record(
 
     entries: list[PlannedEntry] = []
     offset = 0
-    for name, entry_dtype, shape, data in payloads:
+
+    def align() -> None:
+        nonlocal offset
         if offset % ALIGNMENT:
             gap = ALIGNMENT - offset % ALIGNMENT
             entries.append(PlannedEntry(f"{PAD_PREFIX}{len(entries)}", "U8", (gap,), gap, None))
             offset += gap
+
+    for name, entry_dtype, shape, data in payloads:
+        align()
         entries.append(PlannedEntry(name, entry_dtype, shape, data.numel(), data))
         offset += data.numel()
+    align()  # the digest last, so that it is the file's last 32 bytes
+    entries.append(PlannedEntry(INTEGRITY_ENTRY, "U8", (DIGEST_BYTES,), DIGEST_BYTES, None))
+    offset += DIGEST_BYTES
 
     crc32 = (
         {entry.name: _CRC_PLACEHOLDER for entry in entries if entry.data is not None}
@@ -256,6 +268,12 @@ def prepare_record(
         META_JOB: job,
     }
     header = encode_header(entries, metadata, layout)
+    if len(header) > MAX_HEADER_BYTES:
+        raise ValueError(
+            f"the record's header would take {len(header)} bytes, over the "
+            f"{MAX_HEADER_BYTES} that safetensors (and this reader) accept: "
+            f"{len(entries)} entries; write fewer, larger tensors or a smaller config"
+        )
     return PreparedRecord(
         tuple(entries), metadata, layout, len(header), 8 + len(header) + offset, checksums
     )
@@ -284,13 +302,19 @@ def encode_header(
 def write_record(fd: int, record: PreparedRecord) -> None:
     """Writes ``record`` at offset 0 of ``fd`` (a regular file or a shared-memory file).
 
-    The data goes first, hashed chunk by chunk while it is written, and the header
-    last, once the checksums are known (the placeholders keep its size unchanged).
+    The data goes first, hashed chunk by chunk while it is written, then the header,
+    once the checksums are known (the placeholders keep its size unchanged), and the
+    header's digest into the last entry.
     """
     position = record.data_start
+    digest_position = -1
     crcs: dict[str, str] = {}
     zeros = bytes(ALIGNMENT)
     for entry in record.entries:
+        if entry.name == INTEGRITY_ENTRY:
+            digest_position = position
+            position += entry.nbytes
+            continue
         if entry.data is None:
             write_all(fd, memoryview(zeros)[: entry.nbytes], position)
             position += entry.nbytes
@@ -311,4 +335,6 @@ def write_record(fd: int, record: PreparedRecord) -> None:
     header = encode_header(record.entries, record.metadata, layout)
     if len(header) != record.header_size:  # pragma: no cover - guarded by fixed-width CRCs
         raise AssertionError("record header changed size between layout and write")
-    write_all(fd, memoryview(struct.pack("<Q", len(header)) + header), 0)
+    length_and_header = struct.pack("<Q", len(header)) + header
+    write_all(fd, memoryview(length_and_header), 0)
+    write_all(fd, header_digest(length_and_header), digest_position)
