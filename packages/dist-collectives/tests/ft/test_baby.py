@@ -57,10 +57,15 @@ def _baby_hang_worker() -> bool:
     pg = ProcessGroupBabyGloo(timeout=timedelta(seconds=3))
     pg.configure(_store_addr("baby-hang/0"), rank, world)
     if rank == 0:
-        # Rank 1 never joins this allreduce: the op must fail after the timeout.
+        # Rank 1 never joins this allreduce: the op must fail after the timeout, with
+        # an error that is both a BabyProcessError and a TimeoutError.
         work = pg.allreduce(torch.ones(4), dist.ReduceOp.SUM)
-        with pytest.raises((BabyProcessError, RuntimeError)):
+        with pytest.raises(TimeoutError) as caught:
             work.wait()
+        assert isinstance(caught.value, BabyProcessError), caught.value
+        # gloo in the child may give up first (the child lives on), else the parent
+        # kills the child at the deadline and records why.
+        assert pg.errored() is None or isinstance(pg.errored(), TimeoutError)
     dist.barrier()
     pg.configure(_store_addr("baby-hang/1"), rank, world)
     t = torch.ones(1)

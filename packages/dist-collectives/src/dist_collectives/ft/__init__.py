@@ -8,6 +8,7 @@ that join, and decides per step whether it may be committed.
 
 from dist_collectives.ft.baby import (
     BabyProcessError,
+    BabyTimeoutError,
     ProcessGroupBaby,
     ProcessGroupBabyGloo,
     ProcessGroupBabyNCCL,
@@ -15,6 +16,7 @@ from dist_collectives.ft.baby import (
 from dist_collectives.ft.ddp import DistributedDataParallel, ReplicaAveraging, ft_allreduce_hook
 from dist_collectives.ft.device_mesh import extend_device_mesh
 from dist_collectives.ft.dummy import ProcessGroupDummy
+from dist_collectives.ft.errors import FTError, UnsupportedOperationError
 from dist_collectives.ft.gloo import ProcessGroupGloo
 from dist_collectives.ft.managed import ManagedProcessGroup
 from dist_collectives.ft.manager import Manager, ManagerConfigError, ReplicaError
@@ -27,7 +29,7 @@ from dist_collectives.ft.store import (
     StoreAddressError,
     create_store_client,
 )
-from dist_collectives.ft.work import DummyWork, FutureWork
+from dist_collectives.ft.work import DummyWork, FutureWork, WorkFuture
 from dist_collectives.ft.wrappers import ErrorSwallowingProcessGroupWrapper, ProcessGroupWrapper
 
 __all__ = [
@@ -41,6 +43,7 @@ __all__ = [
     "ProcessGroupBabyGloo",
     "ProcessGroupBabyNCCL",
     "BabyProcessError",
+    "BabyTimeoutError",
     "Manager",
     "ManagedProcessGroup",
     "DistributedDataParallel",
@@ -50,6 +53,7 @@ __all__ = [
     "Quorum",
     "DummyWork",
     "FutureWork",
+    "WorkFuture",
     "create_store_client",
     "StoreAddressError",
     "StoreAddressReusedError",
@@ -58,4 +62,6 @@ __all__ = [
     "ReplicaError",
     "QuorumTimeoutError",
     "StateTransferError",
+    "FTError",
+    "UnsupportedOperationError",
 ]

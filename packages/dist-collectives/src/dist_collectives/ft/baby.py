@@ -50,10 +50,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing  # registers the reductions of CUDA tensors and events
-from torch._C._distributed_c10d import Store
+from torch.distributed import Store  # type: ignore[attr-defined]  # public, not re-exported in the stubs
+from torch.distributed.distributed_c10d import AllreduceCoalescedOptions
 from torch.futures import Future
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
+from dist_collectives.ft.errors import FTError
 from dist_collectives.ft.gloo import create_gloo_backend
 from dist_collectives.ft.nccl import create_nccl_backend, nccl_unavailable_reason
 from dist_collectives.ft.process_group import DEFAULT_TIMEOUT, ProcessGroup, reduce_op_name
@@ -78,8 +80,16 @@ _COUNTER_OFFSET = _REBUILD_PARAMETERS.index("ref_counter_offset")
 _Slot = tuple[bytes, int, int]
 
 
-class BabyProcessError(RuntimeError):
+class BabyProcessError(FTError, RuntimeError):
     """The child process that runs the backend died, hung or failed to start."""
+
+
+class BabyTimeoutError(BabyProcessError, TimeoutError):
+    """A :class:`BabyProcessError` whose cause is a timeout (also a ``TimeoutError``).
+
+    An operation outlived the group's timeout (the child was then killed), or the
+    child did not join its group in time (a peer never arrived).
+    """
 
 
 def _exit_with_parent(parent_pid: int) -> None:
@@ -97,6 +107,16 @@ def _exit_with_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, name="ft-baby-parent-watch", daemon=True).start()
 
 
+def _describe(error: Exception) -> tuple[str, bool]:
+    """What the child reports of ``error``: its text, and whether it is a timeout.
+
+    gloo reports its own timeouts as a RuntimeError ("Timed out waiting 3000ms for
+    recv"), so the text counts too.
+    """
+    timed_out = isinstance(error, TimeoutError) or "timed out" in str(error).lower()
+    return f"{type(error).__name__}: {error}", timed_out
+
+
 def _run_operation(backend: Any, operation: str, tensors: list[torch.Tensor], argument: Any) -> Any:
     if operation == "allreduce":
         return backend.allreduce(tensors, getattr(dist.ReduceOp, argument))
@@ -112,6 +132,17 @@ def _run_operation(backend: Any, operation: str, tensors: list[torch.Tensor], ar
         return backend.recv(tensors, peer, tag)
     if operation == "barrier":
         return backend.barrier()
+    if operation == "allreduce_coalesced":
+        coalesced = AllreduceCoalescedOptions()
+        coalesced.reduceOp = getattr(dist.ReduceOp, argument)
+        return backend.allreduce_coalesced(tensors, coalesced)
+    if operation == "allgather":
+        inputs, layout = argument
+        outputs, start = [], inputs
+        for length in layout:
+            outputs.append(tensors[start : start + length])
+            start += length
+        return backend.allgather(outputs, tensors[:inputs])
     raise ValueError(f"unknown operation {operation!r}")
 
 
@@ -126,7 +157,7 @@ def _serve_cpu(backend: Any, conn: mp_connection.Connection) -> None:
             _run_operation(backend, operation, tensors, argument).wait()
             conn.send(("done", op_id, None))
         except Exception as error:
-            conn.send(("error", op_id, f"{type(error).__name__}: {error}"))
+            conn.send(("error", op_id, _describe(error)))
 
 
 def _serve_cuda(
@@ -153,7 +184,7 @@ def _serve_cuda(
                 from_child.record(stream)
             conn.send(("done", op_id, None))
         except Exception as error:
-            conn.send(("error", op_id, f"{type(error).__name__}: {error}"))
+            conn.send(("error", op_id, _describe(error)))
         finally:
             # Release the parent's memory only once the GPU is done with it: the IPC
             # storage's deleter synchronises the current stream, and this one.
@@ -189,7 +220,7 @@ def _child_main(
         )
         backend = factory._create_backend(store, rank, world_size, timeout)
     except Exception as error:
-        conn.send(("failed", f"{type(error).__name__}: {error}"))
+        conn.send(("failed", _describe(error)))
         return
     if cuda is None:
         conn.send(("ready", None))
@@ -285,10 +316,17 @@ class _Pending:
 class _Child:
     """One child process and what the parent has outstanding with it."""
 
-    def __init__(self, process: Any, conn: mp_connection.Connection, link: _CudaLink | None):
+    def __init__(
+        self,
+        process: Any,
+        conn: mp_connection.Connection,
+        link: _CudaLink | None,
+        timeout: timedelta,
+    ) -> None:
         self.process = process
         self.conn = conn
         self.link = link
+        self.timeout = timeout  # the group's timeout when this child was configured
         self.pending: dict[int, _Pending] = {}
         # op id -> IPC references the child has not released yet (done, not released).
         self.unreleased: dict[int, list[_Slot]] = {}
@@ -298,7 +336,9 @@ class _Child:
 class ProcessGroupBaby(ProcessGroup):
     """A reconfigurable group whose backend runs in a child process (see the module doc).
 
-    Supports ``allreduce``, ``broadcast``, ``barrier``, ``send`` and ``recv``.
+    Supports ``allreduce``, ``allreduce_coalesced``, ``allgather``, ``broadcast``
+    (and ``broadcast_one``), ``barrier``, ``send`` and ``recv``; every other collective
+    raises :class:`~dist_collectives.ft.UnsupportedOperationError` naming it.
 
     Args:
         timeout: How long the child may take to join the group, and one operation may
@@ -324,7 +364,7 @@ class ProcessGroupBaby(ProcessGroup):
     def _check_machine(self) -> None:
         """Raises when this machine cannot run the child's backend (before anything changes)."""
 
-    def configure(self, store_addr: str, rank: int, world_size: int) -> None:
+    def _configure(self, store_addr: str, rank: int, world_size: int) -> None:
         """Kills the current child (failing what is pending) and starts one in the new group.
 
         The arguments are checked first: a refused call (a reused address, a bad rank)
@@ -332,11 +372,13 @@ class ProcessGroupBaby(ProcessGroup):
 
         Raises:
             StoreAddressReusedError: this group was configured on ``store_addr`` before.
-            BabyProcessError: the child died, or could not join within the timeout
-                (the message names the ranks that did not arrive).
+            BabyProcessError: the child died, or could not join (a
+                :class:`BabyTimeoutError` when that was a timeout: the message names the
+                ranks that did not arrive).
         """
         self._check_machine()
         self._claim_configuration(store_addr, rank, world_size)
+        timeout = self._timeout
         self._stop_child(BabyProcessError("the group was reconfigured"))
         link = None
         if self._uses_cuda_ipc:
@@ -351,7 +393,7 @@ class ProcessGroupBaby(ProcessGroup):
                 store_addr,
                 rank,
                 world_size,
-                self._timeout.total_seconds(),
+                timeout.total_seconds(),
                 os.getpid(),
                 None if link is None else (link.device.index, link.to_child),
             ),
@@ -360,11 +402,11 @@ class ProcessGroupBaby(ProcessGroup):
         )
         child.start()
         child_conn.close()
-        if not parent_conn.poll(self._timeout.total_seconds() + CHILD_START_SECONDS):
+        if not parent_conn.poll(timeout.total_seconds() + CHILD_START_SECONDS):
             child.kill()
             child.join()
-            raise BabyProcessError(
-                f"the child did not start and join {store_addr} within {self._timeout} "
+            raise BabyTimeoutError(
+                f"the child did not start and join {store_addr} within {timeout} "
                 f"(+{CHILD_START_SECONDS:.0f} s to start)"
             )
         try:
@@ -376,10 +418,12 @@ class ProcessGroupBaby(ProcessGroup):
             ) from None
         if status != "ready":
             child.join()
-            raise BabyProcessError(f"the child could not join {store_addr}: {detail}")
+            message, timed_out = detail
+            error_type = BabyTimeoutError if timed_out else BabyProcessError
+            raise error_type(f"the child could not join {store_addr}: {message}")
         if link is not None:
             link.from_child = detail
-        state = _Child(child, parent_conn, link)
+        state = _Child(child, parent_conn, link, timeout)
         with self._lock:
             self._child_state = state
             self._error = None
@@ -397,6 +441,10 @@ class ProcessGroupBaby(ProcessGroup):
         afterwards, before the GPU finished, is reported only here: the
         :class:`Manager` checks it before it votes on a step.
         """
+        return self._error
+
+    def errored(self) -> BabyProcessError | None:
+        """The same as :meth:`error` (torchft's name)."""
         return self._error
 
     def _stop_child(self, reason: BabyProcessError) -> None:
@@ -448,8 +496,8 @@ class ProcessGroupBaby(ProcessGroup):
                     logger.warning("baby process group: operation timed out; killing the child")
                     self._retire(
                         state,
-                        BabyProcessError(
-                            f"an operation took longer than {self._timeout}; the child was killed"
+                        BabyTimeoutError(
+                            f"an operation took longer than {state.timeout}; the child was killed"
                         ),
                     )
                     return
@@ -473,7 +521,12 @@ class ProcessGroupBaby(ProcessGroup):
             if op is None:
                 continue
             if kind == "error":
-                op.future.set_exception(RuntimeError(f"in the child process: {detail}"))
+                message, timed_out = detail
+                if timed_out:
+                    error: Exception = BabyTimeoutError(f"in the child process: {message}")
+                else:
+                    error = RuntimeError(f"in the child process: {message}")
+                op.future.set_exception(error)
             elif state.link is not None:
                 state.link.complete(op.future, op.originals)
             else:
@@ -505,7 +558,7 @@ class ProcessGroupBaby(ProcessGroup):
             else:
                 shared = [_shared_copy(t) for t in tensors]
                 payload = shared
-            deadline = time.monotonic() + self._timeout.total_seconds()
+            deadline = time.monotonic() + state.timeout.total_seconds()
             state.pending[op_id] = _Pending(future, tensors, shared, deadline, slots)
             try:
                 state.conn.send((op_id, operation, payload, argument))
@@ -523,6 +576,24 @@ class ProcessGroupBaby(ProcessGroup):
         tensors = [first] if isinstance(first, torch.Tensor) else list(first)
         op = args[1] if len(args) > 1 else dist.ReduceOp.SUM
         return self._submit("allreduce", tensors, reduce_op_name(op))
+
+    def allreduce_coalesced(self, *args: Any) -> dist.Work:
+        """Allreduce of several tensors: ``(tensors, AllreduceCoalescedOptions)``."""
+        tensors = list(args[0])
+        op = args[1] if len(args) > 1 else dist.ReduceOp.SUM
+        return self._submit("allreduce_coalesced", tensors, reduce_op_name(op))
+
+    def allgather(self, *args: Any) -> dist.Work:
+        """Allgather: ``(output_lists, inputs, options)`` or ``(outputs, input)``.
+
+        Output list ``i`` receives every rank's input ``i``, in rank order.
+        """
+        outputs, inputs = args[0], args[1]
+        if isinstance(inputs, torch.Tensor):
+            outputs, inputs = [outputs], [inputs]
+        layout = [len(output_list) for output_list in outputs]
+        flat = [*inputs, *(t for output_list in outputs for t in output_list)]
+        return self._submit("allgather", flat, (len(inputs), layout))
 
     def broadcast(self, *args: Any) -> dist.Work:
         """Broadcast, with torch's overloads: ``(tensors, options)`` or ``(tensor, root)``."""

@@ -6,7 +6,7 @@
 from typing import Any
 
 import torch
-from torch._C._distributed_c10d import GradBucket
+from torch.distributed import GradBucket  # type: ignore[attr-defined]  # public, not re-exported in the stubs
 from torch.futures import Future
 
 from dist_collectives.ft.dummy import ProcessGroupDummy

@@ -35,7 +35,7 @@ class ProcessGroupDummy(ProcessGroup):
         super().__init__()
         self.configure_count = 0
 
-    def configure(self, store_addr: str, rank: int, world_size: int) -> None:
+    def _configure(self, store_addr: str, rank: int, world_size: int) -> None:
         """Counts the call; a dummy group needs no store (world_size must stay 1)."""
         if world_size != 1:
             raise ValueError(f"ProcessGroupDummy cannot be configured with world_size={world_size}")
@@ -73,5 +73,21 @@ def _allgather_base(self: ProcessGroupDummy, *args: Any) -> dist.Work:
     return DummyWork([output])
 
 
-setattr(ProcessGroupDummy, "allgather", _allgather)  # noqa: B010 (overrides the loop's)
+def _allgather_into_tensor_coalesced(self: ProcessGroupDummy, *args: Any) -> dist.Work:
+    outputs, inputs = args[0], args[1]
+    for output, tensor in zip(outputs, inputs, strict=True):
+        output.copy_(tensor.reshape(output.shape))
+    return DummyWork(list(outputs))
+
+
+def _start_coalescing(self: ProcessGroupDummy, *args: Any) -> None:
+    return None
+
+
+# Overriding the loop's: with one member, gathering copies each input to its output.
+setattr(ProcessGroupDummy, "allgather", _allgather)  # noqa: B010
 setattr(ProcessGroupDummy, "_allgather_base", _allgather_base)  # noqa: B010
+setattr(ProcessGroupDummy, "all_gather_single", _allgather_base)  # noqa: B010
+setattr(ProcessGroupDummy, "allgather_into_tensor_coalesced", _allgather_into_tensor_coalesced)  # noqa: B010
+setattr(ProcessGroupDummy, "all_gather_single_coalesced", _allgather_into_tensor_coalesced)  # noqa: B010
+setattr(ProcessGroupDummy, "_start_coalescing", _start_coalescing)  # noqa: B010

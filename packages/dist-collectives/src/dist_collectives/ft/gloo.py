@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import Store
+from torch.distributed import Store  # type: ignore[attr-defined]  # public, not re-exported in the stubs
 
 from dist_collectives.ft.process_group import DEFAULT_TIMEOUT
 from dist_collectives.ft.wrappers import ProcessGroupWrapper
@@ -48,6 +48,25 @@ def create_gloo_backend(
     return backend
 
 
+def process_group_view(
+    store: Store, rank: int, world_size: int, backend: dist.ProcessGroupGloo
+) -> dist.ProcessGroup:
+    """A torch ProcessGroup that dispatches to the gloo ``backend`` (no connection made).
+
+    torch binds some collectives (``allgather_into_tensor_coalesced``,
+    ``reduce_scatter_tensor_coalesced``, ``all_gather_single``, ...) on ProcessGroup
+    only; through this view they reach gloo. CUDA tensors go to gloo too where this
+    process can use them.
+    """
+    view = dist.ProcessGroup(store, rank, world_size)
+    gloo = dist.ProcessGroup.BackendType.GLOO
+    view._set_default_backend(gloo)
+    view._register_backend(torch.device("cpu"), gloo, backend)
+    if supports_cuda():
+        view._register_backend(torch.device("cuda"), gloo, backend)
+    return view
+
+
 class ProcessGroupGloo(ProcessGroupWrapper):
     """A gloo group that :meth:`configure` can rebuild with new members.
 
@@ -60,6 +79,11 @@ class ProcessGroupGloo(ProcessGroupWrapper):
 
     def _create_pg(self, store: Store, rank: int, world_size: int) -> dist.ProcessGroupGloo:
         return create_gloo_backend(store, rank, world_size, self._timeout)
+
+    def _create_view(
+        self, store: Store, rank: int, world_size: int, backend: Any
+    ) -> dist.ProcessGroup:
+        return process_group_view(store, rank, world_size, backend)
 
     def getBackendName(self) -> str:
         """``"ft-gloo"``."""

@@ -29,7 +29,7 @@ class ManagedProcessGroup(ProcessGroup):
         super().__init__()
         self._manager = manager
 
-    def configure(self, store_addr: str, rank: int, world_size: int) -> None:
+    def _configure(self, store_addr: str, rank: int, world_size: int) -> None:
         """Refuses: the manager reconfigures the group it was given."""
         raise RuntimeError(
             "ManagedProcessGroup is configured by its Manager at start_quorum(); do not "
@@ -43,6 +43,10 @@ class ManagedProcessGroup(ProcessGroup):
     def rank(self) -> int:
         """This replica's rank in the current quorum."""
         return self._manager.replica_rank()
+
+    def errored(self) -> Exception | None:
+        """The manager's error of the current step, if any."""
+        return self._manager.errored()
 
     def getBackendName(self) -> str:  # torch's name
         """``"ft-managed"``."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import itertools
 import logging
 import os
 import socket
@@ -29,14 +30,15 @@ import time
 import uuid
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import PrefixStore, Store
+from torch.distributed import PrefixStore, Store  # type: ignore[attr-defined]  # public, not re-exported in the stubs
 from torch.futures import Future
 
-from dist_collectives.ft.process_group import ProcessGroup
+from dist_collectives.ft.errors import FTError
+from dist_collectives.ft.process_group import ProcessGroup, reduce_op_name
 from dist_collectives.ft.quorum import (
     REGISTRY_VERSION_KEY,
     WAIT_SLICE_SECONDS,
@@ -47,7 +49,7 @@ from dist_collectives.ft.quorum import (
 )
 from dist_collectives.ft.state_transfer import recv_state, send_state
 from dist_collectives.ft.store import connect_tcp_store
-from dist_collectives.ft.work import future_for
+from dist_collectives.ft.work import WorkFuture, future_for
 
 logger = logging.getLogger(__name__)
 
@@ -55,11 +57,14 @@ DEFAULT_NAMESPACE = "dist_collectives_ft"
 _HEARTBEAT_CHECK_TICKS = 4
 
 
-class ReplicaError(RuntimeError):
+_T = TypeVar("_T")
+
+
+class ReplicaError(FTError, RuntimeError):
     """Another replica reported an error in this step, or stopped beating its heartbeat."""
 
 
-class ManagerConfigError(ValueError):
+class ManagerConfigError(FTError, ValueError):
     """The Manager was built with arguments or environment it cannot work with."""
 
 
@@ -217,6 +222,10 @@ class Manager:
         self._error_wall_time: float | None = None
         self._step_active = False
         self._closed = False
+        # Futures from wrap_future that are not done yet: key -> (deadline, fail).
+        self._wrapped: dict[int, tuple[float, Callable[[Exception], None]]] = {}
+        self._wrapped_keys = itertools.count()
+        self._wrapped_lock = threading.Lock()
 
         self._monitor_liveness.announce(self._replica_id)
         self._stop = threading.Event()
@@ -375,28 +384,52 @@ class Manager:
             return None
         return future.result()
 
-    def allreduce(self, tensor: torch.Tensor) -> Future[torch.Tensor]:
+    def allreduce(
+        self,
+        tensor: torch.Tensor,
+        should_quantize: bool = False,
+        reduce_op: dist.ReduceOp | dist.ReduceOp.RedOpType = dist.ReduceOp.AVG,
+    ) -> WorkFuture:
         """Averages ``tensor`` in place over this step's participants.
 
         A contiguous floating-point tensor is divided by the number of participants
         first and then summed in place, with no copy and no work after the exchange;
         other tensors go through a copy that is summed, divided and copied back.
 
+        Args:
+            tensor: The tensor, reduced in place.
+            should_quantize: Accepted for torchft's signature; the exchange is always
+                in the tensor's own precision.
+            reduce_op: ``AVG`` (the default) or ``SUM`` (summed over the participants,
+                not divided), as in torchft.
+
         Returns:
-            A future of ``tensor``. It never raises: after an error anywhere
-            :meth:`should_commit` answers False and the tensor's values are unspecified
-            (a healing replica's are zeros), since the exchange may have written part of
-            the sum into it. The step is discarded everywhere, so nothing uses them.
+            A future of ``tensor`` (a :class:`WorkFuture`, so torchft code that expects
+            a Work can call ``wait()``, ``get_future()``, ``is_completed()`` on it). It
+            never raises: after an error anywhere :meth:`should_commit` answers False
+            and the tensor's values are unspecified (a healing replica's are zeros),
+            since the exchange may have written part of the sum into it. The step is
+            discarded everywhere, so nothing uses them.
+
+        Raises:
+            ValueError: ``reduce_op`` is neither AVG nor SUM.
         """
+        op = reduce_op_name(reduce_op)
+        if op not in ("AVG", "SUM"):
+            raise ValueError(
+                f"Manager.allreduce: reduce_op={op} is not supported; use ReduceOp.AVG "
+                "(the average over the participants) or ReduceOp.SUM"
+            )
+        average = op == "AVG"
         # With CUDA tensors the future records an event where its result is set: on
         # the stream the group's own future runs ``finish`` on (after the exchange and
         # the division), so a waiter's stream is ordered after both.
-        result: Future[torch.Tensor] = future_for(tensor)
+        result = future_for(tensor, WorkFuture)
         quorum = self._wait_for_quorum()
         if quorum is None or self._error is not None:
             result.set_result(tensor)
             return result
-        participants = len(quorum.participants)
+        participants = len(quorum.participants) if average else 1
         if quorum.step_of(self._replica_id) < quorum.max_step:
             tensor.zero_()  # computed from stale weights: contributes nothing
         in_place = tensor.is_contiguous() and (tensor.is_floating_point() or tensor.is_complex())
@@ -436,6 +469,68 @@ class Manager:
 
         work.get_future().then(finish)
         return result
+
+    def wrap_future(
+        self, fut: Future[_T], default: _T, timeout: timedelta | None = None
+    ) -> Future[_T]:
+        """A future of ``fut``'s value; an error of ``fut`` goes to the manager instead.
+
+        If ``fut`` fails, or is not done within ``timeout`` (the manager's timeout when
+        None), the error is reported with :meth:`report_error` (so the step is not
+        committed, on any replica) and the returned future completes with ``default``
+        instead of raising, as torchft's ``wrap_future`` does.
+
+        Args:
+            fut: The future to wrap.
+            default: The value to complete with after an error. With CUDA tensors it
+                should hold tensors on the same devices as ``fut``'s value.
+            timeout: How long ``fut`` may take.
+        """
+        result: Future[_T] = future_for(default)
+        seconds = (timeout or self._timeout).total_seconds()
+        key = next(self._wrapped_keys)
+
+        def complete(value: _T) -> None:
+            if result.done():
+                return
+            with contextlib.suppress(RuntimeError):  # completed by the other path meanwhile
+                result.set_result(value)
+
+        def fail(error: Exception) -> None:
+            if result.done():
+                return
+            self.report_error(error)
+            complete(default)
+
+        def done(_: Future[_T]) -> None:
+            with self._wrapped_lock:
+                self._wrapped.pop(key, None)
+            try:
+                value = fut.wait()  # raises its error; orders this stream after its events
+            except Exception as error:
+                fail(error)
+                return
+            complete(value)
+
+        with self._wrapped_lock:
+            self._wrapped[key] = (time.monotonic() + seconds, fail)
+        fut.add_done_callback(done)
+        return result
+
+    def _expire_wrapped(self) -> None:
+        """Fails the futures of :meth:`wrap_future` that are overdue; forgets done ones."""
+        if not self._wrapped:
+            return
+        now = time.monotonic()
+        with self._wrapped_lock:
+            overdue = [key for key, (deadline, _) in self._wrapped.items() if deadline < now]
+            failures = [self._wrapped.pop(key)[1] for key in overdue]
+        for fail in failures:
+            fail(
+                TimeoutError(
+                    "a future given to Manager.wrap_future was not done within its timeout"
+                )
+            )
 
     def _swallowed_error(self) -> Exception | None:
         """The error an error-swallowing group recorded instead of raising, if any."""
@@ -571,6 +666,7 @@ class Manager:
         while not self._stop.wait(interval):
             ticks += 1
             try:
+                self._expire_wrapped()
                 self._monitor_liveness.beat(self._replica_id)
                 # Errors are polled every tick; heartbeats, which only back up the error
                 # path, every few ticks, to keep the store traffic small.

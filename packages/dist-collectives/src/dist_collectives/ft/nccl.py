@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import Store
+from torch.distributed import Store  # type: ignore[attr-defined]  # public, not re-exported in the stubs
 
 from dist_collectives.ft.process_group import DEFAULT_TIMEOUT
 from dist_collectives.ft.wrappers import ProcessGroupWrapper, retire_in_background
@@ -96,7 +96,7 @@ class ProcessGroupNCCL(ProcessGroupWrapper):
     def __init__(self, timeout: timedelta = DEFAULT_TIMEOUT) -> None:
         super().__init__(timeout=timeout)
 
-    def configure(self, store_addr: str, rank: int, world_size: int) -> None:
+    def _configure(self, store_addr: str, rank: int, world_size: int) -> None:
         """Joins the new group, then aborts the old communicator in the background."""
         reason = nccl_unavailable_reason()
         if reason is not None:
@@ -104,7 +104,7 @@ class ProcessGroupNCCL(ProcessGroupWrapper):
                 f"ProcessGroupNCCL needs CUDA and a torch built with NCCL: {reason}; use "
                 "ProcessGroupGloo on this machine"
             )
-        super().configure(store_addr, rank, world_size)
+        super()._configure(store_addr, rank, world_size)
 
     def _retire(self, backend: Any) -> None:
         retire_in_background(backend, self._timeout, finalize=abort_backend)

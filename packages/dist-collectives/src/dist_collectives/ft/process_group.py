@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import re
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, cast
 
@@ -13,6 +16,8 @@ from torch._C._distributed_c10d import (
     _unregister_process_group,
 )
 
+from dist_collectives.ft.errors import FTError, UnsupportedOperationError
+
 if TYPE_CHECKING:
     from torch.distributed.distributed_c10d import GroupName
 
@@ -21,7 +26,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_TIMEOUT = timedelta(seconds=60)
 
 
-class StoreAddressReusedError(ValueError):
+class StoreAddressReusedError(FTError, ValueError):
     """``configure`` was called twice on one group object with the same store address."""
 
 
@@ -45,23 +50,46 @@ class ProcessGroup(dist.ProcessGroup):
         self._configured_world_size = 1
         self._used_store_addrs: set[str] = set()
         self._registered_name: GroupName | None = None
+        self._timeout = DEFAULT_TIMEOUT
+        #: The arguments of the last successful :meth:`configure`, or None.
+        self.configuration: Configuration | None = None
 
     # -- configuration ------------------------------------------------------------------
 
-    def configure(self, store_addr: str, rank: int, world_size: int) -> None:
+    def configure(self, store_addr: str, *args: Any, **kwargs: Any) -> None:
         """Joins a new group of ``world_size`` members as ``rank``, leaving the old one.
+
+        Two signatures, told apart by the type of the second argument:
+
+        - ``configure(store_addr, rank, world_size)``;
+        - torchft 0.2.0's ``configure(store_addr, replica_id, rank, world_size,
+          quorum_id=None, group_rank=None, group_world_size=None, global_ranks=None)``,
+          where ``replica_id`` is a ``str``. The extra arguments describe the
+          configuration (the replica's name, the quorum's id, this rank's place in its
+          replica group, the job-wide ranks of the members); they are checked and kept
+          in :attr:`configuration`, and change nothing about how the group is built.
 
         Args:
             store_addr: ``host:port/prefix`` of a running store, with a prefix that no
                 configuration of this object has used before.
-            rank: This member's rank in the new group.
-            world_size: Number of members of the new group.
+            *args: ``rank, world_size`` (this member's rank in the new group and the
+                number of its members), or torchft's ``replica_id, rank, world_size``
+                and what follows.
+            **kwargs: The same by name.
 
         Raises:
+            TypeError: the arguments match neither signature.
             StoreAddressReusedError: this object was configured on ``store_addr`` before.
-            ValueError: ``rank`` is not in ``0..world_size-1``.
+            ValueError: ``rank`` is not in ``0..world_size-1``, or ``global_ranks`` does
+                not have ``world_size`` entries.
         """
-        raise NotImplementedError(f"{type(self).__name__} does not implement configure")
+        configuration = parse_configure_args(type(self).__name__, store_addr, args, kwargs)
+        self._configure(configuration.store_addr, configuration.rank, configuration.world_size)
+        self.configuration = configuration
+
+    def _configure(self, store_addr: str, rank: int, world_size: int) -> None:
+        """What :meth:`configure` does once its arguments are parsed (see there)."""
+        raise UnsupportedOperationError(f"{type(self).__name__} does not support configure")
 
     def _check_configuration(self, store_addr: str, rank: int, world_size: int) -> None:
         """Raises when :meth:`configure` must refuse these arguments; changes nothing.
@@ -113,12 +141,14 @@ class ProcessGroup(dist.ProcessGroup):
         raise NotImplementedError(f"{type(self).__name__} does not implement getBackendName")
 
     def register(self, name: str) -> ProcessGroup:
-        """Registers this group under ``"<backend>:<name>"`` for functional collectives.
+        """Registers this group under ``name`` for functional collectives.
 
         After this, ``torch.distributed._functional_collectives`` and
         :class:`~torch.distributed.device_mesh.DeviceMesh` can find the group by name;
         the registration survives reconfiguration, since it is this object that is
         registered, not one configuration.
+
+        Afterwards :attr:`group_name` is ``name`` itself, as given.
 
         Returns:
             This group, for chaining.
@@ -131,7 +161,7 @@ class ProcessGroup(dist.ProcessGroup):
                 f"{type(self).__name__} is already registered as {self._registered_name!r}; "
                 "call unregister() first"
             )
-        group_name = cast("GroupName", f"{self.getBackendName()}:{name}")
+        group_name = cast("GroupName", name)
         self._set_group_name(group_name)
         _register_process_group(group_name, self)
         self._registered_name = group_name
@@ -156,47 +186,229 @@ class ProcessGroup(dist.ProcessGroup):
     def shutdown(self) -> None:
         """Releases the current configuration's resources (a no-op by default)."""
 
+    def errored(self) -> Exception | None:
+        """An error that happened outside an operation's Work and needs a ``configure``.
+
+        None by default; groups that record such errors (the error-swallowing wrapper,
+        the baby groups) return the recorded one.
+        """
+        return None
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        """Sets the timeout of the configurations made from the next :meth:`configure` on.
+
+        It bounds the rendezvous and each operation of those configurations; the
+        current configuration keeps the timeout it was built with.
+
+        Raises:
+            ValueError: ``timeout`` is not a positive :class:`~datetime.timedelta`.
+        """
+        if not isinstance(timeout, timedelta) or timeout <= timedelta(0):
+            raise ValueError(f"timeout={timeout!r} must be a positive datetime.timedelta")
+        self._timeout = timeout
+
+    def broadcast_one(self, tensor: torch.Tensor, root: int) -> dist.Work:
+        """Broadcasts ``tensor`` from rank ``root`` of this group (torchft's shorthand)."""
+        options = dist.BroadcastOptions()
+        options.rootRank = root
+        return self.broadcast([tensor], options)
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(rank={self.rank()}, world_size={self.size()})"
 
 
-# Operations every wrapper forwards by name; they are torch ProcessGroup/Backend methods.
-OPERATIONS = (
+# The collectives of torch 2.4-2.13's ProcessGroup (those returning a Work), and the
+# coalescing pair; torch_collectives() adds any that a newer torch declares.
+KNOWN_COLLECTIVES = (
     "allreduce",
     "allreduce_coalesced",
-    "allgather",
-    "_allgather_base",
+    "reduce",
     "broadcast",
+    "allgather",
+    "all_gather_single",
+    "_allgather_base",
+    "allgather_coalesced",
+    "all_gather_single_coalesced",
+    "allgather_into_tensor_coalesced",
+    "gather",
+    "scatter",
     "reduce_scatter",
+    "reduce_scatter_single",
+    "_reduce_scatter_base",
+    "reduce_scatter_single_coalesced",
+    "reduce_scatter_tensor_coalesced",
+    "all_to_all_single",
     "alltoall_base",
-    "barrier",
+    "alltoall",
     "send",
     "recv",
+    "recv_anysource",
+    "barrier",
+    "_start_coalescing",
+    "_end_coalescing",
 )
+
+_RETURNS_WORK = re.compile(r"->\s*\S*Work\b")
+
+
+def torch_collectives() -> tuple[str, ...]:
+    """The names of the operations of torch's ``ProcessGroup`` that return a Work.
+
+    Read from the signatures torch's bindings document, so a collective that a newer
+    torch adds is forwarded (or refused by name) without a change here; the known ones
+    come first, in a fixed order.
+    """
+    declared = []
+    for name, member in vars(dist.ProcessGroup).items():
+        if name.startswith("__") or not callable(member):
+            continue
+        if _RETURNS_WORK.search(getattr(member, "__doc__", None) or ""):
+            declared.append(name)
+    return KNOWN_COLLECTIVES + tuple(sorted(set(declared) - set(KNOWN_COLLECTIVES)))
+
+
+OPERATIONS = torch_collectives()
+
+
+def refuse(group: object, operation: str) -> UnsupportedOperationError:
+    """The error for ``operation`` on ``group``: ``<Class> does not support <op>``."""
+    return UnsupportedOperationError(f"{type(group).__name__} does not support {operation}")
 
 
 def _unsupported(operation: str) -> Any:
-    def refuse(self: ProcessGroup, *args: Any) -> dist.Work:
-        raise NotImplementedError(f"{type(self).__name__} does not support {operation}")
+    def unsupported(self: ProcessGroup, *args: Any, **kwargs: Any) -> dist.Work:
+        raise refuse(self, operation)
 
-    refuse.__name__ = operation
-    return refuse
+    unsupported.__name__ = operation
+    unsupported.__doc__ = f"Raises :class:`UnsupportedOperationError` naming ``{operation}``."
+    return unsupported
 
 
 # Subclasses override what they support; the rest says so instead of reaching torch's
-# base, which is a group of one member.
+# base, which has no backend ("No backend type associated with device type cpu").
 for _operation in OPERATIONS:
     setattr(ProcessGroup, _operation, _unsupported(_operation))
 
 
+@dataclasses.dataclass(frozen=True)
+class Configuration:
+    """The arguments of one :meth:`ProcessGroup.configure` call.
+
+    ``replica_id`` and the fields after it are set by torchft's signature only.
+    """
+
+    store_addr: str
+    rank: int
+    world_size: int
+    replica_id: str | None = None
+    quorum_id: int | None = None
+    group_rank: int | None = None
+    group_world_size: int | None = None
+    global_ranks: tuple[int, ...] | None = None
+
+
+_TORCHFT_PARAMETERS = (
+    "replica_id",
+    "rank",
+    "world_size",
+    "quorum_id",
+    "group_rank",
+    "group_world_size",
+    "global_ranks",
+)
+
+
+def _integer(owner: str, name: str, value: object, *, optional: bool = False) -> int | None:
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{owner}.configure: {name} must be an int, got {value!r}")
+    return value
+
+
+def check_rank(owner: str, rank_name: str, rank: int, size_name: str, size: int) -> None:
+    """Raises ValueError unless ``0 <= rank < size``."""
+    if not 0 <= rank < size:
+        raise ValueError(
+            f"{owner}.configure: {rank_name}={rank} is not in 0..{size - 1} ({size_name}={size})"
+        )
+
+
+def parse_configure_args(
+    owner: str, store_addr: str, args: Sequence[Any], kwargs: dict[str, Any]
+) -> Configuration:
+    """Reads either signature of :meth:`ProcessGroup.configure` (see there).
+
+    Raises:
+        TypeError: the arguments match neither signature.
+        ValueError: ``global_ranks`` does not have ``world_size`` entries, or
+            ``group_rank`` is not in ``0..group_world_size-1``.
+    """
+    usage = (
+        f"{owner}.configure takes (store_addr, rank, world_size) or torchft's "
+        "(store_addr, replica_id, rank, world_size, quorum_id=None, group_rank=None, "
+        "group_world_size=None, global_ranks=None)"
+    )
+    if not isinstance(store_addr, str):
+        raise TypeError(f"{usage}; store_addr must be a str, got {store_addr!r}")
+    if args and (isinstance(args[0], bool) or not isinstance(args[0], str | int)):
+        raise TypeError(
+            f"{usage}; the second argument must be a rank (int) or a replica_id (str), "
+            f"got {args[0]!r}"
+        )
+    torchft = bool(args and isinstance(args[0], str)) or (not args and "replica_id" in kwargs)
+    names = _TORCHFT_PARAMETERS if torchft else ("rank", "world_size")
+    if len(args) > len(names):
+        raise TypeError(f"{usage}; got {len(args) + 1} positional arguments")
+    values: dict[str, Any] = dict(zip(names, args, strict=False))
+    for name, value in kwargs.items():
+        if name not in names or name in values:
+            raise TypeError(f"{usage}; unexpected or repeated argument {name}={value!r}")
+        values[name] = value
+    missing = [name for name in names[: 3 if torchft else 2] if name not in values]
+    if missing:
+        raise TypeError(f"{usage}; missing {', '.join(missing)}")
+    rank = _integer(owner, "rank", values["rank"])
+    world_size = _integer(owner, "world_size", values["world_size"])
+    assert rank is not None and world_size is not None
+    if not torchft:
+        return Configuration(store_addr, rank, world_size)
+    global_ranks: tuple[int, ...] | None = None
+    if values.get("global_ranks") is not None:
+        global_ranks = tuple(
+            int(_integer(owner, "global_ranks[]", r) or 0) for r in values["global_ranks"]
+        )
+        if len(global_ranks) != world_size:
+            raise ValueError(
+                f"{owner}.configure: global_ranks={list(global_ranks)} has "
+                f"{len(global_ranks)} entries; expected one per member (world_size={world_size})"
+            )
+    group_rank = _integer(owner, "group_rank", values.get("group_rank"), optional=True)
+    group_world_size = _integer(
+        owner, "group_world_size", values.get("group_world_size"), optional=True
+    )
+    if group_rank is not None and group_world_size is not None:
+        check_rank(owner, "group_rank", group_rank, "group_world_size", group_world_size)
+    return Configuration(
+        store_addr,
+        rank,
+        world_size,
+        replica_id=values["replica_id"],
+        quorum_id=_integer(owner, "quorum_id", values.get("quorum_id"), optional=True),
+        group_rank=group_rank,
+        group_world_size=group_world_size,
+        global_ranks=global_ranks,
+    )
+
+
 def reduce_op_name(op: Any) -> str:
-    """``"SUM"``, ``"AVG"``, ... for a ReduceOp or the ``reduceOp`` of AllreduceOptions.
+    """``"SUM"``, ``"AVG"``, ... for a ReduceOp or the ``reduceOp`` of (coalesced) options.
 
     Raises:
         ValueError: the op is none of SUM, AVG, PRODUCT, MIN, MAX.
     """
-    if isinstance(op, dist.AllreduceOptions):
-        op = op.reduceOp
+    if not isinstance(op, dist.ReduceOp | dist.ReduceOp.RedOpType) and hasattr(op, "reduceOp"):
+        op = op.reduceOp  # AllreduceOptions, AllreduceCoalescedOptions
     for name in ("SUM", "AVG", "PRODUCT", "MIN", "MAX"):
         if op == getattr(dist.ReduceOp, name):
             return name

@@ -23,7 +23,9 @@ import logging
 import time
 from datetime import timedelta
 
-from torch._C._distributed_c10d import Store
+from torch.distributed import Store  # type: ignore[attr-defined]  # public, not re-exported in the stubs
+
+from dist_collectives.ft.errors import FTError
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +61,7 @@ def _append(store: Store, key: str, value: str) -> None:
     store.append(key, value)  # type: ignore[attr-defined]
 
 
-class QuorumTimeoutError(TimeoutError):
+class QuorumTimeoutError(FTError, TimeoutError):
     """No quorum could be formed in time (too few replicas, or the store did not answer)."""
 
 

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from dist_collectives.ft.errors import FTError
 from dist_collectives.ft.process_group import ProcessGroup
 
 logger = logging.getLogger(__name__)
@@ -32,7 +33,7 @@ logger = logging.getLogger(__name__)
 _SCALARS = (bool, int, float, str, type(None))
 
 
-class StateTransferError(RuntimeError):
+class StateTransferError(FTError, RuntimeError):
     """A state dict could not be encoded, or what arrived does not describe one."""
 
 

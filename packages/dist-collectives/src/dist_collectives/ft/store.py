@@ -19,7 +19,9 @@ import time
 from collections.abc import Iterator
 from datetime import timedelta
 
-from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
+from torch.distributed import PrefixStore, Store, TCPStore  # type: ignore[attr-defined]  # public, not re-exported in the stubs
+
+from dist_collectives.ft.errors import FTError
 
 logger = logging.getLogger(__name__)
 
@@ -32,11 +34,11 @@ _clients: dict[tuple[str, int, int], TCPStore] = {}
 _leases: dict[tuple[str, int, int], threading.Lock] = {}
 
 
-class StoreAddressError(ValueError):
+class StoreAddressError(FTError, ValueError):
     """A store address is not of the form ``host:port/prefix``."""
 
 
-class RendezvousTimeoutError(TimeoutError):
+class RendezvousTimeoutError(FTError, TimeoutError):
     """Some ranks of a new configuration did not arrive at its store address in time.
 
     Attributes:

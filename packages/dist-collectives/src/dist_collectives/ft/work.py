@@ -16,7 +16,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar, overload
 
 import torch
 import torch.distributed as dist
@@ -47,15 +47,30 @@ def cuda_devices(value: Any) -> list[torch.device]:
     return [torch.device("cuda", index) for index in sorted(i for i in indices if i is not None)]
 
 
-def future_for(value: Any) -> Future[Any]:
+_F = TypeVar("_F", bound=Future[Any])
+
+
+@overload
+def future_for(value: Any) -> Future[Any]: ...
+
+
+@overload
+def future_for(value: Any, future_type: type[_F]) -> _F: ...
+
+
+def future_for(value: Any, future_type: type[Future[Any]] = Future) -> Future[Any]:
     """An empty future that may carry the tensors in ``value`` (see the module doc).
 
     With CUDA tensors in ``value`` the future is created with their devices, so that
     setting its result records an event on the current stream and waiting on it makes
     the waiter's stream wait for that event; without, it is a plain CPU future.
+
+    Args:
+        value: What the future will hold (or something with the same tensors).
+        future_type: :class:`torch.futures.Future` or a subclass (:class:`WorkFuture`).
     """
     devices: list[int | str | torch.device] = list(cuda_devices(value))
-    return Future(devices=devices) if devices else Future()
+    return future_type(devices=devices) if devices else future_type()
 
 
 def completed_future(value: Any) -> Future[Any]:
@@ -143,3 +158,43 @@ class DummyWork(FutureWork):
 
     def __init__(self, result: Any = None) -> None:
         super().__init__(completed_future(result))
+
+
+class WorkFuture(Future[Any]):
+    """A :class:`torch.futures.Future` that also answers like a :class:`~torch.distributed.Work`.
+
+    What :meth:`Manager.allreduce` returns: code written for its future (``wait()``
+    returns the tensor, ``then``, ``value``, ``done``) and code written for torchft,
+    whose ``allreduce`` returns a Work (``wait()``, ``get_future()``,
+    ``is_completed()``, ``synchronize()``, ``block_current_stream()``), both work.
+    """
+
+    def get_future(self) -> Future[Any]:
+        """This future itself."""
+        return self
+
+    def is_completed(self) -> bool:
+        """Whether the future is done."""
+        return bool(self.done())
+
+    def is_success(self) -> bool:
+        """Whether the future is done without an error."""
+        return self.done() and self.exception() is None
+
+    def exception(self) -> BaseException | None:
+        """The future's error, or None (also while it is not done)."""
+        if not self.done():
+            return None
+        try:
+            self.value()
+        except BaseException as error:
+            return error
+        return None
+
+    def synchronize(self) -> None:
+        """Waits for the future; with CUDA tensors, the current stream waits for them."""
+        self.wait()
+
+    def block_current_stream(self) -> None:
+        """The same as :meth:`synchronize`: the CPU waits for completion, then the stream."""
+        self.wait()

@@ -12,17 +12,19 @@ from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
-from torch._C._distributed_c10d import Store
+from torch.distributed import Store  # type: ignore[attr-defined]  # public, not re-exported in the stubs
 from torch.futures import Future
 
+from dist_collectives.ft.errors import UnsupportedOperationError
 from dist_collectives.ft.process_group import (
     DEFAULT_TIMEOUT,
     OPERATIONS,
     ProcessGroup,
+    refuse,
     tensors_of,
 )
 from dist_collectives.ft.store import rendezvous_store, wait_for_arrivals
-from dist_collectives.ft.work import DummyWork, completed_future
+from dist_collectives.ft.work import DummyWork, completed_future, future_for
 
 logger = logging.getLogger(__name__)
 
@@ -167,13 +169,19 @@ class ProcessGroupWrapper(ProcessGroup):
         self._wrapped = pg
         self._timeout = timeout
         self._backend: Any = None
+        # A torch ProcessGroup over the same backend, for the collectives that torch
+        # binds on ProcessGroup but not on the backend (see _create_view).
+        self._view: dist.ProcessGroup | None = None
+        # Per operation, whether this backend's Work has a future (gloo's reduce_scatter
+        # has none): found at the first call; those without get _FutureOnDemandWork.
+        self._has_future: dict[str, bool] = {}
 
     @property
     def parent(self) -> Any:
         """The object operations go to: the wrapped group, or the current torch backend."""
         return self._wrapped if self._wrapped is not None else self._backend
 
-    def configure(self, store_addr: str, rank: int, world_size: int) -> None:
+    def _configure(self, store_addr: str, rank: int, world_size: int) -> None:
         """See :meth:`ProcessGroup.configure`.
 
         The arguments are checked before anything changes: a refused call
@@ -203,8 +211,12 @@ class ProcessGroupWrapper(ProcessGroup):
             who = f"{type(self).__name__}.configure"
             wait_for_arrivals(store, store_addr, rank, world_size, self._timeout, who)
             new_backend = self._create_pg(store, rank, world_size)
+            new_view = self._create_view(store, rank, world_size, new_backend)
         old_backend, self._backend = self._backend, new_backend
+        old_view, self._view = self._view, new_view
         self._set_configuration(rank, world_size)
+        if old_view is not None:
+            retire_in_background(old_view, self._timeout)
         if old_backend is not None:
             self._retire(old_backend)
         logger.debug("%s configured on %s as %d/%d", self, store_addr, rank, world_size)
@@ -214,6 +226,18 @@ class ProcessGroupWrapper(ProcessGroup):
             f"{type(self).__name__} needs a group to wrap (pg=...) or must implement _create_pg"
         )
 
+    def _create_view(
+        self, store: Store, rank: int, world_size: int, backend: Any
+    ) -> dist.ProcessGroup | None:
+        """A torch ProcessGroup dispatching to ``backend``, or None (the default).
+
+        torch binds some collectives only on ProcessGroup, not on the backend
+        (``allgather_into_tensor_coalesced``, ``reduce_scatter_tensor_coalesced``,
+        ...); a subclass that returns a view here gets those too. The others still
+        go to the backend directly.
+        """
+        return None
+
     def _retire(self, backend: Any) -> None:
         retire_in_background(backend, self._timeout)
 
@@ -221,9 +245,22 @@ class ProcessGroupWrapper(ProcessGroup):
         """Releases the current configuration (in the background) and the wrapped group's."""
         if self._wrapped is not None:
             self._wrapped.shutdown()
+        view, self._view = self._view, None
+        if view is not None:
+            retire_in_background(view, self._timeout)
         backend, self._backend = self._backend, None
         if backend is not None:
             self._retire(backend)
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        """See :meth:`ProcessGroup.set_timeout`; a wrapped group gets it too."""
+        super().set_timeout(timeout)
+        if self._wrapped is not None:
+            self._wrapped.set_timeout(timeout)
+
+    def errored(self) -> Exception | None:
+        """The wrapped group's :meth:`~ProcessGroup.errored`; None over a torch backend."""
+        return self._wrapped.errored() if self._wrapped is not None else None
 
     def getBackendName(self) -> str:
         """The wrapped group's backend name."""
@@ -239,8 +276,112 @@ class ProcessGroupWrapper(ProcessGroup):
                 f"{type(self).__name__}.{operation}: the group is not configured; call "
                 "configure(store_addr, rank, world_size) first"
             )
-        work: dist.Work = getattr(parent, operation)(*args)
+        method = getattr(parent, operation, None)
+        if method is None and self._view is not None:
+            method = getattr(self._view, operation, None)
+        if method is None or (operation in _COALESCING and not _coalesces(parent)):
+            raise refuse(self, operation)
+        if self._wrapped is not None:
+            try:
+                forwarded: dist.Work = method(*args)
+            except UnsupportedOperationError as error:
+                raise UnsupportedOperationError(f"{type(self).__name__}: {error}") from None
+            return forwarded  # our own groups' Works have futures already
+        work: dist.Work = method(*args)
+        has_future = self._has_future.get(operation)
+        if has_future is None and work is not None:  # _start_coalescing returns None
+            try:
+                work.get_future()
+                has_future = True
+            except RuntimeError:  # "Work::getFuture not implemented"
+                has_future = False
+            self._has_future[operation] = has_future
+        if has_future is False:
+            return _FutureOnDemandWork(work, tensors_of(args[:1]))
         return work
+
+
+_COALESCING = ("_start_coalescing", "_end_coalescing")
+
+
+def _coalesces(parent: Any) -> bool:
+    """Whether ``parent`` (a group or a backend) supports coalescing."""
+    if isinstance(parent, ProcessGroup):
+        return True  # it answers for itself
+    return bool(getattr(parent, "supports_coalescing", False))
+
+
+class _FutureOnDemandWork(dist.Work):
+    """A backend's Work that has no future, with one made when it is asked for.
+
+    gloo's reduce-scatter Works (and its send/recv) raise ``Work::getFuture not
+    implemented``. Here ``get_future`` starts a thread that waits for the Work and then
+    completes a future of ``outputs`` (or fails it with the Work's error); nothing
+    waits until somebody asks for the future. The backend's Work is waited on once
+    (waiting twice on a gloo recv waits for a second message), by whoever comes first.
+    """
+
+    def __init__(self, inner: dist.Work, outputs: list[Any]) -> None:
+        super().__init__()
+        self._inner = inner
+        self._outputs = outputs
+        self._future: Future[Any] | None = None
+        self._lock = threading.Lock()
+        self._waited = False
+        self._done = threading.Event()
+        self._error: Exception | None = None
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        """Waits for the backend's Work; raises its error."""
+        with self._lock:
+            first, self._waited = not self._waited, True
+        if first:
+            try:
+                self._inner.wait() if timeout is None else self._inner.wait(timeout)
+            except Exception as error:
+                self._error = error
+            finally:
+                self._done.set()
+        else:
+            self._done.wait()
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def is_completed(self) -> bool:
+        """Whether the backend's Work is done."""
+        return self._done.is_set() or bool(self._inner.is_completed())
+
+    def is_success(self) -> bool:
+        """Whether the backend's Work is done without an error."""
+        return self.is_completed() and self._error is None and bool(self._inner.is_success())
+
+    def exception(self) -> Any:
+        """The backend's Work's error, if any."""
+        return self._error if self._error is not None else self._inner.exception()
+
+    def source_rank(self) -> int:
+        """The sender of a ``recv_anysource``."""
+        return int(self._inner.source_rank())
+
+    def get_future(self) -> Future[Any]:
+        """A future of the output tensors, completed once the backend's Work is done."""
+        with self._lock:
+            if self._future is not None:
+                return self._future
+            future: Future[Any] = future_for(self._outputs)
+            self._future = future
+
+        def complete() -> None:
+            try:
+                self.wait()
+            except Exception as error:
+                future.set_exception(error)
+                return
+            future.set_result(self._outputs)
+
+        threading.Thread(target=complete, name="ft-work-future", daemon=True).start()
+        return future
 
 
 def _forwarding(operation: str) -> Any:
@@ -273,18 +414,22 @@ class ErrorSwallowingProcessGroupWrapper(ProcessGroupWrapper):
         self._error: Exception | None = None
         self._error_lock = threading.Lock()
 
-    def configure(self, store_addr: str, rank: int, world_size: int) -> None:
+    def _configure(self, store_addr: str, rank: int, world_size: int) -> None:
         """Configures the wrapped group and forgets the recorded error.
 
         A refused or failed configuration keeps the recorded error, as it keeps the
         old configuration.
         """
-        super().configure(store_addr, rank, world_size)
+        super()._configure(store_addr, rank, world_size)
         with self._error_lock:
             self._error = None
 
     def error(self) -> Exception | None:
         """The first error since the last :meth:`configure`, or None."""
+        return self._error
+
+    def errored(self) -> Exception | None:
+        """The same as :meth:`error` (torchft's name)."""
         return self._error
 
     def report_error(self, error: Exception) -> None:
@@ -299,6 +444,8 @@ class ErrorSwallowingProcessGroupWrapper(ProcessGroupWrapper):
             return DummyWork(tensors_of(args))
         try:
             work = super()._call(operation, *args)
+        except NotImplementedError:
+            raise  # a refused operation is the caller's mistake, not a failure to swallow
         except Exception as error:
             self.report_error(error)
             return DummyWork(tensors_of(args))

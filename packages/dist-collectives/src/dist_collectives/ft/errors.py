@@ -1,0 +1,21 @@
+"""The base of every error ``dist_collectives.ft`` raises, and the refusal of an operation."""
+
+from __future__ import annotations
+
+
+class FTError(Exception):
+    """Base of every exception type defined by ``dist_collectives.ft``.
+
+    Each subclass also derives from the builtin type that describes it
+    (``ValueError``, ``RuntimeError``, ``TimeoutError``, ``NotImplementedError``), so
+    code that catches those keeps working; ``except FTError`` catches them all.
+    """
+
+
+class UnsupportedOperationError(FTError, NotImplementedError):
+    """A group does not support a collective; the message names the group and the op.
+
+    Raised instead of reaching torch's base ``ProcessGroup``, whose message
+    (``No backend type associated with device type cpu``) says neither. A
+    ``NotImplementedError``, hence a ``RuntimeError``, as torch's own refusals are.
+    """
