@@ -302,3 +302,20 @@ def test_merge_streams_with_bounded_memory(tmp_path: Path) -> None:
     assert growth < 64 * 2**20, f"peak RSS grew by {growth} bytes merging 128 MiB into 256 MiB"
     loaded = _load_hf_directory(tmp_path / "out")
     assert loaded["w3"].dtype == torch.float32 and bool((loaded["w3"] == 3).all())
+
+
+def test_force_without_an_atomic_exchange_renames_twice(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where renameat2 cannot exchange (an old kernel, NFS), the old directory still goes."""
+    monkeypatch.setattr("dist_workspace.merge._exchange", lambda first, second: False)
+    expected = _write(tmp_path / "ws")
+    out = tmp_path / "model"
+    assert main(["merge", str(tmp_path / "ws"), str(out), "--max-shard-size", "20KB"]) == 0
+    assert (
+        main(["merge", str(tmp_path / "ws"), str(out), "--max-shard-size", "1MB", "--force"]) == 0
+    )
+    assert os.listdir(out) == ["model.safetensors"]
+    assert sorted(os.listdir(tmp_path)) == ["model", "ws"]
+    loaded = _load_hf_directory(out)
+    assert all(_bits_equal(loaded[name], tensor) for name, tensor in expected.items())
