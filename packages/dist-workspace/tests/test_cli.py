@@ -48,9 +48,22 @@ def test_inspect_lists_ranks_configs_and_tensors(
     tensors = {t["name"]: t for t in report[0]["tensors"]}
     assert tensors["a"] == {"name": "a", "dtype": "I32", "shape": [6], "bytes": 24, "shared": False}
     assert tensors["tied.T"]["shape"] == [4, 6] and tensors["tied.T"]["shared"]
+    assert report[0]["stored_bytes"] == report[0]["tensor_bytes"] - 4 * 6 * 4  # tied once
     assert main(["inspect", str(tmp_path)]) == 0
     text = capsys.readouterr().out
     assert "rank 1:" in text and "b  BF16  (2, 2)  8 bytes" in text
+    assert "tied  F32  (6, 4)  96 bytes  (shares storage with tied.T)" in text
+    assert "shared storage counted once" in text
+
+
+def test_inspect_prints_human_sizes_and_bytes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    NFSWorkspace(tmp_path).write_configs_and_weights({}, {"w": torch.zeros(3, 1024)}, rank=0)
+    assert main(["inspect", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    assert "w  F32  (3, 1024)  12.0 KiB (12288 bytes)" in text
+    assert "total: 1 ranks, 1 tensors, 12.0 KiB (12288 bytes)" in text
 
 
 def test_merge_refuses_duplicates_naming_both_ranks(
@@ -97,9 +110,11 @@ def test_merge_aborts_on_a_corrupted_rank(
 def test_clean_removes_workspace_files_only(tmp_path: Path) -> None:
     _workspace(tmp_path)
     (tmp_path / "keep.txt").write_text("user data")
-    (tmp_path / "exchange-abc-def-0").mkdir()
+    exchange = tmp_path / "exchange-0123456789ab-0123456789abcdef-0"
+    NFSWorkspace(exchange).write_configs_and_weights({}, {"x": torch.ones(2)}, rank=1)
+    (tmp_path / "exchange-rates").mkdir()  # named like one, not one: kept
     assert main(["clean", str(tmp_path)]) == 0
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["keep.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["exchange-rates", "keep.txt"]
 
 
 def test_console_script_and_module_entry_point(tmp_path: Path) -> None:
