@@ -98,13 +98,7 @@ def _replica(options: argparse.Namespace) -> int:
                     manager.num_participants(),
                     tokens_seen / (time.perf_counter() - started),
                 )
-        else:
-            logger.warning(
-                "replica %d: step %d discarded everywhere (%s)",
-                options.replica,
-                step,
-                manager.errored(),
-            )
+        # A discarded step: the Manager logs why, and the recovery, one line each.
     report = {name: digest(value) for name, value in sorted(model.state_dict().items())}
     Path(options.report).write_text(json.dumps({"step": manager.current_step(), "digests": report}))
     manager.shutdown()

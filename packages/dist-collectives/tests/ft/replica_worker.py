@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import logging
 import os
 import signal
 import time
@@ -65,6 +66,8 @@ def main() -> None:
     parser.add_argument("--restarted", action="store_true")
     parser.add_argument("--device", default="cpu", help="where the model lives (cuda: a GPU check)")
     args = parser.parse_args()
+    # The Manager's event lines (failure, discarded step, quorum, recovery) go to stderr.
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
 
     torch.manual_seed(0)  # every replica starts from the same weights
     torch.set_num_threads(1)

@@ -14,6 +14,17 @@ Replicas agree through the job's TCPStore (``MASTER_ADDR:MASTER_PORT`` by defaul
 :mod:`dist_collectives.ft.quorum`. A replica that sees an error writes it to the store
 under the current quorum id; every other replica polls that key while a step is in
 flight, so all of them stop waiting within the poll interval, not the group's timeout.
+
+Each replica logs one line per event of a failure, on the logger of this module (here
+wrapped; the failure's cause is cut to its first line)::
+
+    replica replica0: step 15 failed: RuntimeError: Read error [127.0.0.1]:5014:
+        Connection reset by peer. ...
+    replica replica0: step 15 discarded on every replica
+    replica replica0: quorum 1 with 3 replicas, rank 0, step 15, without replica3;
+        configured in 4.1 ms
+    replica replica0: recovered in 2.08 s: replica3 failed, step 15 discarded, step 15
+        committed by quorum 1 with 3 replicas
 """
 
 from __future__ import annotations
@@ -24,6 +35,7 @@ import dataclasses
 import itertools
 import logging
 import os
+import re
 import socket
 import threading
 import time
@@ -41,11 +53,9 @@ from dist_collectives.ft.errors import FTError
 from dist_collectives.ft.process_group import ProcessGroup, reduce_op_name
 from dist_collectives.ft.quorum import (
     REGISTRY_VERSION_KEY,
-    WAIT_SLICE_SECONDS,
     Liveness,
     Quorum,
     compute_quorum,
-    wait_for_key,
 )
 from dist_collectives.ft.state_transfer import recv_state, send_state
 from dist_collectives.ft.store import connect_tcp_store
@@ -55,6 +65,11 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_NAMESPACE = "dist_collectives_ft"
 _HEARTBEAT_CHECK_TICKS = 4
+# The wait for a commit decision ends through the watcher, which fails the step at the
+# deadline; the wait's own timeout, this much later, only catches a store that is gone.
+_VOTE_WAIT_GRACE_SECONDS = 5.0
+# A failure's cause in the log: its first line, at most this long.
+_CAUSE_CHARS = 200
 
 
 _T = TypeVar("_T")
@@ -66,6 +81,27 @@ class ReplicaError(FTError, RuntimeError):
 
 class ManagerConfigError(FTError, ValueError):
     """The Manager was built with arguments or environment it cannot work with."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Failure:
+    """The first failure since the last step that committed: what recovery is timed from."""
+
+    seen_at: float  # monotonic
+    step: int
+    members: tuple[str, ...]
+    generation: int
+
+
+# gloo's messages start with the C++ source location: "[/path/to/pair.cc:537] Read error".
+_SOURCE_LOCATION = re.compile(r"\[[^\]\s]+\.(?:cc|cpp|h|hpp):\d+\]\s*")
+
+
+def _cause(error: BaseException) -> str:
+    """``error`` on one line of bounded length: its type and the first line of its message."""
+    lines = _SOURCE_LOCATION.sub("", str(error)).strip().splitlines()
+    text = f"{type(error).__name__}: {lines[0] if lines else ''}"
+    return text if len(text) <= _CAUSE_CHARS else text[: _CAUSE_CHARS - 3] + "..."
 
 
 @dataclasses.dataclass(eq=False)
@@ -160,7 +196,12 @@ class Manager:
         heartbeat_timeout: A replica whose heartbeat did not move for this long counts
             as dead.
         join_timeout: Form a quorum without a replica that looks alive but did not ask
-            to join within this time.
+            to join within this time (torchft's ``join_timeout``; 10 s).
+        first_quorum_window: The job's first quorum forms only once no replica has
+            announced itself (built its Manager) for this long, at most ``join_timeout``
+            after this replica asked for it (2 s): replicas started together then begin
+            together, instead of the late ones healing a step later. Later quorums do
+            not wait for it.
         namespace: Key prefix in the store, to keep several managed groups apart.
     """
 
@@ -179,6 +220,7 @@ class Manager:
         heartbeat_timeout: timedelta = timedelta(seconds=2),
         join_timeout: timedelta = timedelta(seconds=10),
         namespace: str = DEFAULT_NAMESPACE,
+        first_quorum_window: timedelta = timedelta(seconds=2),
     ) -> None:
         if min_replica_size < 1:
             raise ManagerConfigError(f"min_replica_size={min_replica_size} must be at least 1")
@@ -190,15 +232,17 @@ class Manager:
         self._timeout = timeout
         self._heartbeat_interval = heartbeat_interval
         self._join_timeout = join_timeout
+        self._first_quorum_window = first_quorum_window
         self._namespace = namespace
         self._host, self._port = _resolve_store(store_addr, store_port)
 
         # Separate connections: a shared TCPStore client serialises its callers, and
-        # the quorum thread blocks in waits that must not delay the error watcher.
+        # the quorum thread and the commit vote block in waits that must not delay the
+        # error watcher, nor the ticker that closes a round (its liveness' connection).
         self._store = self._connect()
         self._quorum_store = self._connect()
         self._monitor_store = self._connect()
-        self._quorum_liveness = Liveness(self._quorum_store, heartbeat_timeout)
+        self._quorum_liveness = Liveness(self._connect(), heartbeat_timeout)
         self._monitor_liveness = Liveness(self._monitor_store, heartbeat_timeout)
 
         self._lock = threading.Condition()
@@ -212,6 +256,9 @@ class Manager:
         self._healed: tuple[Any, int] | None = None
         self._pending: list[_Pending] = []
         self._pending_deadline: float | None = None
+        self._vote_deadline: float | None = None
+        self._configured_members: tuple[str, ...] = ()
+        self._failure: _Failure | None = None
         # Looked up once: the lookup missed on most groups, and a miss costs an exception.
         error_of = getattr(pg, "error", None)
         self._error_of: Callable[[], object] | None = error_of if callable(error_of) else None
@@ -330,6 +377,7 @@ class Manager:
             join_timeout=self._join_timeout,
             timeout=self._timeout,
             previous=self._last_quorum,
+            first_quorum_window=self._first_quorum_window,
         )
         self._last_quorum = quorum
         with self._lock:
@@ -343,14 +391,16 @@ class Manager:
             self._pg.configure(address, rank, len(quorum.members))
             self._configured_quorum_id = quorum.quorum_id
             logger.info(
-                "replica %s: quorum %d, rank %d of %d, step %d, configured in %.1f ms",
+                "replica %s: quorum %d with %d replicas, rank %d, step %d%s; configured in %.1f ms",
                 self._replica_id,
                 quorum.quorum_id,
-                rank,
                 len(quorum.members),
+                rank,
                 quorum.max_step,
+                self._membership_change(quorum),
                 1000 * (time.perf_counter() - started),
             )
+            self._configured_members = quorum.members
         if quorum.step_of(self._replica_id) < quorum.max_step:
             source = quorum.replica_rank(quorum.heal_source(self._replica_id))
             self._healed = recv_state(self._pg, source)
@@ -361,6 +411,17 @@ class Manager:
                 for healer in healers:
                     send_state(self._pg, state, self._step, quorum.replica_rank(healer))
         return quorum
+
+    def _membership_change(self, quorum: Quorum) -> str:
+        """``, without a, b, joined by c`` against the last configured quorum ('' if none)."""
+        if not self._configured_members:
+            return ""
+        lost = [m for m in self._configured_members if m not in quorum.members]
+        joined = [m for m in quorum.members if m not in self._configured_members]
+        parts = ([f"without {', '.join(lost)}"] if lost else []) + (
+            [f"joined by {', '.join(joined)}"] if joined else []
+        )
+        return "".join(f", {part}" for part in parts)
 
     def _wait_for_quorum(self) -> Quorum | None:
         future = self._quorum_future
@@ -553,10 +614,18 @@ class Manager:
             self._error_wall_time = time.time()
             quorum = self._quorum
             pending_now = list(self._pending)
+            step = quorum.max_step if quorum is not None else self._step
+            if self._failure is None:
+                self._failure = _Failure(
+                    seen_at=time.monotonic(),
+                    step=step,
+                    members=quorum.members if quorum is not None else (),
+                    generation=self._generation,
+                )
             self._lock.notify_all()
         for pending in pending_now:
             pending.complete()
-        logger.warning("replica %s: step failed: %s", self._replica_id, error)
+        logger.warning("replica %s: step %d failed: %s", self._replica_id, step, _cause(error))
         if publish and quorum is not None:
             try:
                 message = f"{self._replica_id}: {type(error).__name__}: {error}"[:1000]
@@ -591,6 +660,7 @@ class Manager:
             self.report_error(swallowed)
         if quorum is None:
             self._step_active = False
+            logger.warning("replica %s: step %d discarded: no quorum", self._replica_id, self._step)
             return False
         healed_step: int | None = None
         if self._healed is not None and self._error is None:
@@ -603,23 +673,40 @@ class Manager:
         committed = self._vote(quorum, deadline)
         with self._lock:
             self._step_active = False
+            recovered = None
             if committed:
                 # Every replica voted before any error was seen; what failed since (a
                 # peer that left or died after voting) belongs to the next step, whose
                 # quorum will not include it.
                 self._error = None
                 self._error_wall_time = None
+                if self._failure is not None and self._failure.generation != self._generation:
+                    recovered, self._failure = self._failure, None
         if healed_step is not None:
             self._step = healed_step
         if committed:
             self._step = quorum.max_step + 1
-        logger.debug(
-            "replica %s: step %d %s",
-            self._replica_id,
-            quorum.max_step,
-            "committed" if committed else "discarded",
-        )
+        if not committed:
+            logger.warning(
+                "replica %s: step %d discarded on every replica", self._replica_id, quorum.max_step
+            )
+        elif recovered is not None:
+            self._log_recovery(recovered, quorum)
         return committed
+
+    def _log_recovery(self, failure: _Failure, quorum: Quorum) -> None:
+        lost = [m for m in failure.members if m not in quorum.members]
+        logger.info(
+            "replica %s: recovered in %.2f s: %s, step %d discarded, step %d committed by "
+            "quorum %d with %d replicas",
+            self._replica_id,
+            time.monotonic() - failure.seen_at,
+            f"{', '.join(lost)} failed" if lost else "no replica lost",
+            failure.step,
+            quorum.max_step,
+            quorum.quorum_id,
+            len(quorum.members),
+        )
 
     def _vote(self, quorum: Quorum, deadline: float) -> bool:
         """Votes; True when the step is committed everywhere.
@@ -640,19 +727,47 @@ class Manager:
         if decision is None:
             decision = self._await_decision(key, deadline)
         self._reuse_quorum = decision == b"ok:same"
-        return decision.startswith(b"ok")
+        committed = decision.startswith(b"ok")
+        if not committed and self._error is None:
+            # Another replica failed the step before this one's watcher saw why: take
+            # its reason now, so that errored() and the log say it before "discarded".
+            reported = self._reported_error(self._store, quorum)
+            self._fail(
+                reported or ReplicaError("another replica failed the step"),
+                self._generation,
+                publish=False,
+            )
+        return committed
+
+    @staticmethod
+    def _reported_error(store: Store, quorum: Quorum) -> ReplicaError | None:
+        """The error another replica wrote for ``quorum``, if any."""
+        key = f"err/{quorum.quorum_id}"
+        if not store.check([key]):
+            return None
+        return ReplicaError(f"reported by replica {store.get(key).decode(errors='replace')}")
 
     def _await_decision(self, key: str, deadline: float) -> bytes:
-        # Wait first: the decision is rarely there already, and every round trip here
-        # is on the critical path of every replica's step.
-        while not wait_for_key(self._store, key, WAIT_SLICE_SECONDS, check_first=False):
-            if self._error is not None:
-                self._store.compare_set(key, "", "fail")
-                break
-            if time.monotonic() > deadline:
-                self.report_error(TimeoutError(f"no commit decision within {self._timeout}"))
-                self._store.compare_set(key, "", "fail")
-                break
+        """The commit decision, after one blocking wait (no check first: it is rarely there).
+
+        The wait ends when the last voter writes the decision, or when any replica
+        fails the step: each writes ``fail`` to the key (:meth:`_fail`), this replica's
+        watcher too when a peer stops beating or the deadline passes. No wait with a
+        short timeout, then: torch logs a warning each time one runs out.
+        """
+        if self._error is not None:  # failed before voting: publish it again, to be sure
+            self._store.compare_set(key, "", "fail")
+        else:
+            self._vote_deadline = deadline
+            try:
+                grace = max(deadline - time.monotonic(), 0.0) + _VOTE_WAIT_GRACE_SECONDS
+                self._store.wait([key], timedelta(seconds=grace))
+            except Exception:  # torch raises DistStoreError (or RuntimeError) on a timeout
+                if not self._store.check([key]):
+                    self.report_error(TimeoutError(f"no commit decision within {self._timeout}"))
+                    self._store.compare_set(key, "", "fail")
+            finally:
+                self._vote_deadline = None
         # The key exists now, so this reads it in one round trip (get would first wait
         # again): compare_set answers with the stored value unless it equals "ok:same",
         # which it then leaves as it is.
@@ -686,17 +801,26 @@ class Manager:
         if overdue and any(not pending.future.done() for pending in self._pending):
             self._fail(TimeoutError(f"allreduce did not finish within {self._timeout}"), generation)
             return
-        key = f"err/{quorum.quorum_id}"
-        if self._monitor_store.check([key]):
-            message = self._monitor_store.get(key).decode(errors="replace")
-            self._fail(ReplicaError(f"reported by replica {message}"), generation)
+        vote_deadline = self._vote_deadline
+        if vote_deadline is not None and time.monotonic() > vote_deadline:
+            self._fail(TimeoutError(f"no commit decision within {self._timeout}"), generation)
+            return
+        reported = self._reported_error(self._monitor_store, quorum)
+        if reported is not None:
+            self._fail(reported, generation)
             return
         if not check_heartbeats:
             return
         alive = self._monitor_liveness.alive()
         lost = [m for m in quorum.members if m not in alive and m != self._replica_id]
-        if lost:
-            self._fail(ReplicaError(f"replicas {lost} stopped beating their heartbeat"), generation)
+        if not lost:
+            return
+        decided = self._monitor_store.check([self._commit_key(quorum)])
+        if decided and self._monitor_store.get(self._commit_key(quorum)).startswith(b"ok"):
+            return  # it left after the vote: this step stands, the next quorum is without it
+        self._fail(
+            ReplicaError(f"replicas {lost} stopped beating their heartbeat or left"), generation
+        )
 
     def shutdown(self) -> None:
         """Leaves the quorum for good, stops the watcher and releases the group."""

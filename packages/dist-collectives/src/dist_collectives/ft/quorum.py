@@ -5,7 +5,17 @@ by appending ``<id> <step>`` to the member list of the current *round*. Any repl
 close a round once every replica it sees alive has joined (or ``join_timeout`` has
 passed since it joined); closing writes the decision with ``compare_set``, so the first
 writer wins and every replica reads the same decision. The round counter then moves
-on, and a replica that arrived too late joins the next round.
+on, and a replica that arrived too late joins the next round. The job's first round
+also waits until no replica has announced itself for ``first_quorum_window``, so that
+replicas started together begin in one quorum instead of the last ones healing a step
+later.
+
+A replica waits for the decision in one blocking ``wait`` on the store, which the
+closing replica's write ends at once. What closes a round on a timer (a replica that
+stopped beating, a join time that ran out) is checked every ``ROUND_TICK_SECONDS`` by
+a ticker thread on a second connection. No wait is made with a short timeout: torch's
+TCPStore client logs two warnings (``[c10d] waitForInput: ... likely a timeout``) each
+time one runs out, which read like a network fault; here only a real timeout logs.
 
 The decision keeps the quorum id of the previous round when the members are the same
 and no error was reported in it; otherwise the id goes up by one and every member
@@ -20,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import threading
 import time
 from datetime import timedelta
 
@@ -29,31 +40,14 @@ from dist_collectives.ft.errors import FTError
 
 logger = logging.getLogger(__name__)
 
-# How long a waiter sleeps on the server before it looks again at who is alive. The
-# replica that completes a round, and any error, wake waiters at once; the slice only
-# bounds how late a waiter notices that a replica stopped beating.
-WAIT_SLICE_SECONDS = 0.5
+# How often a replica that waits for a round's decision checks whether the round is due
+# to close on a timer (a replica stopped beating, a join time ran out). The replica that
+# completes a round wakes the waiters at once; the tick only bounds how late a round
+# closes after a replica died.
+ROUND_TICK_SECONDS = 0.1
 # Bumped by every replica that announces itself: a commit that sees it unchanged since
 # the quorum was decided lets the next step reuse the quorum without a round.
 REGISTRY_VERSION_KEY = "replicas_version"
-
-
-def wait_for_key(store: Store, key: str, seconds: float, *, check_first: bool = True) -> bool:
-    """Whether ``key`` appears in ``store`` within ``seconds``.
-
-    Waits on the server, which answers as soon as the key is set: polling instead took
-    CPU from the training processes on small machines (about a quarter of a small
-    step on 2 cores). A wait that runs out makes torch's TCPStore client log a warning;
-    that happens only while a replica is missing. ``check_first=False`` saves a round
-    trip when the key is most likely still missing.
-    """
-    if check_first and store.check([key]):
-        return True
-    try:
-        store.wait([key], timedelta(seconds=seconds))
-    except Exception:  # torch raises DistStoreError (or RuntimeError) on a timeout
-        return bool(store.check([key]))
-    return True
 
 
 def _append(store: Store, key: str, value: str) -> None:
@@ -133,15 +127,25 @@ class Liveness:
         self._timeout = heartbeat_timeout.total_seconds()
         self._seen: dict[str, tuple[bytes, float]] = {}
 
+    @property
+    def store(self) -> Store:
+        """The connection this observer reads heartbeats through."""
+        return self._store
+
     def beat(self, replica_id: str) -> None:
         """Advances this replica's own counter."""
         self._store.add(f"hb/{replica_id}", 1)
 
     def announce(self, replica_id: str) -> None:
-        """Adds ``replica_id`` to the registry of replicas and clears a previous leave."""
-        _append(self._store, "replicas", f"{replica_id}\n")
+        """Adds ``replica_id`` to the registry of replicas and clears a previous leave.
+
+        The replica's keys are written before its name enters the registry: a reader of
+        the registry then never blocks on (and never times out waiting for) a key of a
+        replica that died while announcing itself.
+        """
         self._store.set(f"left/{replica_id}", "0")
         self.beat(replica_id)
+        _append(self._store, "replicas", f"{replica_id}\n")
         self._store.add(REGISTRY_VERSION_KEY, 1)
 
     def leave(self, replica_id: str) -> None:
@@ -206,6 +210,97 @@ def _decide(store: Store, round_: int, members: dict[str, int], known: Quorum | 
     return Quorum(round=round_, quorum_id=quorum_id, members=tuple(ordered), steps=steps)
 
 
+class _Round:
+    """A round this replica joined: whether it is due to close, and closing it.
+
+    Used by the waiting thread once, then by its ticker (never both at once).
+    """
+
+    def __init__(
+        self,
+        number: int,
+        *,
+        min_replicas: int,
+        join_timeout: timedelta,
+        first_quorum_window: timedelta,
+        previous: Quorum | None,
+    ) -> None:
+        self.number = number
+        self.decision_key = f"r{number}/decision"
+        self.joined_at = time.monotonic()
+        self._min_replicas = min_replicas
+        self._join_timeout = join_timeout.total_seconds()
+        # Only the job's first round waits for replicas still starting: later rounds
+        # (a replica died, one joined) must not hold up the survivors.
+        self._window = first_quorum_window.total_seconds() if number == 0 else 0.0
+        self._previous = previous
+        self._version: bytes | None = None
+        self._version_changed_at = self.joined_at
+        self.members: dict[str, int] = {}
+        self.alive: set[str] = set()
+
+    def try_close(self, store: Store, liveness: Liveness) -> bytes | None:
+        """The round's decision: the one stored, or the one written now if the round is due.
+
+        Returns None while the round stays open.
+        """
+        if store.check([self.decision_key]):
+            return bytes(store.get(self.decision_key))
+        raw_members, registry, version = store.multi_get(
+            [f"r{self.number}/members", "replicas", REGISTRY_VERSION_KEY]
+        )
+        self.members = _members_of(raw_members)
+        self.alive = liveness.alive(registry)
+        now = time.monotonic()
+        if version != self._version:  # somebody announced itself: the window starts again
+            self._version, self._version_changed_at = version, now
+        waited = now - self.joined_at
+        out_of_time = waited > self._join_timeout
+        everyone_in = self.alive.issubset(self.members) or out_of_time
+        settled = now - self._version_changed_at >= self._window or out_of_time
+        if len(self.members) < self._min_replicas or not everyone_in or not settled:
+            return None
+        proposal = dataclasses.replace(
+            _decide(store, self.number, self.members, self._previous),
+            registry_version=int(version),
+        ).to_json()
+        # The first proposal wins; compare_set answers with the one that did.
+        return bytes(store.compare_set(self.decision_key, "", proposal))
+
+
+def _wait_for_decision(
+    store: Store, attempt: _Round, liveness: Liveness, deadline: float, tick: float
+) -> bytes | None:
+    """Blocks on the round's decision key while a ticker closes the round when it is due.
+
+    The ticker goes through ``liveness``'s connection: this thread's connection is held
+    by its ``wait``. Returns None at the deadline.
+    """
+    stop = threading.Event()
+
+    def ticker() -> None:
+        while not stop.wait(tick):
+            try:
+                if attempt.try_close(liveness.store, liveness) is not None:
+                    return
+            except Exception:  # the waiter's own timeout reports a store that is gone
+                logger.debug("quorum ticker: store call failed", exc_info=True)
+
+    thread = threading.Thread(target=ticker, name=f"ft-round-{attempt.number}", daemon=True)
+    thread.start()
+    try:
+        remaining = max(deadline - time.monotonic(), 0.001)
+        try:
+            store.wait([attempt.decision_key], timedelta(seconds=remaining))
+        except Exception:  # torch raises DistStoreError (or RuntimeError) on a timeout
+            if not store.check([attempt.decision_key]):
+                return None
+        return bytes(store.get(attempt.decision_key))
+    finally:
+        stop.set()
+        thread.join(timeout=10)
+
+
 def compute_quorum(
     store: Store,
     replica_id: str,
@@ -216,6 +311,8 @@ def compute_quorum(
     join_timeout: timedelta,
     timeout: timedelta,
     previous: Quorum | None = None,
+    first_quorum_window: timedelta = timedelta(0),
+    tick: float = ROUND_TICK_SECONDS,
 ) -> Quorum:
     """Joins the current round and returns its decision (see the module doc).
 
@@ -226,54 +323,43 @@ def compute_quorum(
         store: The store all replicas share (prefixed for this manager group).
         replica_id: This replica.
         step: The last step this replica committed.
-        liveness: This replica's view of who is alive.
+        liveness: This replica's view of who is alive, on a connection other than
+            ``store``'s (a ticker closes the round through it while this thread
+            blocks on ``store``).
         min_replicas: A round closes only with at least this many members.
         join_timeout: Close a round without a replica that looks alive but did not join.
         timeout: Give up after this long.
         previous: The last decision this replica saw (saves reading it again).
+        first_quorum_window: The job's first round closes only once no replica has
+            announced itself for this long (at most ``join_timeout`` after joining).
+        tick: How often the ticker checks whether the round is due to close.
 
     Raises:
         QuorumTimeoutError: no decision that includes this replica within ``timeout``.
     """
     deadline = time.monotonic() + timeout.total_seconds()
     round_ = int(store.add("round", 0))
-    joined: int | None = None
-    joined_at = 0.0
-    members: dict[str, int] = {}
-    alive: set[str] = set()
     while True:
-        if joined != round_:
-            _append(store, f"r{round_}/members", f"{replica_id} {step}\n")
-            joined, joined_at = round_, time.monotonic()
-        decision_key = f"r{round_}/decision"
-        decision: bytes | None = None
-        if store.check([decision_key]):
-            decision = store.get(decision_key)
-        else:
-            raw_members, registry, version = store.multi_get(
-                [f"r{round_}/members", "replicas", REGISTRY_VERSION_KEY]
-            )
-            members = _members_of(raw_members)
-            alive = liveness.alive(registry)
-            waited = time.monotonic() - joined_at
-            everyone_in = alive.issubset(members) or waited > join_timeout.total_seconds()
-            if len(members) >= min_replicas and everyone_in:
-                proposal = dataclasses.replace(
-                    _decide(store, round_, members, previous), registry_version=int(version)
-                ).to_json()
-                # The first proposal wins; compare_set answers with the one that did.
-                decision = store.compare_set(decision_key, "", proposal)
-        if decision is not None:
-            quorum = Quorum.from_json(decision)
-            store.compare_set("round", str(round_), str(round_ + 1))
-            if replica_id in quorum.members:
-                return quorum
-            previous = quorum
-            round_ += 1
-            continue
-        if time.monotonic() > deadline:
+        _append(store, f"r{round_}/members", f"{replica_id} {step}\n")
+        attempt = _Round(
+            round_,
+            min_replicas=min_replicas,
+            join_timeout=join_timeout,
+            first_quorum_window=first_quorum_window,
+            previous=previous,
+        )
+        decision = attempt.try_close(store, liveness)
+        if decision is None:
+            decision = _wait_for_decision(store, attempt, liveness, deadline, tick)
+        if decision is None:
             raise QuorumTimeoutError(
                 f"replica {replica_id!r}: no quorum within {timeout}: round {round_} has "
-                f"{sorted(members)} (need at least {min_replicas}), alive: {sorted(alive)}"
+                f"{sorted(attempt.members)} (need at least {min_replicas}), "
+                f"alive: {sorted(attempt.alive)}"
             )
-        wait_for_key(store, decision_key, WAIT_SLICE_SECONDS)
+        quorum = Quorum.from_json(decision)
+        store.compare_set("round", str(round_), str(round_ + 1))
+        if replica_id in quorum.members:
+            return quorum
+        previous = quorum
+        round_ += 1
