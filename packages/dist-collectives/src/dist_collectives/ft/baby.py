@@ -504,7 +504,9 @@ class ProcessGroupBaby(ProcessGroup):
                 continue
             try:
                 kind, op_id, detail = state.conn.recv()
-            except (EOFError, OSError, ValueError):
+            # TypeError: configure or shutdown closed the connection under this recv
+            # (multiprocessing then reads from a handle of None).
+            except (EOFError, OSError, ValueError, TypeError):
                 state.process.join(_STOP_SECONDS)
                 self._retire(
                     state, BabyProcessError(f"the child exited (code {state.process.exitcode})")
