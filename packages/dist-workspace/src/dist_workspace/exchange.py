@@ -3,18 +3,21 @@
 Protocol (every wait bounded by ``timeout``):
 
 1. Every rank of ``ranks`` but the first (the *receiver*) writes its value as a
-   record (see :mod:`dist_workspace.record`): into a fresh shared-memory segment when
-   ``workspace_path`` is None, else into a file of a per-exchange subdirectory of
-   ``workspace_path``. It then posts a status to the process group's store: the
-   segment name and size, shape and dtype, host, ``ranks`` and, when anything failed
-   (a config that is not JSON, a full /dev/shm, ...), the error instead.
+   record (see :mod:`dist_workspace.record`) through the call's transport (see
+   :mod:`dist_workspace.transport`, chosen once per call): into a fresh shared-memory
+   segment when ``workspace_path`` is None, else into a file of a per-exchange
+   subdirectory of ``workspace_path``. It then posts a status to the process group's
+   store: what the transport needs to find the record (a segment's name and size),
+   shape and dtype, host, ``ranks`` and, when anything failed (a config that is not
+   JSON, a full /dev/shm, ...), the error instead.
 2. The receiver waits for every status. A missing one after ``timeout`` raises naming
    the ranks that never wrote; an error status raises at once naming its rank. It
-   checks the statuses (same ``ranks``, same host for shared memory, same shape and
-   dtype for tensors), maps or reads every record, then posts a verdict: success, or
-   the error that every sender raises too (so no rank is left at a barrier).
-3. Senders wait for the verdict, unlink their segment (the receiver's private mapping
-   keeps the data alive) and get an empty list.
+   checks the statuses (same ``ranks``, same host when the transport needs one, same
+   shape and dtype for tensors), maps or reads every record, then posts a verdict:
+   success, or the error that every sender raises too (so no rank is left at a
+   barrier).
+3. Senders wait for the verdict, release what they wrote (a segment is unlinked: the
+   receiver's private mapping keeps the data alive) and get an empty list.
 
 The store is the default process group's (a private torch API,
 ``_get_default_store``, present since torch 1.x), so no object collective, and no
@@ -40,35 +43,22 @@ import dataclasses
 import json
 import logging
 import os
-import shutil
 import socket
-import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from dist_workspace.errors import WorkspaceError
-from dist_workspace.fsutil import make_private_directory
 from dist_workspace.jobid import current_job_id, short_tag
-from dist_workspace.record import (
-    assemble,
-    copy_through_record,
-    parse_header,
-    prepare_record,
-    view_entries,
-    write_record,
-)
-from dist_workspace.shm import Segment, create_segment, map_segment
-from dist_workspace.workspace import DEFAULT_DIR_MODE, NFSWorkspace
+from dist_workspace.record import copy_through_record
+from dist_workspace.transport import CallId, Parcel, Transport, open_transport
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_SECONDS = 300.0
-_POLL_SECONDS = 0.2
 _VERDICT_MARGIN_SECONDS = 10.0
 _sequences: dict[tuple[str, tuple[int, ...]], int] = {}
 
@@ -90,7 +80,7 @@ def _host_id() -> str:
 
 @dataclasses.dataclass
 class _Exchange:
-    """One call: who takes part, where its keys live, how long to wait."""
+    """One call: who takes part, where its keys live, how long to wait, the transport."""
 
     kind: str
     rank: int
@@ -98,10 +88,8 @@ class _Exchange:
     store: Any
     prefix: str
     job: str
-    group_tag: str
-    seq: int
     timeout: float
-    workspace_path: Path | None
+    transport: Transport
 
     @property
     def receiver(self) -> int:
@@ -113,10 +101,6 @@ class _Exchange:
 
     def key(self, name: str) -> str:
         return f"{self.prefix}/{name}"
-
-    def exchange_dir(self) -> Path:
-        assert self.workspace_path is not None
-        return self.workspace_path / f"exchange-{self.job}-{self.group_tag}-{self.seq}"
 
 
 def _check_ranks(given: Any, rank: int, group_ranks: list[int], what: str) -> list[int]:
@@ -170,6 +154,8 @@ def _start(
     ranks_tag = short_tag(",".join(map(str, checked)), 8)
     group_tag = short_tag(group_name, 8)
     job = short_tag(current_job_id())
+    seconds = _timeout_seconds(timeout)
+    call = CallId(kind, rank, job, group_tag + ranks_tag, seq, seconds)
     return _Exchange(
         kind=kind,
         rank=rank,
@@ -177,10 +163,8 @@ def _start(
         store=store,
         prefix=f"dist_workspace/{job}/{group_tag}/{ranks_tag}/{seq}",
         job=job,
-        group_tag=group_tag + ranks_tag,
-        seq=seq,
-        timeout=_timeout_seconds(timeout),
-        workspace_path=None if workspace_path is None else Path(workspace_path),
+        timeout=seconds,
+        transport=open_transport(workspace_path, call),
     )
 
 
@@ -212,30 +196,12 @@ def _wait_key(exchange: _Exchange, name: str, seconds: float) -> bool:
 
 def _send(exchange: _Exchange, weights: dict[str, torch.Tensor], config: Any) -> None:
     """Writes this rank's record, posts its status, waits for the receiver's verdict."""
-    segment: Segment | None = None
+    parcel: Parcel | None = None
     try:
         try:
             status: dict[str, Any] = {"ok": True, "ranks": exchange.ranks, "host": _host_id()}
-            if exchange.workspace_path is None:
-                record = prepare_record(
-                    weights, config, rank=exchange.rank, job=exchange.job, checksums=False
-                )
-                segment = create_segment(
-                    record.total_size,
-                    job=exchange.job,
-                    group=exchange.group_tag,
-                    seq=exchange.seq,
-                    rank=exchange.rank,
-                )
-                write_record(segment.fd, record)
-                segment.close()
-                status.update(segment=segment.name, size=record.total_size)
-            else:
-                directory = exchange.exchange_dir()
-                make_private_directory(exchange.workspace_path, DEFAULT_DIR_MODE)
-                NFSWorkspace(directory).write_configs_and_weights(
-                    config, weights, rank=exchange.rank
-                )
+            parcel = exchange.transport.send(weights, config)
+            status.update(parcel.status())
             tensor = weights.get("tensor")
             if tensor is not None:
                 status.update(shape=list(tensor.shape), dtype=str(tensor.dtype))
@@ -248,8 +214,8 @@ def _send(exchange: _Exchange, weights: dict[str, torch.Tensor], config: Any) ->
             _post(exchange, "arrived", {})
         _await_verdict(exchange)
     finally:
-        if segment is not None:
-            segment.unlink()
+        if parcel is not None:
+            parcel.release()
 
 
 def _await_verdict(exchange: _Exchange) -> None:
@@ -322,7 +288,7 @@ def _check_statuses(
                 f"rank {exchange.rank} passed ranks={exchange.ranks}; every rank must pass the "
                 "same list"
             )
-        if exchange.workspace_path is None and status.get("host") != host:
+        if exchange.transport.one_host and status.get("host") != host:
             raise WorkspaceError(
                 f"{exchange.kind}: rank {sender} runs on {status.get('host')}, receiver rank "
                 f"{exchange.rank} on {host}: shared memory needs one host. Pass "
@@ -343,35 +309,6 @@ def _check_statuses(
             )
 
 
-def _read_value(
-    exchange: _Exchange, sender: int, status: dict[str, Any]
-) -> tuple[Any, dict[str, torch.Tensor]]:
-    if exchange.workspace_path is None:
-        name = str(status.get("segment"))
-        size = int(status.get("size", -1))
-        where = f"rank {sender}'s segment {name}"
-        mapping = map_segment(name, size, where)
-        header = parse_header(lambda offset, length: mapping[offset : offset + length], size, where)
-        if header.rank != sender:
-            raise WorkspaceError(f"{where} says it was written by rank {header.rank}")
-        return assemble(view_entries(mapping, header), header, where)
-    workspace = NFSWorkspace(exchange.exchange_dir())
-    deadline = time.monotonic() + exchange.timeout
-    while True:
-        config, weights = workspace.read_configs_and_weights_from_rank(sender)
-        if weights is not None:
-            return config, weights
-        # On NFS a file another client has just renamed into place may stay invisible
-        # until the directory's attribute cache expires (acdirmin, 30 s by default).
-        if time.monotonic() > deadline:
-            raise WorkspaceError(
-                f"{exchange.kind}: rank {sender} reported writing "
-                f"{workspace.rank_path(sender)} but it is not visible after "
-                f"{exchange.timeout:g} s (NFS attribute caching? mount with actimeo lower)"
-            )
-        time.sleep(_POLL_SECONDS)
-
-
 def _receive(
     exchange: _Exchange,
     own_value: Callable[[], tuple[Any, dict[str, torch.Tensor]]],
@@ -382,7 +319,7 @@ def _receive(
         statuses = _collect_statuses(exchange)
         _check_statuses(exchange, statuses, own_tensor)
         values = [
-            own if r == exchange.rank else _read_value(exchange, r, statuses[r])
+            own if r == exchange.rank else exchange.transport.receive(r, statuses[r])
             for r in exchange.ranks
         ]
     except BaseException as error:
@@ -390,8 +327,7 @@ def _receive(
             _post(exchange, "verdict", {"ok": False, "error": _error_text(error)})
         raise
     finally:
-        if exchange.workspace_path is not None:
-            shutil.rmtree(exchange.exchange_dir(), ignore_errors=True)
+        exchange.transport.close()
     _post(exchange, "verdict", {"ok": True})
     return values
 
