@@ -30,10 +30,10 @@ dropped). Segments are unlinked before the context body runs and, on every error
 path, in ``finally`` blocks.
 
 Device rule: every value the receiver gets is on CPU, its own included, whatever
-device the tensors were on. The receiver's own value goes through the same record
-encoding and decoding as a peer's (in anonymous memory, see
-:func:`~dist_workspace.record.copy_through_record`), so it never aliases the
-caller's tensors and shared storage inside it stays shared.
+device the tensors were on. The receiver's own value is copied as a peer's record
+would give it back (see :mod:`dist_workspace.own_value`): into fresh anonymous
+memory, never aliasing the caller's tensors, shared storage inside it still shared,
+tuples as lists.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ import torch.distributed as dist
 
 from dist_workspace.errors import WorkspaceError
 from dist_workspace.jobid import current_job_id, short_tag
-from dist_workspace.record import copy_through_record
+from dist_workspace.own_value import own_config, own_tensor
 from dist_workspace.transport import CallId, Parcel, Transport, open_transport
 
 logger = logging.getLogger(__name__)
@@ -87,7 +87,6 @@ class _Exchange:
     ranks: list[int]
     store: Any
     prefix: str
-    job: str
     timeout: float
     transport: Transport
 
@@ -162,7 +161,6 @@ def _start(
         ranks=checked,
         store=store,
         prefix=f"dist_workspace/{job}/{group_tag}/{ranks_tag}/{seq}",
-        job=job,
         timeout=seconds,
         transport=open_transport(workspace_path, call),
     )
@@ -335,20 +333,16 @@ def _receive(
 # ---------------------------------------------------------------- public API
 
 
-def _own_tensor(tensor: Any, rank: int | None, job: str) -> torch.Tensor:
+def _own_tensor(tensor: Any, rank: int | None) -> torch.Tensor:
     """This rank's tensor as the receiver gets peers' ones: on CPU, a copy."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"get_tensors_parallel needs a torch.Tensor, got {type(tensor).__name__}")
-    where = f"rank {rank}'s own tensor"
-    _, weights = copy_through_record({"tensor": tensor}, None, rank=rank, job=job, where=where)
-    return weights["tensor"]
+    return own_tensor(tensor, f"rank {rank}'s own tensor")
 
 
-def _own_config(config: Any, rank: int | None, job: str) -> Any:
+def _own_config(config: Any, rank: int | None) -> Any:
     """This rank's config as the receiver gets peers' ones: a copy, tensors on CPU."""
-    where = f"rank {rank}'s own config"
-    value, _ = copy_through_record({}, config, rank=rank, job=job, where=where)
-    return value
+    return own_config(config, f"rank {rank}'s own config")
 
 
 @contextlib.contextmanager
@@ -384,15 +378,13 @@ def get_tensors_parallel(
     """
     exchange = _start("get_tensors_parallel", ranks, group, None, timeout)
     if exchange is None:
-        yield [_own_tensor(tensor, None, "")]
+        yield [_own_tensor(tensor, None)]
         return
     if exchange.rank != exchange.receiver:
         _send(exchange, {"tensor": tensor}, None)
         yield []
         return
-    received = _receive(
-        exchange, lambda: (None, {"tensor": _own_tensor(tensor, exchange.rank, exchange.job)})
-    )
+    received = _receive(exchange, lambda: (None, {"tensor": _own_tensor(tensor, exchange.rank)}))
     yield [weights["tensor"] for _, weights in received]
 
 
@@ -431,11 +423,11 @@ def get_configs_parallel(
     """
     exchange = _start("get_configs_parallel", ranks, group, workspace_path, timeout)
     if exchange is None:
-        yield [_own_config(config, None, "")]
+        yield [_own_config(config, None)]
         return
     if exchange.rank != exchange.receiver:
         _send(exchange, {}, config)
         yield []
         return
-    received = _receive(exchange, lambda: (_own_config(config, exchange.rank, exchange.job), {}))
+    received = _receive(exchange, lambda: (_own_config(config, exchange.rank), {}))
     yield [value for value, _ in received]
