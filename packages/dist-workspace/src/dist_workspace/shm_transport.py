@@ -8,7 +8,7 @@ import torch
 
 from dist_workspace.errors import WorkspaceError
 from dist_workspace.record import assemble, parse_header, prepare_record, view_entries, write_record
-from dist_workspace.shm import Segment, create_segment, map_segment
+from dist_workspace.shm import Segment, create_segment, is_full, map_segment, too_small
 
 if TYPE_CHECKING:
     from dist_workspace.transport import CallId
@@ -46,6 +46,11 @@ class SharedMemoryTransport:
         try:
             write_record(segment.fd, record)
             segment.close()
+        except OSError as error:
+            segment.unlink()
+            if is_full(error):  # another process filled it since create_segment looked
+                raise too_small(call.rank, record.total_size, segment.path.parent) from None
+            raise
         except BaseException:
             segment.unlink()
             raise
