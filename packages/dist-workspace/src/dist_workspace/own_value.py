@@ -17,6 +17,7 @@ see :func:`~dist_workspace.record.shared_groups`) and each shared span is copied
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import mmap
 from typing import Any
 
@@ -39,6 +40,22 @@ def host_buffer(nbytes: int) -> torch.Tensor:
     with contextlib.suppress(OSError, ValueError):  # a hint: THP off means 4 KiB pages
         mapping.madvise(_MADV_HUGEPAGE)
     return torch.frombuffer(mapping, dtype=torch.uint8)  # keeps the mapping alive
+
+
+def _copy(target: torch.Tensor, source: torch.Tensor) -> None:
+    """Copies ``source`` into ``target`` (same shape, dtype and byte count).
+
+    A CPU tensor whose elements are contiguous is copied with one ``memmove`` (ctypes
+    releases the GIL): torch's ``copy_`` splits a copy over its intra-op threads, and
+    while the senders keep every core busy each split waits for a thread to be
+    scheduled (99 copies of a 256 MiB state dict: 28 ms on one thread, 100 ms to
+    1.7 s on two on the development VM during an exchange).
+    """
+    if source.device.type == "cpu" and source.is_contiguous():
+        nbytes = source.numel() * source.element_size()
+        ctypes.memmove(target.data_ptr(), source.data_ptr(), nbytes)
+    else:  # another device (one DMA copy) or strided elements
+        target.copy_(source)
 
 
 def _checked(label: str, tensor: Any) -> torch.Tensor:
@@ -105,7 +122,9 @@ def copy_to_host(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if len(names) == 1:
             source = checked[names[0]]
             if length:
-                copies[names[0]] = target.view(source.dtype).view(source.shape).copy_(source)
+                copy = target.view(source.dtype).view(source.shape)
+                _copy(copy, source)
+                copies[names[0]] = copy
             else:
                 copies[names[0]] = torch.empty(source.shape, dtype=source.dtype)
             continue
@@ -115,7 +134,7 @@ def copy_to_host(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         )
         span = torch.empty(0, dtype=torch.uint8, device=storage.device)
         span.set_(storage, begin, (length,), (1,))
-        target.copy_(span)  # each shared span once, whatever its device
+        _copy(target, span)  # each shared span once, whatever its device
         for name, member in zip(names, members, strict=True):
             byte_offset = at + member.storage_offset() * member.element_size() - begin
             view = torch.empty(0, dtype=member.dtype)
