@@ -3,12 +3,16 @@
 A peer's value reaches the receiver as a record, so it comes back on CPU, with tuples
 as lists, with tensors that shared a storage still sharing one, and aliasing nothing
 of the sender's. The receiver's own value must look the same, but it need not take
-the detour through a record: it is copied straight into fresh anonymous memory.
-That memory is asked for in transparent huge pages (``MADV_HUGEPAGE``) when it is
-large: a 4 KiB shared-memory page costs the kernel about as much to hand out as it
-costs to fill, while a 2 MiB anonymous page is handed out at once, so the copy runs
-several times faster than writing a record into ``memfd`` pages did (256 MiB on the
-development VM: 25 ms against 110 ms), and leaves the cores to the senders.
+the detour through a record: it is copied straight into one fresh anonymous buffer,
+with one ``memmove`` per tensor (or shared span) on CPU. Writing a record into
+``memfd`` pages, as up to 0.2.1, cost the kernel a shared-memory page per 4 KiB (1 GiB:
+580 ms against 500 ms into anonymous memory on the development VM).
+
+Transparent huge pages (``MADV_HUGEPAGE``) would be faster while warm (1 GiB in 110
+ms) but are not asked for: on a VM with free page reporting (virtio-balloon, as on the
+development VM) a huge page freed for more than about two seconds has been handed back
+to the host, and faulting it in again cost 0.9 to 2.7 s per GiB, which is the usual
+case for exchanges seconds or minutes apart.
 
 Sharing is found as the record writer finds it (same device, same storage address,
 see :func:`~dist_workspace.record.shared_groups`) and each shared span is copied once.
@@ -16,9 +20,7 @@ see :func:`~dist_workspace.record.shared_groups`) and each shared span is copied
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import mmap
 from typing import Any
 
 import torch
@@ -27,19 +29,11 @@ from dist_workspace.config_codec import decode_config, encode_config
 from dist_workspace.record import shared_groups, supported_dtypes
 
 _ALIGNMENT = 64
-# Below this the copy goes to torch's allocator: a mapping per tiny value costs more.
-_HUGE_MIN_BYTES = 2 * 1024 * 1024
-_MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
 
 
 def host_buffer(nbytes: int) -> torch.Tensor:
-    """A fresh, writable 1-D uint8 CPU tensor; huge pages where the kernel gives them."""
-    if nbytes < _HUGE_MIN_BYTES:
-        return torch.empty(nbytes, dtype=torch.uint8)
-    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    with contextlib.suppress(OSError, ValueError):  # a hint: THP off means 4 KiB pages
-        mapping.madvise(_MADV_HUGEPAGE)
-    return torch.frombuffer(mapping, dtype=torch.uint8)  # keeps the mapping alive
+    """A fresh, writable 1-D uint8 CPU tensor of ``nbytes`` bytes."""
+    return torch.empty(nbytes, dtype=torch.uint8)
 
 
 def _copy(target: torch.Tensor, source: torch.Tensor) -> None:
