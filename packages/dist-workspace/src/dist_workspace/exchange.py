@@ -24,8 +24,9 @@ The store is the default process group's (a private torch API,
 pickle, is involved; ``group`` decides who may take part and namespaces the keys.
 
 Values given to the receiver from shared memory are zero-copy, copy-on-write
-mappings of the writers' segments: writing to them never affects the writer, and
-they stay valid after the context exits (the memory is freed when the last tensor is
+mappings of the writers' segments (nothing is copied or pre-faulted: the page tables
+fill as the tensors are read): writing to them never affects the writer, and they
+stay valid after the context exits (the memory is freed when the last tensor is
 dropped). Segments are unlinked before the context body runs and, on every error
 path, in ``finally`` blocks.
 
