@@ -393,6 +393,10 @@ def main() -> int:
     if unknown:
         parser.error(f"unknown methods {sorted(unknown)}; known: {ALL_METHODS}")
     methods = [method for method in ALL_METHODS if method in chosen]
+    if methods != ALL_METHODS and args.json == parser.get_default("json"):
+        # The docs draw every method from the default file: a partial run keeps it.
+        print(f"NOTE: --methods left some out; not writing {args.json} (pass --json PATH)")
+        args.json = "-"
     requested = [int(text) * MIB for text in args.sizes.split(",") if text]
     if args.checkpoint_mib:
         requested.append(args.checkpoint_mib * MIB)
@@ -595,6 +599,15 @@ def _report(
     if summary["shm_vs_fresh3"]:
         median = statistics.median(summary["shm_vs_fresh3"])
         print(f"  (median shm / fresh tmpfs, 3 writers: {median:.2f})")
+    tensor_sizes = sum(1 for shape, _ in cases if shape == "tensor")
+
+    def per_size(key: str) -> list[float | None]:
+        """One value per size (null for a method this run left out: --methods)."""
+        values = summary[key]
+        if len(values) != tensor_sizes:
+            return [None] * tensor_sizes
+        return [round(value, 3) for value in values]
+
     write_results(
         args.json,
         "workspace",
@@ -604,18 +617,18 @@ def _report(
             "copy_gbps": copy_gbps,
             "x_copy": x_copy,
             "shm_x_fresh": {
-                "3 writers": [round(v, 3) for v in summary["shm_vs_fresh3"]],
-                "1 writer": [round(v, 3) for v in summary["shm_vs_fresh1"]],
+                "3 writers": per_size("shm_vs_fresh3"),
+                "1 writer": per_size("shm_vs_fresh1"),
             },
             "speedup_over_torch_save": {
-                "nfsworkspace": [round(v, 3) for v in summary["nfs_vs_save"]],
-                "nfsws-nofsync": [round(v, 3) for v in summary["nofsync_vs_save"]],
-                "write+fsync": [round(v, 3) for v in summary["save_vs_fsync"]],
+                "nfsworkspace": per_size("nfs_vs_save"),
+                "nfsws-nofsync": per_size("nofsync_vs_save"),
+                "write+fsync": per_size("save_vs_fsync"),
             },
             "reader_peak_per_data": {
-                "shm": [round(v, 3) for v in summary["shm_peak"]],
-                "nfsworkspace": [round(v, 3) for v in summary["nfs_peak"]],
-                "torch.save": [round(v, 3) for v in summary["save_peak"]],
+                "shm": per_size("shm_peak"),
+                "nfsworkspace": per_size("nfs_peak"),
+                "torch.save": per_size("save_peak"),
             },
             "checkpoint": checkpoint or None,
             "targets": {
