@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -13,9 +16,27 @@ from dist_core.testing import run_ranks
 from dist_workspace import WorkspaceError, get_configs_parallel, get_tensors_parallel
 
 
+@pytest.fixture(autouse=True)
+def _private_shm_dir() -> Iterator[None]:
+    """Segments of these tests in a directory of their own on /dev/shm.
+
+    Other jobs of this user (another test run on the machine) may hold segments in
+    /dev/shm at any moment; counting ours there would count theirs.
+    """
+    if not Path("/dev/shm").is_dir():
+        pytest.skip("this machine has no /dev/shm")
+    directory = tempfile.mkdtemp(dir="/dev/shm", prefix="dist-workspace-test-")
+    os.environ["DIST_WORKSPACE_SHM_DIR"] = directory  # the ranks inherit it
+    try:
+        yield
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
 def _own_segments() -> list[str]:
+    directory = os.environ["DIST_WORKSPACE_SHM_DIR"]
     return [
-        name for name in os.listdir("/dev/shm") if name.startswith(f"dist-workspace.{os.getuid()}.")
+        name for name in os.listdir(directory) if name.startswith(f"dist-workspace.{os.getuid()}.")
     ]
 
 
@@ -233,3 +254,52 @@ def test_single_process_without_a_group() -> None:
     not_included = pytest.raises(WorkspaceError, match="does not include the caller")
     with not_included, get_tensors_parallel(torch.ones(2), [1]):
         pass
+
+
+def test_the_transport_is_chosen_once_from_workspace_path(tmp_path: Path) -> None:
+    from dist_workspace.dir_transport import DirectoryTransport
+    from dist_workspace.shm_transport import SharedMemoryTransport
+    from dist_workspace.transport import CallId, open_transport
+
+    call = CallId("get_configs_parallel", 1, "0123abcd", "cafe", 4, 30.0)
+    shm = open_transport(None, call)
+    assert isinstance(shm, SharedMemoryTransport) and shm.one_host
+    directory = open_transport(tmp_path, call)
+    assert isinstance(directory, DirectoryTransport) and not directory.one_host
+    assert directory.directory == tmp_path / "exchange-0123abcd-cafe-4"
+
+
+def _where_received_tensors_live() -> dict[str, Any]:
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    tensor = torch.full((1 << 20,), float(rank))  # 4 MiB
+    with get_tensors_parallel(tensor, [0, 1, 2]) as tensors:
+        if not tensors:
+            return {}
+        maps = Path("/proc/self/maps").read_text().splitlines()
+
+        def backing(value: torch.Tensor) -> str:
+            address = value.data_ptr()
+            for line in maps:
+                span, _, _, _, _, *path = line.split(maxsplit=5)
+                low, high = (int(part, 16) for part in span.split("-"))
+                if low <= address < high:
+                    return path[0] if path else "anonymous"
+            return "unmapped"
+
+        return {
+            "peers": [backing(value) for value in tensors[1:]],
+            "own": backing(tensors[0]),
+            "values": [float(value[-1]) for value in tensors],
+        }
+
+
+def test_the_receiver_maps_the_senders_segments_instead_of_copying() -> None:
+    result = run_ranks(_where_received_tensors_live, 3, timeout=120)[0]
+    assert result["values"] == [0.0, 1.0, 2.0]
+    for path, rank in zip(result["peers"], (1, 2), strict=True):
+        assert path.startswith(os.environ["DIST_WORKSPACE_SHM_DIR"] + "/"), path
+        assert f"/dist-workspace.{os.getuid()}." in path and f".r{rank}." in path, path
+    assert "dist-workspace." not in result["own"]  # its own value is a private copy
+    assert _own_segments() == []

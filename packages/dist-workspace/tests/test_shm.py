@@ -128,3 +128,37 @@ def test_zombie_creator_counts_as_dead() -> None:
     finally:
         child.wait(timeout=30)
     assert process_start_time(os.getpid()) is not None
+
+
+def test_a_tmpfs_filled_while_writing_is_the_same_error_and_leaves_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import errno
+
+    import torch
+
+    from dist_workspace import shm_transport
+    from dist_workspace.transport import CallId
+
+    def full(fd: int, record: object) -> None:
+        os.pwrite(fd, b"partial", 0)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(shm_transport, "write_record", full)
+    before = {path for path, _ in list_segments()}
+    transport = shm_transport.SharedMemoryTransport(
+        CallId("get_tensors_parallel", 3, "0123abcd", "cafe", 0, 30.0)
+    )
+    with pytest.raises(WorkspaceError, match=r"rank 3: shared memory .* is too small: the segment"):
+        transport.send({"tensor": torch.ones(1000)}, None)
+    assert {path for path, _ in list_segments()} == before
+
+
+def test_segments_are_not_reserved_up_front() -> None:
+    """Space comes with the writes (pwrite), not from posix_fallocate, which costs as much."""
+    segment = create_segment(64 << 20, job="abc", group="def", seq=5, rank=0)
+    try:
+        assert segment.path.stat().st_size == 64 << 20
+        assert segment.path.stat().st_blocks == 0
+    finally:
+        segment.unlink()

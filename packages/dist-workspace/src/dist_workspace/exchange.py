@@ -3,34 +3,38 @@
 Protocol (every wait bounded by ``timeout``):
 
 1. Every rank of ``ranks`` but the first (the *receiver*) writes its value as a
-   record (see :mod:`dist_workspace.format`): into a fresh shared-memory segment when
-   ``workspace_path`` is None, else into a file of a per-exchange subdirectory of
-   ``workspace_path``. It then posts a status to the process group's store: the
-   segment name and size, shape and dtype, host, ``ranks`` and, when anything failed
-   (a config that is not JSON, a full /dev/shm, ...), the error instead.
+   record (see :mod:`dist_workspace.format`) through the call's transport (see
+   :mod:`dist_workspace.transport`, chosen once per call): into a fresh shared-memory
+   segment when ``workspace_path`` is None, else into a file of a per-exchange
+   subdirectory of ``workspace_path``. It then posts a status to the process group's
+   store: what the transport needs to find the record (a segment's name and size),
+   shape and dtype, host, ``ranks`` and, when anything failed (a config that is not
+   JSON, a full /dev/shm, ...), the error instead.
 2. The receiver waits for every status. A missing one after ``timeout`` raises naming
    the ranks that never wrote; an error status raises at once naming its rank. It
-   checks the statuses (same ``ranks``, same host for shared memory, same shape and
-   dtype for tensors), maps or reads every record, then posts a verdict: success, or
-   the error that every sender raises too (so no rank is left at a barrier).
-3. Senders wait for the verdict, unlink their segment (the receiver's private mapping
-   keeps the data alive) and get an empty list.
+   checks the statuses (same ``ranks``, same host when the transport needs one, same
+   shape and dtype for tensors), maps or reads every record, then posts a verdict:
+   success, or the error that every sender raises too (so no rank is left at a
+   barrier).
+3. Senders wait for the verdict, release what they wrote (a segment is unlinked: the
+   receiver's private mapping keeps the data alive) and get an empty list.
 
 The store is the default process group's (a private torch API,
 ``_get_default_store``, present since torch 1.x), so no object collective, and no
 pickle, is involved; ``group`` decides who may take part and namespaces the keys.
 
 Values given to the receiver from shared memory are zero-copy, copy-on-write
-mappings of the writers' segments: writing to them never affects the writer, and
-they stay valid after the context exits (the memory is freed when the last tensor is
+mappings of the writers' segments (nothing is copied or pre-faulted: the page tables
+fill as the tensors are read): writing to them never affects the writer, and they
+stay valid after the context exits (the memory is freed when the last tensor is
 dropped). Segments are unlinked before the context body runs and, on every error
 path, in ``finally`` blocks.
 
 Device rule: every value the receiver gets is on CPU, its own included, whatever
-device the tensors were on. The receiver's own value goes through the same record
-encoding and decoding as a peer's (in anonymous memory, see
-:func:`~dist_workspace.roundtrip.copy_through_record`), so it never aliases the
-caller's tensors and shared storage inside it stays shared.
+device the tensors were on. The receiver's own value is copied as a peer's record
+would give it back (see :mod:`dist_workspace.own_value`): into fresh anonymous
+memory, never aliasing the caller's tensors, shared storage inside it still shared,
+tuples as lists.
 """
 
 from __future__ import annotations
@@ -40,30 +44,22 @@ import dataclasses
 import json
 import logging
 import os
-import shutil
 import socket
-import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from dist_workspace.errors import WorkspaceError
-from dist_workspace.fsutil import make_private_directory
 from dist_workspace.jobid import current_job_id, short_tag
-from dist_workspace.reader import assemble, parse_header, view_entries
-from dist_workspace.roundtrip import copy_through_record
-from dist_workspace.shm import Segment, create_segment, map_segment
-from dist_workspace.workspace import DEFAULT_DIR_MODE, NFSWorkspace
-from dist_workspace.writer import prepare_record, write_record
+from dist_workspace.own_value import own_config, own_tensor
+from dist_workspace.transport import CallId, Parcel, Transport, open_transport
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_SECONDS = 300.0
-_POLL_SECONDS = 0.2
 _VERDICT_MARGIN_SECONDS = 10.0
 _sequences: dict[tuple[str, tuple[int, ...]], int] = {}
 
@@ -85,18 +81,15 @@ def _host_id() -> str:
 
 @dataclasses.dataclass
 class _Exchange:
-    """One call: who takes part, where its keys live, how long to wait."""
+    """One call: who takes part, where its keys live, how long to wait, the transport."""
 
     kind: str
     rank: int
     ranks: list[int]
     store: Any
     prefix: str
-    job: str
-    group_tag: str
-    seq: int
     timeout: float
-    workspace_path: Path | None
+    transport: Transport
 
     @property
     def receiver(self) -> int:
@@ -108,10 +101,6 @@ class _Exchange:
 
     def key(self, name: str) -> str:
         return f"{self.prefix}/{name}"
-
-    def exchange_dir(self) -> Path:
-        assert self.workspace_path is not None
-        return self.workspace_path / f"exchange-{self.job}-{self.group_tag}-{self.seq}"
 
 
 def _check_ranks(given: Any, rank: int, group_ranks: list[int], what: str) -> list[int]:
@@ -165,17 +154,16 @@ def _start(
     ranks_tag = short_tag(",".join(map(str, checked)), 8)
     group_tag = short_tag(group_name, 8)
     job = short_tag(current_job_id())
+    seconds = _timeout_seconds(timeout)
+    call = CallId(kind, rank, job, group_tag + ranks_tag, seq, seconds)
     return _Exchange(
         kind=kind,
         rank=rank,
         ranks=checked,
         store=store,
         prefix=f"dist_workspace/{job}/{group_tag}/{ranks_tag}/{seq}",
-        job=job,
-        group_tag=group_tag + ranks_tag,
-        seq=seq,
-        timeout=_timeout_seconds(timeout),
-        workspace_path=None if workspace_path is None else Path(workspace_path),
+        timeout=seconds,
+        transport=open_transport(workspace_path, call),
     )
 
 
@@ -207,30 +195,12 @@ def _wait_key(exchange: _Exchange, name: str, seconds: float) -> bool:
 
 def _send(exchange: _Exchange, weights: dict[str, torch.Tensor], config: Any) -> None:
     """Writes this rank's record, posts its status, waits for the receiver's verdict."""
-    segment: Segment | None = None
+    parcel: Parcel | None = None
     try:
         try:
             status: dict[str, Any] = {"ok": True, "ranks": exchange.ranks, "host": _host_id()}
-            if exchange.workspace_path is None:
-                record = prepare_record(
-                    weights, config, rank=exchange.rank, job=exchange.job, checksums=False
-                )
-                segment = create_segment(
-                    record.total_size,
-                    job=exchange.job,
-                    group=exchange.group_tag,
-                    seq=exchange.seq,
-                    rank=exchange.rank,
-                )
-                write_record(segment.fd, record)
-                segment.close()
-                status.update(segment=segment.name, size=record.total_size)
-            else:
-                directory = exchange.exchange_dir()
-                make_private_directory(exchange.workspace_path, DEFAULT_DIR_MODE)
-                NFSWorkspace(directory).write_configs_and_weights(
-                    config, weights, rank=exchange.rank
-                )
+            parcel = exchange.transport.send(weights, config)
+            status.update(parcel.status())
             tensor = weights.get("tensor")
             if tensor is not None:
                 status.update(shape=list(tensor.shape), dtype=str(tensor.dtype))
@@ -243,8 +213,8 @@ def _send(exchange: _Exchange, weights: dict[str, torch.Tensor], config: Any) ->
             _post(exchange, "arrived", {})
         _await_verdict(exchange)
     finally:
-        if segment is not None:
-            segment.unlink()
+        if parcel is not None:
+            parcel.release()
 
 
 def _await_verdict(exchange: _Exchange) -> None:
@@ -317,7 +287,7 @@ def _check_statuses(
                 f"rank {exchange.rank} passed ranks={exchange.ranks}; every rank must pass the "
                 "same list"
             )
-        if exchange.workspace_path is None and status.get("host") != host:
+        if exchange.transport.one_host and status.get("host") != host:
             raise WorkspaceError(
                 f"{exchange.kind}: rank {sender} runs on {status.get('host')}, receiver rank "
                 f"{exchange.rank} on {host}: shared memory needs one host. Pass "
@@ -338,35 +308,6 @@ def _check_statuses(
             )
 
 
-def _read_value(
-    exchange: _Exchange, sender: int, status: dict[str, Any]
-) -> tuple[Any, dict[str, torch.Tensor]]:
-    if exchange.workspace_path is None:
-        name = str(status.get("segment"))
-        size = int(status.get("size", -1))
-        where = f"rank {sender}'s segment {name}"
-        mapping = map_segment(name, size, where)
-        header = parse_header(lambda offset, length: mapping[offset : offset + length], size, where)
-        if header.rank != sender:
-            raise WorkspaceError(f"{where} says it was written by rank {header.rank}")
-        return assemble(view_entries(mapping, header), header, where)
-    workspace = NFSWorkspace(exchange.exchange_dir())
-    deadline = time.monotonic() + exchange.timeout
-    while True:
-        config, weights = workspace.read_configs_and_weights_from_rank(sender)
-        if weights is not None:
-            return config, weights
-        # On NFS a file another client has just renamed into place may stay invisible
-        # until the directory's attribute cache expires (acdirmin, 30 s by default).
-        if time.monotonic() > deadline:
-            raise WorkspaceError(
-                f"{exchange.kind}: rank {sender} reported writing "
-                f"{workspace.rank_path(sender)} but it is not visible after "
-                f"{exchange.timeout:g} s (NFS attribute caching? mount with actimeo lower)"
-            )
-        time.sleep(_POLL_SECONDS)
-
-
 def _receive(
     exchange: _Exchange,
     own_value: Callable[[], tuple[Any, dict[str, torch.Tensor]]],
@@ -377,7 +318,7 @@ def _receive(
         statuses = _collect_statuses(exchange)
         _check_statuses(exchange, statuses, own_tensor)
         values = [
-            own if r == exchange.rank else _read_value(exchange, r, statuses[r])
+            own if r == exchange.rank else exchange.transport.receive(r, statuses[r])
             for r in exchange.ranks
         ]
     except BaseException as error:
@@ -385,8 +326,7 @@ def _receive(
             _post(exchange, "verdict", {"ok": False, "error": _error_text(error)})
         raise
     finally:
-        if exchange.workspace_path is not None:
-            shutil.rmtree(exchange.exchange_dir(), ignore_errors=True)
+        exchange.transport.close()
     _post(exchange, "verdict", {"ok": True})
     return values
 
@@ -394,20 +334,16 @@ def _receive(
 # ---------------------------------------------------------------- public API
 
 
-def _own_tensor(tensor: Any, rank: int | None, job: str) -> torch.Tensor:
+def _own_tensor(tensor: Any, rank: int | None) -> torch.Tensor:
     """This rank's tensor as the receiver gets peers' ones: on CPU, a copy."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"get_tensors_parallel needs a torch.Tensor, got {type(tensor).__name__}")
-    where = f"rank {rank}'s own tensor"
-    _, weights = copy_through_record({"tensor": tensor}, None, rank=rank, job=job, where=where)
-    return weights["tensor"]
+    return own_tensor(tensor, f"rank {rank}'s own tensor")
 
 
-def _own_config(config: Any, rank: int | None, job: str) -> Any:
+def _own_config(config: Any, rank: int | None) -> Any:
     """This rank's config as the receiver gets peers' ones: a copy, tensors on CPU."""
-    where = f"rank {rank}'s own config"
-    value, _ = copy_through_record({}, config, rank=rank, job=job, where=where)
-    return value
+    return own_config(config, f"rank {rank}'s own config")
 
 
 @contextlib.contextmanager
@@ -443,15 +379,13 @@ def get_tensors_parallel(
     """
     exchange = _start("get_tensors_parallel", ranks, group, None, timeout)
     if exchange is None:
-        yield [_own_tensor(tensor, None, "")]
+        yield [_own_tensor(tensor, None)]
         return
     if exchange.rank != exchange.receiver:
         _send(exchange, {"tensor": tensor}, None)
         yield []
         return
-    received = _receive(
-        exchange, lambda: (None, {"tensor": _own_tensor(tensor, exchange.rank, exchange.job)})
-    )
+    received = _receive(exchange, lambda: (None, {"tensor": _own_tensor(tensor, exchange.rank)}))
     yield [weights["tensor"] for _, weights in received]
 
 
@@ -490,11 +424,11 @@ def get_configs_parallel(
     """
     exchange = _start("get_configs_parallel", ranks, group, workspace_path, timeout)
     if exchange is None:
-        yield [_own_config(config, None, "")]
+        yield [_own_config(config, None)]
         return
     if exchange.rank != exchange.receiver:
         _send(exchange, {}, config)
         yield []
         return
-    received = _receive(exchange, lambda: (_own_config(config, exchange.rank, exchange.job), {}))
+    received = _receive(exchange, lambda: (_own_config(config, exchange.rank), {}))
     yield [value for value, _ in received]

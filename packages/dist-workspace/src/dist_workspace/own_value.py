@@ -1,0 +1,161 @@
+"""The receiver's own value: a CPU copy shaped as a peer's record would give it back.
+
+A peer's value reaches the receiver as a record, so it comes back on CPU, with tuples
+as lists, with tensors that shared a storage still sharing one, and aliasing nothing
+of the sender's. The receiver's own value must look the same, but it need not take
+the detour through a record: it is copied straight into one fresh anonymous buffer,
+with one ``memmove`` per tensor (or shared span) on CPU. Writing a record into
+``memfd`` pages, as up to 0.2.1, cost the kernel a shared-memory page per 4 KiB (1 GiB:
+580 ms against 500 ms into anonymous memory on the development VM).
+
+Transparent huge pages (``MADV_HUGEPAGE``) would be faster while warm (1 GiB in 110
+ms) but are not asked for: on a VM with free page reporting (virtio-balloon, as on the
+development VM) a huge page freed for more than about two seconds has been handed back
+to the host, and faulting it in again cost 0.9 to 2.7 s per GiB, which is the usual
+case for exchanges seconds or minutes apart.
+
+Sharing is found as the record writer finds it (same device, same storage address,
+see :func:`~dist_workspace.writer.shared_groups`) and each shared span is copied once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import torch
+
+from dist_workspace.config_codec import decode_config, encode_config
+from dist_workspace.format import supported_dtypes
+from dist_workspace.writer import shared_groups
+
+_ALIGNMENT = 64
+
+
+def host_buffer(nbytes: int) -> torch.Tensor:
+    """A fresh, writable 1-D uint8 CPU tensor of ``nbytes`` bytes."""
+    return torch.empty(nbytes, dtype=torch.uint8)
+
+
+def _copy(target: torch.Tensor, source: torch.Tensor) -> None:
+    """Copies ``source`` into ``target`` (same shape, dtype and byte count).
+
+    A CPU tensor whose elements are contiguous is copied with one ``memmove`` (ctypes
+    releases the GIL): torch's ``copy_`` splits a copy over its intra-op threads, and
+    while the senders keep every core busy each split waits for a thread to be
+    scheduled (99 copies of a 256 MiB state dict: 28 ms on one thread, 100 ms to
+    1.7 s on two on the development VM during an exchange).
+    """
+    if source.device.type == "cpu" and source.is_contiguous():
+        nbytes = source.numel() * source.element_size()
+        ctypes.memmove(target.data_ptr(), source.data_ptr(), nbytes)
+    else:  # another device (one DMA copy) or strided elements
+        target.copy_(source)
+
+
+def _checked(label: str, tensor: Any) -> torch.Tensor:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{label} is a {type(tensor).__name__}, not a torch.Tensor")
+    if tensor.layout != torch.strided:
+        raise TypeError(f"{label} has layout {tensor.layout}; only dense (strided) tensors")
+    if tensor.device.type == "meta":
+        raise TypeError(f"{label} is on the meta device and has no data to write")
+    if tensor.dtype not in supported_dtypes():
+        raise TypeError(
+            f"{label} has dtype {tensor.dtype}, which safetensors cannot store; supported: "
+            + ", ".join(str(dtype) for dtype in supported_dtypes())
+        )
+    tensor = tensor.detach()
+    # A conjugate or negative view reads its storage with a lazy sign flip: it gets
+    # storage of its own with the values it shows (as the record writer does).
+    if tensor.is_conj():
+        tensor = tensor.resolve_conj()
+    if tensor.is_neg():
+        tensor = tensor.resolve_neg()
+    checked: torch.Tensor = tensor
+    return checked
+
+
+def _span(tensor: torch.Tensor) -> tuple[int, int]:
+    """Bytes ``[begin, end)`` of its storage that ``tensor`` reads."""
+    begin = int(tensor.storage_offset()) * tensor.element_size()
+    extent = sum(
+        (int(size) - 1) * int(stride)
+        for size, stride in zip(tensor.shape, tensor.stride(), strict=True)
+    )
+    return begin, begin + (extent + 1) * tensor.element_size()
+
+
+def copy_to_host(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """CPU copies of ``tensors`` in one fresh buffer; tensors sharing a storage still do.
+
+    Raises:
+        TypeError: A value is not a dense tensor of a dtype a record can hold.
+    """
+    checked = {name: _checked(name, tensor) for name, tensor in tensors.items()}
+    groups = shared_groups(checked)
+    grouped = {name for names in groups for name in names}
+    # Plan: every standalone tensor's elements, and each group's covering span, at
+    # 64-byte aligned offsets of one buffer.
+    plan: list[tuple[list[str], int, int, int]] = []  # names, span begin, length, offset
+    offset = 0
+    for names in [[name] for name in checked if name not in grouped] + groups:
+        if len(names) == 1:
+            begin, length = 0, checked[names[0]].numel() * checked[names[0]].element_size()
+        else:
+            spans = [_span(checked[name]) for name in names if checked[name].numel()]
+            begin = min(start for start, _ in spans)
+            begin -= begin % _ALIGNMENT
+            length = max(stop for _, stop in spans) - begin
+        offset += -offset % _ALIGNMENT
+        plan.append((names, begin, length, offset))
+        offset += length
+    buffer = host_buffer(offset)
+    copies: dict[str, torch.Tensor] = {}
+    for names, begin, length, at in plan:
+        target = buffer[at : at + length]
+        if len(names) == 1:
+            source = checked[names[0]]
+            if length:
+                copy = target.view(source.dtype).view(source.shape)
+                _copy(copy, source)
+                copies[names[0]] = copy
+            else:
+                copies[names[0]] = torch.empty(source.shape, dtype=source.dtype)
+            continue
+        members = [checked[name] for name in names]
+        storage = max(
+            (member.untyped_storage() for member in members), key=lambda item: item.nbytes()
+        )
+        span = torch.empty(0, dtype=torch.uint8, device=storage.device)
+        span.set_(storage, begin, (length,), (1,))
+        _copy(target, span)  # each shared span once, whatever its device
+        for name, member in zip(names, members, strict=True):
+            byte_offset = at + member.storage_offset() * member.element_size() - begin
+            view = torch.empty(0, dtype=member.dtype)
+            view.set_(
+                buffer.untyped_storage(),
+                byte_offset // member.element_size(),
+                member.shape,
+                member.stride(),
+            )
+            copies[name] = view
+    return {name: copies[name] for name in tensors}
+
+
+def own_tensor(tensor: Any, label: str) -> torch.Tensor:
+    """A contiguous CPU copy of ``tensor`` that aliases nothing of the caller's."""
+    return copy_to_host({label: tensor})[label]
+
+
+def own_config(config: Any, where: str) -> Any:
+    """``config`` as a peer's record gives it back: tuples as lists, tensors copied to CPU.
+
+    Raises:
+        TypeError: The config is not JSON (naming the key path), or holds a tensor a
+            record cannot.
+    """
+    text, tensors = encode_config(config)
+    labels = {name: f"the config's tensor {name}" for name in tensors}
+    copies = copy_to_host({labels[name]: tensor for name, tensor in tensors.items()})
+    return decode_config(text, {name: copies[labels[name]] for name in tensors}, where)

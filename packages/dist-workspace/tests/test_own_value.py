@@ -1,0 +1,85 @@
+"""The receiver's own value: a CPU copy shaped like a peer's, in fresh memory."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dist_workspace.own_value import copy_to_host, own_config, own_tensor
+
+
+def _bits(tensor: torch.Tensor) -> list[int]:
+    return tensor.contiguous().reshape(-1).view(torch.uint8).tolist()
+
+
+def test_copies_are_equal_contiguous_and_alias_nothing() -> None:
+    whole = torch.arange(48, dtype=torch.float32).reshape(6, 8)
+    for given in (whole, whole[1:, ::2], whole.t(), torch.tensor(float("nan")), whole[:0]):
+        copy = own_tensor(given, "rank 0's own tensor")
+        assert copy.shape == given.shape and copy.dtype == given.dtype
+        assert copy.is_contiguous() and _bits(copy) == _bits(given)
+        if given.numel():
+            assert copy.untyped_storage().data_ptr() != given.untyped_storage().data_ptr()
+            copy.reshape(-1)[0] = -1.0
+            assert given.reshape(-1)[0] != -1.0
+
+
+def test_large_values_are_copied_whole() -> None:
+    big = torch.randn(3 * 1024 * 1024 // 4)
+    copy = own_tensor(big, "big")
+    assert torch.equal(copy, big)
+    copy.zero_()
+    assert big.abs().sum() > 0
+
+
+def test_shared_storage_stays_shared_and_spans_are_copied_once() -> None:
+    base = torch.arange(64, dtype=torch.float32)
+    matrix = base[8:].view(7, 8)
+    tensors = {
+        "matrix": matrix,
+        "transposed": matrix.t(),
+        "row": matrix[3],
+        "alone": torch.ones(5, dtype=torch.bfloat16),
+        "empty": torch.empty(0, 3),
+    }
+    copies = copy_to_host(tensors)
+    assert list(copies) == list(tensors)
+    for name, tensor in tensors.items():
+        assert torch.equal(copies[name], tensor), name
+        assert copies[name].stride() == tensor.stride() or name in ("alone", "empty")
+    storage = copies["matrix"].untyped_storage().data_ptr()
+    assert copies["transposed"].untyped_storage().data_ptr() == storage
+    assert copies["row"].untyped_storage().data_ptr() == storage
+    copies["matrix"][3, 0] = 1000.0
+    assert copies["row"][0] == 1000.0 and copies["transposed"][0, 3] == 1000.0
+    assert base[8 + 24] == 24.0 + 8  # the caller's tensors are untouched
+
+
+def test_conjugate_and_negative_views_keep_the_values_they_show() -> None:
+    z = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
+    copies = copy_to_host({"z": z, "conj": z.conj(), "neg": z.conj().imag})
+    assert copies["conj"].tolist() == [1 - 2j, 3 + 4j]
+    assert copies["z"].tolist() == z.tolist()
+    assert copies["neg"].tolist() == [-2.0, 4.0]
+
+
+def test_config_comes_back_as_json_would_give_it() -> None:
+    scale = torch.full((3,), 2.0)
+    config = {"pair": (1, "x"), "scale": scale, "tied": scale, "nested": [{"t": scale[1:]}]}
+    copy = own_config(config, "rank 0's own config")
+    assert copy["pair"] == [1, "x"]
+    assert torch.equal(copy["scale"], scale) and copy["scale"] is not scale
+    copy["scale"].add_(1.0)
+    assert copy["tied"].tolist() == [3.0] * 3 and copy["nested"][0]["t"].tolist() == [3.0] * 2
+    assert scale.tolist() == [2.0] * 3
+
+
+def test_bad_values_are_refused_naming_them() -> None:
+    with pytest.raises(TypeError, match=r"config\['s'\] is a builtins.set"):
+        own_config({"s": {1}}, "rank 0's own config")
+    with pytest.raises(TypeError, match=r"own tensor has layout torch\.sparse_coo"):
+        own_tensor(torch.eye(2).to_sparse(), "own tensor")
+    with pytest.raises(TypeError, match=r"own tensor is on the meta device"):
+        own_tensor(torch.empty(2, device="meta"), "own tensor")
+    with pytest.raises(TypeError, match=r"dist_workspace\.config\.0 has dtype torch\.complex128"):
+        own_config({"c": torch.zeros(2, dtype=torch.complex128)}, "rank 0's own config")
