@@ -123,13 +123,13 @@ def _check(
 
 
 def _manager(port: int, **kwargs: Any) -> Manager:
+    kwargs.setdefault("timeout", timedelta(seconds=10))
     return Manager(
         ProcessGroupDummy(0, 1),
         load_state_dict=lambda state: None,
         state_dict=dict,
         store_addr="127.0.0.1",
         store_port=port,
-        timeout=timedelta(seconds=10),
         **kwargs,
     )
 
@@ -221,3 +221,21 @@ def test_one_dist_launch_per_replica_group_restarts_only_its_group(tmp_path: Pat
         for r in range(GROUP_SIZE)
     }
     _check(reports, killed, groups, groups[-1])
+
+
+def test_a_rank_whose_group_rank_0_is_gone_fails_the_step_without_waiting_its_timeout() -> None:
+    port = get_unused_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    fast = {"heartbeat_timeout": timedelta(seconds=0.5), "timeout": timedelta(seconds=60)}
+    leader = _manager(port, replica_id="g", group_rank=0, group_world_size=2, **fast)
+    follower = _manager(port, replica_id="g", group_rank=1, group_world_size=2, **fast)
+    try:
+        leader.shutdown()  # stops beating, never publishes a decision
+        started = time.monotonic()
+        follower.start_quorum()
+        assert not follower.should_commit()
+        assert time.monotonic() - started < 30, "the rank waited for its timeout"
+        assert "group ranks [0] stopped beating" in str(follower.errored())
+    finally:
+        follower.shutdown()
+    del store

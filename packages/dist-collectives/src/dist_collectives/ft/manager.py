@@ -308,13 +308,14 @@ class Manager:
         self._group_broken: str | None = None
         self._incarnation = 0
         self._arrival_key: str | None = None
+        self._awaited_key: str | None = None
         if group_world_size > 1:
             self._join_group()
 
+        if group_world_size > 1:
+            self._monitor_liveness.beat_rank(self._group_name(), group_rank)
         if group_rank == 0:
             self._monitor_liveness.announce(self._replica_id)
-        else:
-            self._monitor_liveness.beat_rank(self._group_name(), group_rank)
         self._stop = threading.Event()
         self._monitor = threading.Thread(
             target=self._monitor_loop, name=f"ft-monitor-{self._replica_id}", daemon=True
@@ -457,11 +458,14 @@ class Manager:
             # Rank 0 asks for the group only once every rank has asked for this step.
             if self._quorum_store.add(f"{key}/count", 1) == self._group_world_size - 1:
                 self._quorum_store.set(arrived, "all")
+            self._awaited_key = key  # the watcher ends the wait if rank 0 stops beating
+            if self._group_broken is not None:
+                raise ReplicaError(self._group_broken)
             self._quorum_store.wait([key], self._timeout)
             raw = bytes(self._quorum_store.get(key))
             if raw.startswith(b"fail:"):
                 raise ReplicaError(
-                    f"replica {self._replica_id}: group rank 0 found no quorum: "
+                    f"replica {self._replica_id}: no quorum for the group: "
                     f"{raw[5:].decode(errors='replace')}"
                 )
             return Quorum.from_json(raw)
@@ -912,31 +916,40 @@ class Manager:
     def _beat(self, *, check_group: bool) -> None:
         """Beats this rank's heartbeat; group rank 0 beats the group's while it is whole.
 
-        Group rank 0 stops beating the group's heartbeat, marks the group as left and
-        fails the step as soon as one of its ranks stops beating: the other groups then
-        leave this group out as a whole, at once.
+        In a replica group, rank 0 watches every rank and the others watch rank 0. When a
+        watched rank stops beating, the group is broken for good (it rejoins only by
+        restarting whole): this rank stops beating, fails the step and ends its own wait
+        for the group (rank 0's for its ranks, another rank's for rank 0's decision);
+        rank 0 also marks the group as left, so that the other groups leave it out at once.
         """
-        if self._group_rank > 0:
-            self._monitor_liveness.beat_rank(self._group_name(), self._group_rank)
-            return
-        if self._group_world_size > 1 and check_group and self._group_broken is None:
-            stale = self._monitor_liveness.stale_ranks(
-                self._group_name(), range(1, self._group_world_size)
-            )
+        grouped = self._group_world_size > 1
+        if grouped and check_group and self._group_broken is None:
+            watched = range(1, self._group_world_size) if self._group_rank == 0 else range(1)
+            stale = self._monitor_liveness.stale_ranks(self._group_name(), watched)
             if stale:
-                self._group_broken = (
-                    f"replica group {self._replica_id}: group ranks {stale} stopped beating "
-                    "their heartbeat; the group is out of the quorum until all its ranks "
-                    "restart"
-                )
-                self._monitor_liveness.leave(self._replica_id)
-                if self._arrival_key is not None:  # ends rank 0's wait for its ranks
-                    self._monitor_store.set(self._arrival_key, "broken")
-                logger.warning("%s", self._group_broken)
-                if self._step_active:
-                    self._fail(ReplicaError(self._group_broken), self._generation)
-        if self._group_broken is None:
+                self._break_group(stale)
+        if self._group_broken is not None:
+            return
+        if grouped:
+            self._monitor_liveness.beat_rank(self._group_name(), self._group_rank)
+        if self._group_rank == 0:
             self._monitor_liveness.beat(self._replica_id)
+
+    def _break_group(self, stale: list[int]) -> None:
+        message = (
+            f"replica group {self._replica_id}: group ranks {stale} stopped beating their "
+            "heartbeat; the group is out of the quorum until all its ranks restart"
+        )
+        self._group_broken = message
+        if self._group_rank == 0:
+            self._monitor_liveness.leave(self._replica_id)
+            if self._arrival_key is not None:
+                self._monitor_store.compare_set(self._arrival_key, "", "broken")
+        elif self._awaited_key is not None:
+            self._monitor_store.compare_set(self._awaited_key, "", f"fail:{message}"[:1000])
+        logger.warning("%s", message)
+        if self._step_active:
+            self._fail(ReplicaError(message), self._generation)
 
     def _watch_step(self, *, check_heartbeats: bool) -> None:
         with self._lock:

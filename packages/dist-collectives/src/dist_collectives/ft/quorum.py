@@ -32,6 +32,7 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from datetime import timedelta
 
 from torch.distributed import Store  # type: ignore[attr-defined]  # public, not re-exported in the stubs
@@ -155,7 +156,7 @@ class Liveness:
         """
         self._store.add(f"hb/{group}/{group_rank}", 1)
 
-    def stale_ranks(self, group: str, group_ranks: range) -> list[int]:
+    def stale_ranks(self, group: str, group_ranks: Sequence[int]) -> list[int]:
         """The ranks of ``group`` (see :meth:`beat_rank`) whose counter stopped moving.
 
         A rank that never beat (its counter is 0 or missing: it is still starting) is not
