@@ -1,6 +1,9 @@
 """The Manager: a quorum of live replicas per step, healing, and a commit decision.
 
-One Manager runs in each replica (a process that holds a full copy of the model). Per
+One Manager runs in each replica (a process that holds a full copy of the model), or
+in each rank of a replica group (``group_rank``, ``group_world_size``: the group holds
+the model sharded across its ranks; rank ``i`` of each group averages and heals with
+rank ``i`` of the others, and the group joins and leaves the quorum as a whole). Per
 step the training loop calls::
 
     manager.start_quorum()               # returns at once; the quorum forms meanwhile
@@ -203,6 +206,14 @@ class Manager:
             together, instead of the late ones healing a step later. Later quorums do
             not wait for it.
         namespace: Key prefix in the store, to keep several managed groups apart.
+        group_rank: This process's rank in its replica group (torchft's name; 0).
+        group_world_size: The number of ranks in each replica group (1: a replica is
+            one process). The ranks of one group pass the same ``replica_id``; group
+            rank 0 joins the quorum for the whole group and the others read its
+            decision; rank ``i`` of every group averages with rank ``i`` of the others
+            and heals from rank ``i`` of a healthy group. Every group has the same size.
+            A group whose rank stops beating is left out as a whole and must restart as
+            a whole (see the fault-tolerance guide, "Replica groups").
     """
 
     def __init__(
@@ -221,14 +232,32 @@ class Manager:
         join_timeout: timedelta = timedelta(seconds=10),
         namespace: str = DEFAULT_NAMESPACE,
         first_quorum_window: timedelta = timedelta(seconds=2),
+        group_rank: int = 0,
+        group_world_size: int = 1,
     ) -> None:
         if min_replica_size < 1:
             raise ManagerConfigError(f"min_replica_size={min_replica_size} must be at least 1")
+        if group_world_size < 1 or not 0 <= group_rank < group_world_size:
+            raise ManagerConfigError(
+                f"group_rank={group_rank} with group_world_size={group_world_size}: the "
+                f"group size must be at least 1 and the rank in [0, {group_world_size})"
+            )
+        if group_world_size > 1 and replica_id is None:
+            raise ManagerConfigError(
+                f"group_world_size={group_world_size} needs a replica_id shared by the ranks "
+                "of the replica group (each rank would otherwise name a group of its own)"
+            )
+        self._group_rank = group_rank
+        self._group_world_size = group_world_size
         self._pg = pg
         self._load_state_dict = load_state_dict
         self._state_dict = state_dict
         self._min_replica_size = min_replica_size
         self._replica_id = replica_id or _default_replica_id()
+        # How the log names this process: the replica, and its rank when in a group.
+        self._label = (
+            self._replica_id if group_world_size == 1 else f"{self._replica_id} rank {group_rank}"
+        )
         self._timeout = timeout
         self._heartbeat_interval = heartbeat_interval
         self._join_timeout = join_timeout
@@ -273,13 +302,50 @@ class Manager:
         self._wrapped: dict[int, tuple[float, Callable[[Exception], None]]] = {}
         self._wrapped_keys = itertools.count()
         self._wrapped_lock = threading.Lock()
+        # Replica groups: how many quorums this rank asked for (the key its group rank 0
+        # publishes each decision under), and why the group broke, once it has.
+        self._quorum_requests = 0
+        self._group_broken: str | None = None
+        self._incarnation = 0
+        self._arrival_key: str | None = None
+        self._awaited_key: str | None = None
+        if group_world_size > 1:
+            self._join_group()
 
-        self._monitor_liveness.announce(self._replica_id)
+        if group_world_size > 1:
+            self._monitor_liveness.beat_rank(self._group_name(), group_rank)
+        if group_rank == 0:
+            self._monitor_liveness.announce(self._replica_id)
         self._stop = threading.Event()
         self._monitor = threading.Thread(
             target=self._monitor_loop, name=f"ft-monitor-{self._replica_id}", daemon=True
         )
         self._monitor.start()
+
+    def _join_group(self) -> None:
+        """Checks the group size against the job's and counts this rank's incarnation.
+
+        Every rank of a group counts its own starts; a group restarts as a whole, so its
+        ranks agree on the count and use it to keep apart the decisions group rank 0
+        publishes in each incarnation.
+        """
+        size = self._store.compare_set("group_world_size", "", str(self._group_world_size)).decode()
+        if size != str(self._group_world_size):
+            raise ManagerConfigError(
+                f"replica {self._replica_id}: group_world_size={self._group_world_size}, "
+                f"but the job's replica groups have {size} ranks; every group must have the "
+                "same size (rank i of each group averages with rank i of the others)"
+            )
+        self._incarnation = int(
+            self._store.add(f"incarnation/{self._replica_id}/{self._group_rank}", 1)
+        )
+
+    def _group_name(self) -> str:
+        """This group in this incarnation: its ranks' heartbeats and decisions go under it."""
+        return f"{self._replica_id}/{self._incarnation}"
+
+    def _group_key(self, request: int) -> str:
+        return f"group/{self._group_name()}/{request}"
 
     def _connect(self) -> Store:
         client = connect_tcp_store(self._host, self._port, self._timeout, shared=False)
@@ -289,8 +355,18 @@ class Manager:
 
     @property
     def replica_id(self) -> str:
-        """This replica's name in the quorum."""
+        """This replica's name in the quorum (shared by the ranks of a replica group)."""
         return self._replica_id
+
+    @property
+    def group_rank(self) -> int:
+        """This process's rank in its replica group."""
+        return self._group_rank
+
+    @property
+    def group_world_size(self) -> int:
+        """The number of ranks in each replica group."""
+        return self._group_world_size
 
     def current_step(self) -> int:
         """The number of steps committed so far (a healed replica takes its source's)."""
@@ -349,6 +425,8 @@ class Manager:
         future: concurrent.futures.Future[Quorum] = concurrent.futures.Future()
         self._quorum_future = future
         last, reuse, self._reuse_quorum = self._last_quorum, self._reuse_quorum, False
+        if self._group_broken is not None:
+            reuse = False  # ask group rank 0 (or fail, being it): the group is out
         if reuse and last is not None:
             # The last step committed and nobody announced itself since: same members,
             # same group, one step on. No store round trip at all.
@@ -359,16 +437,56 @@ class Manager:
             future.set_result(quorum)
             return
 
+        self._quorum_requests += 1
+        request = self._quorum_requests
+
         def run() -> None:
             try:
-                future.set_result(self._form_quorum(generation))
+                future.set_result(self._form_quorum(generation, request))
             except BaseException as error:
                 future.set_exception(error)
 
         threading.Thread(target=run, name=f"ft-quorum-{generation}", daemon=True).start()
 
-    def _form_quorum(self, generation: int) -> Quorum:
-        quorum = compute_quorum(
+    def _group_quorum(self, request: int) -> Quorum:
+        """This group's decision: computed by group rank 0, read by the other ranks."""
+        if self._group_world_size == 1:
+            return self._compute_quorum()
+        key = self._group_key(request)
+        arrived = f"{key}/arrived"
+        if self._group_rank > 0:
+            # Rank 0 asks for the group only once every rank has asked for this step.
+            if self._quorum_store.add(f"{key}/count", 1) == self._group_world_size - 1:
+                self._quorum_store.set(arrived, "all")
+            self._awaited_key = key  # the watcher ends the wait if rank 0 stops beating
+            if self._group_broken is not None:
+                raise ReplicaError(self._group_broken)
+            self._quorum_store.wait([key], self._timeout)
+            raw = bytes(self._quorum_store.get(key))
+            if raw.startswith(b"fail:"):
+                raise ReplicaError(
+                    f"replica {self._replica_id}: no quorum for the group: "
+                    f"{raw[5:].decode(errors='replace')}"
+                )
+            return Quorum.from_json(raw)
+        try:
+            self._arrival_key = arrived
+            if self._group_broken is None:
+                # Ended by the last rank to arrive, or by the watcher when a rank stopped
+                # beating (it writes "broken"): a group whose rank died mid-step never
+                # joins the next round with the ranks it has left.
+                self._quorum_store.wait([arrived], self._timeout)
+            if self._group_broken is not None:
+                raise ReplicaError(self._group_broken)
+            quorum = self._compute_quorum()
+        except Exception as error:
+            self._quorum_store.set(key, f"fail:{type(error).__name__}: {error}"[:1000])
+            raise
+        self._quorum_store.set(key, quorum.to_json())
+        return quorum
+
+    def _compute_quorum(self) -> Quorum:
+        return compute_quorum(
             self._quorum_store,
             self._replica_id,
             self._step,
@@ -379,6 +497,9 @@ class Manager:
             previous=self._last_quorum,
             first_quorum_window=self._first_quorum_window,
         )
+
+    def _form_quorum(self, generation: int, request: int) -> Quorum:
+        quorum = self._group_quorum(request)
         self._last_quorum = quorum
         with self._lock:
             if generation != self._generation:
@@ -387,12 +508,14 @@ class Manager:
         rank = quorum.replica_rank(self._replica_id)
         if quorum.quorum_id != self._configured_quorum_id:
             address = f"{self._host}:{self._port}/{self._namespace}/pg/{quorum.quorum_id}"
+            if self._group_world_size > 1:  # rank i of each group: a group of its own
+                address += f"/{self._group_rank}"
             started = time.perf_counter()
             self._pg.configure(address, rank, len(quorum.members))
             self._configured_quorum_id = quorum.quorum_id
             logger.info(
                 "replica %s: quorum %d with %d replicas, rank %d, step %d%s; configured in %.1f ms",
-                self._replica_id,
+                self._label,
                 quorum.quorum_id,
                 len(quorum.members),
                 rank,
@@ -625,7 +748,7 @@ class Manager:
             self._lock.notify_all()
         for pending in pending_now:
             pending.complete()
-        logger.warning("replica %s: step %d failed: %s", self._replica_id, step, _cause(error))
+        logger.warning("replica %s: step %d failed: %s", self._label, step, _cause(error))
         if publish and quorum is not None:
             try:
                 message = f"{self._replica_id}: {type(error).__name__}: {error}"[:1000]
@@ -660,7 +783,7 @@ class Manager:
             self.report_error(swallowed)
         if quorum is None:
             self._step_active = False
-            logger.warning("replica %s: step %d discarded: no quorum", self._replica_id, self._step)
+            logger.warning("replica %s: step %d discarded: no quorum", self._label, self._step)
             return False
         healed_step: int | None = None
         if self._healed is not None and self._error is None:
@@ -688,7 +811,7 @@ class Manager:
             self._step = quorum.max_step + 1
         if not committed:
             logger.warning(
-                "replica %s: step %d discarded on every replica", self._replica_id, quorum.max_step
+                "replica %s: step %d discarded on every replica", self._label, quorum.max_step
             )
         elif recovered is not None:
             self._log_recovery(recovered, quorum)
@@ -699,7 +822,7 @@ class Manager:
         logger.info(
             "replica %s: recovered in %.2f s: %s, step %d discarded, step %d committed by "
             "quorum %d with %d replicas",
-            self._replica_id,
+            self._label,
             time.monotonic() - failure.seen_at,
             f"{', '.join(lost)} failed" if lost else "no replica lost",
             failure.step,
@@ -720,7 +843,7 @@ class Manager:
         decision: bytes | None = None
         if self._error is None:
             votes = self._store.add(f"votes/{quorum.quorum_id}/{quorum.max_step}", 1)
-            if votes >= len(quorum.members):
+            if votes >= len(quorum.members) * self._group_world_size:
                 version = int(self._store.add(REGISTRY_VERSION_KEY, 0))
                 same = version == quorum.registry_version
                 decision = self._store.compare_set(key, "", "ok:same" if same else "ok:full")
@@ -782,13 +905,51 @@ class Manager:
             ticks += 1
             try:
                 self._expire_wrapped()
-                self._monitor_liveness.beat(self._replica_id)
+                self._beat(check_group=ticks % _HEARTBEAT_CHECK_TICKS == 0)
                 # Errors are polled every tick; heartbeats, which only back up the error
                 # path, every few ticks, to keep the store traffic small.
                 self._watch_step(check_heartbeats=ticks % _HEARTBEAT_CHECK_TICKS == 0)
             except Exception:
                 if not self._stop.is_set():
                     logger.warning("ft monitor: store call failed", exc_info=True)
+
+    def _beat(self, *, check_group: bool) -> None:
+        """Beats this rank's heartbeat; group rank 0 beats the group's while it is whole.
+
+        In a replica group, rank 0 watches every rank and the others watch rank 0. When a
+        watched rank stops beating, the group is broken for good (it rejoins only by
+        restarting whole): this rank stops beating, fails the step and ends its own wait
+        for the group (rank 0's for its ranks, another rank's for rank 0's decision);
+        rank 0 also marks the group as left, so that the other groups leave it out at once.
+        """
+        grouped = self._group_world_size > 1
+        if grouped and check_group and self._group_broken is None:
+            watched = range(1, self._group_world_size) if self._group_rank == 0 else range(1)
+            stale = self._monitor_liveness.stale_ranks(self._group_name(), watched)
+            if stale:
+                self._break_group(stale)
+        if self._group_broken is not None:
+            return
+        if grouped:
+            self._monitor_liveness.beat_rank(self._group_name(), self._group_rank)
+        if self._group_rank == 0:
+            self._monitor_liveness.beat(self._replica_id)
+
+    def _break_group(self, stale: list[int]) -> None:
+        message = (
+            f"replica group {self._replica_id}: group ranks {stale} stopped beating their "
+            "heartbeat; the group is out of the quorum until all its ranks restart"
+        )
+        self._group_broken = message
+        if self._group_rank == 0:
+            self._monitor_liveness.leave(self._replica_id)
+            if self._arrival_key is not None:
+                self._monitor_store.compare_set(self._arrival_key, "", "broken")
+        elif self._awaited_key is not None:
+            self._monitor_store.compare_set(self._awaited_key, "", f"fail:{message}"[:1000])
+        logger.warning("%s", message)
+        if self._step_active:
+            self._fail(ReplicaError(message), self._generation)
 
     def _watch_step(self, *, check_heartbeats: bool) -> None:
         with self._lock:
@@ -830,7 +991,10 @@ class Manager:
         self._stop.set()
         self._monitor.join(timeout=5)
         try:
-            Liveness(self._store, timedelta(seconds=1)).leave(self._replica_id)
+            if self._group_rank == 0:  # the group leaves with its rank 0
+                Liveness(self._store, timedelta(seconds=1)).leave(self._replica_id)
+            else:  # a counter of 0 reads as "not started": rank 0 does not break the group
+                self._store.set(f"hb/{self._group_name()}/{self._group_rank}", "0")
         except Exception:
             logger.warning("could not tell the store that %s left", self._replica_id, exc_info=True)
         self._pg.shutdown()

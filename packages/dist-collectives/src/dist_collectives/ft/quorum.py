@@ -32,6 +32,7 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from datetime import timedelta
 
 from torch.distributed import Store  # type: ignore[attr-defined]  # public, not re-exported in the stubs
@@ -147,6 +148,33 @@ class Liveness:
         self.beat(replica_id)
         _append(self._store, "replicas", f"{replica_id}\n")
         self._store.add(REGISTRY_VERSION_KEY, 1)
+
+    def beat_rank(self, group: str, group_rank: int) -> None:
+        """Advances the counter of one rank of a replica group (``hb/<group>/<rank>``).
+
+        ``group`` names the group and its incarnation: a restarted group counts afresh.
+        """
+        self._store.add(f"hb/{group}/{group_rank}", 1)
+
+    def stale_ranks(self, group: str, group_ranks: Sequence[int]) -> list[int]:
+        """The ranks of ``group`` (see :meth:`beat_rank`) whose counter stopped moving.
+
+        A rank that never beat (its counter is 0 or missing: it is still starting) is not
+        stale; a rank that beat once and then stopped for the heartbeat timeout is.
+        """
+        keys = [f"hb/{group}/{rank}" for rank in group_ranks]
+        # add(key, 0) creates a missing key, so that multi_get does not block on it.
+        counters = [self._store.add(key, 0) for key in keys]
+        now = time.monotonic()
+        stale = []
+        for rank, key, counter in zip(group_ranks, keys, counters, strict=True):
+            value = str(counter).encode()
+            previous = self._seen.get(key)
+            if previous is None or previous[0] != value:
+                self._seen[key] = (value, now)
+            elif counter > 0 and now - previous[1] >= self._timeout:
+                stale.append(rank)
+        return stale
 
     def leave(self, replica_id: str) -> None:
         """Marks ``replica_id`` as gone for good, so that nobody waits for it."""
