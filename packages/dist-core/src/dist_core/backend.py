@@ -23,7 +23,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from dist_core.devices import accelerator_device_count, accelerator_type, device_count
+from dist_core.devices import accelerator, accelerator_type, device_count
 from dist_core.env import DistEnv
 from dist_core.errors import DistEnvError
 from dist_core.log import INFOALL
@@ -112,8 +112,7 @@ def choose_backend(
     """
     if local_world_size is None:
         local_world_size = _local_world_size_from(os.environ if environ is None else environ)
-    kind = accelerator_type()
-    devices = accelerator_device_count() if kind is not None else 0
+    kind, devices = accelerator()
     backend = _accelerator_backend(kind)
     if kind is not None and devices < local_world_size:
         backend = "gloo"
@@ -215,7 +214,7 @@ def _backend_names(backend: str) -> set[str]:
     return {part.split(":")[-1].strip().lower() for part in backend.split(",") if part.strip()}
 
 
-def _check_devices_for(backend: str, env: DistEnv) -> None:
+def _check_devices_for(backend: str, env: DistEnv, choice: BackendChoice) -> None:
     """Refuses an accelerator backend on a node with fewer devices than local ranks.
 
     Skipped when ``CUDA_VISIBLE_DEVICES`` is set and each process sees fewer devices
@@ -223,7 +222,6 @@ def _check_devices_for(backend: str, env: DistEnv) -> None:
     device plugin) may have given every rank a device of its own, which one process
     cannot tell apart from ranks sharing one.
     """
-    choice = choose_backend(env.local_world_size)
     accelerator_backend = _accelerator_backend(choice.accelerator)
     wanted = _backend_names(backend) & {"nccl", accelerator_backend} - {"gloo"}
     if not wanted or not (choice.devices < env.local_world_size):
@@ -277,17 +275,16 @@ def init_process_group_from_backend(
             "dist_core.destroy_dist() before initializing another"
         )
     env = DistEnv.from_environ()
-    explicit = backend is not None or bool(os.environ.get(BACKEND_VARIABLE, "").strip())
+    choice = choose_backend(env.local_world_size)
     if backend is not None:
         chosen = backend
-    elif explicit:
+    elif os.environ.get(BACKEND_VARIABLE, "").strip():
         chosen = get_distributed_backend()
     else:
-        choice = choose_backend(env.local_world_size)
         chosen = choice.backend
         if choice.shares_devices and env.rank == 0:
             logger.info("%s", choice.fallback_message())
-    _check_devices_for(chosen, env)
+    _check_devices_for(chosen, env, choice)
     init_method = get_init_method()
     logger.log(
         INFOALL,

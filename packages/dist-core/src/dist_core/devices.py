@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 
-def _cuda_built() -> bool:
+def cuda_built() -> bool:
     """Whether torch was built with CUDA (or ROCm, which torch also calls ``cuda``)."""
     return torch.version.cuda is not None or getattr(torch.version, "hip", None) is not None
 
@@ -29,7 +29,7 @@ def _compiled_accelerator() -> str | None:
         if current is None or current.type == "cpu":
             return None
         return str(current.type)
-    return "cuda" if _cuda_built() else None
+    return "cuda" if cuda_built() else None
 
 
 def cuda_device_count() -> int:
@@ -38,7 +38,7 @@ def cuda_device_count() -> int:
     Reads ``CUDA_VISIBLE_DEVICES`` (through torch and NVML). 0 on a torch built without
     CUDA, and on a host whose driver reports no device.
     """
-    if not _cuda_built():
+    if not cuda_built():
         return 0
     try:
         return max(0, int(torch.cuda.device_count()))
@@ -59,16 +59,23 @@ def accelerator_device_count() -> int:
         return 0
 
 
+def accelerator() -> tuple[str | None, int]:
+    """The accelerator's device type and how many devices of it this process sees.
+
+    ``(None, 0)`` on a CPU-only build or host. Asks the driver once, without
+    initialising the accelerator.
+    """
+    count = accelerator_device_count()
+    return (_compiled_accelerator() if count else None), count
+
+
 def accelerator_type() -> str | None:
     """The device type of the accelerator this process can use (``cuda``, ``xpu``, ...).
 
     None on a CPU-only build or host. Does not initialise the accelerator, so a parent
     that calls it can still fork workers that use it.
     """
-    kind = _compiled_accelerator()
-    if kind is None or accelerator_device_count() == 0:
-        return None
-    return kind
+    return accelerator()[0]
 
 
 def device_count() -> int:

@@ -26,8 +26,7 @@ from typing import Any
 import torch
 
 from dist_workspace.config_codec import decode_config, encode_config
-from dist_workspace.format import supported_dtypes
-from dist_workspace.writer import shared_groups
+from dist_workspace.writer import check_tensor, shared_groups
 
 _ALIGNMENT = 64
 
@@ -56,24 +55,7 @@ def _copy(target: torch.Tensor, source: torch.Tensor) -> None:
 def _checked(label: str, tensor: Any) -> torch.Tensor:
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{label} is a {type(tensor).__name__}, not a torch.Tensor")
-    if tensor.layout != torch.strided:
-        raise TypeError(f"{label} has layout {tensor.layout}; only dense (strided) tensors")
-    if tensor.device.type == "meta":
-        raise TypeError(f"{label} is on the meta device and has no data to write")
-    if tensor.dtype not in supported_dtypes():
-        raise TypeError(
-            f"{label} has dtype {tensor.dtype}, which safetensors cannot store; supported: "
-            + ", ".join(str(dtype) for dtype in supported_dtypes())
-        )
-    tensor = tensor.detach()
-    # A conjugate or negative view reads its storage with a lazy sign flip: it gets
-    # storage of its own with the values it shows (as the record writer does).
-    if tensor.is_conj():
-        tensor = tensor.resolve_conj()
-    if tensor.is_neg():
-        tensor = tensor.resolve_neg()
-    checked: torch.Tensor = tensor
-    return checked
+    return check_tensor(label, tensor)  # the same checks and view resolution as a record's
 
 
 def _span(tensor: torch.Tensor) -> tuple[int, int]:

@@ -88,7 +88,8 @@ def _check_weights(weights: dict[str, torch.Tensor]) -> None:
             raise TypeError(f"weights[{name!r}] is a {type(tensor).__name__}, not a torch.Tensor")
 
 
-def _check_tensor(label: str, tensor: torch.Tensor) -> torch.Tensor:
+def check_tensor(label: str, tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` detached, ready to store: refused by name if it cannot be, lazy views resolved."""
     if tensor.layout != torch.strided:
         raise TypeError(f"{label} has layout {tensor.layout}; only dense (strided) tensors")
     if tensor.device.type == "meta":
@@ -111,7 +112,7 @@ def _check_tensor(label: str, tensor: torch.Tensor) -> torch.Tensor:
 
 def _name_of(dtype: torch.dtype) -> str:
     name = dtype_name(dtype)
-    assert name is not None, "checked by _check_tensor"
+    assert name is not None, "checked by check_tensor"
     return name
 
 
@@ -179,9 +180,9 @@ def prepare_record(
     _check_weights(weights)
     logical: dict[str, torch.Tensor] = {}
     for name, tensor in weights.items():
-        logical[name] = _check_tensor(f"weights[{name!r}]", tensor)
+        logical[name] = check_tensor(f"weights[{name!r}]", tensor)
     for name, tensor in config_tensors.items():
-        logical[name] = _check_tensor(f"the config's tensor {name}", tensor)
+        logical[name] = check_tensor(f"the config's tensor {name}", tensor)
 
     groups = shared_groups(logical)
     blob_of: dict[str, int] = {}

@@ -13,7 +13,7 @@ from torch.distributed import Store  # type: ignore[attr-defined]  # public, not
 
 from dist_collectives.ft.process_group import DEFAULT_TIMEOUT
 from dist_collectives.ft.wrappers import ProcessGroupWrapper, retire_in_background
-from dist_core.devices import cuda_device_count
+from dist_core.devices import cuda_built, cuda_device_count
 
 logger = logging.getLogger(__name__)
 
@@ -24,7 +24,7 @@ def nccl_unavailable_reason() -> str | None:
     Counts devices through NVML (:func:`dist_core.devices.cuda_device_count`), so asking
     does not initialise CUDA in a parent process that may still fork.
     """
-    if not torch.backends.cuda.is_built():  # type: ignore[no-untyped-call]
+    if not cuda_built():
         return f"torch {torch.__version__} was built without CUDA"
     if not dist.is_nccl_available():
         return f"torch {torch.__version__} was built without NCCL"
