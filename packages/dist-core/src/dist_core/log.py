@@ -11,6 +11,8 @@ import logging
 import sys
 
 INFOALL = logging.INFO + 5
+# Set by dist-launch in its workers: it prefixes every line with the rank itself.
+LAUNCHER_PREFIXES_VARIABLE = "DIST_LAUNCH_PREFIXES_OUTPUT"
 logging.addLevelName(INFOALL, "INFOALL")
 
 _HANDLER_MARK = "_dist_core_handler"

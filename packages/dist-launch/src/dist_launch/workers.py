@@ -6,21 +6,8 @@ import contextlib
 import os
 import subprocess
 import sys
-from dataclasses import dataclass
 
-
-@dataclass(frozen=True)
-class WorkerTarget:
-    """What each worker runs: a script path or a module name, and its arguments."""
-
-    name: str
-    args: tuple[str, ...]
-    is_module: bool
-
-    def bootstrap_argv(self) -> list[str]:
-        """The arguments of :mod:`dist_launch._bootstrap` for this target."""
-        head = ["-m", self.name] if self.is_module else [self.name]
-        return [*head, *self.args]
+from dist_launch.plan import WorkerTarget
 
 
 class PopenWorker:

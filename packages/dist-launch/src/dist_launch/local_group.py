@@ -1,0 +1,263 @@
+"""One attempt of this node's workers: environment, start, output relay, supervision.
+
+:class:`LocalGroup` starts ``nproc`` workers for one rendezvous round, relays their
+output with a rank prefix, and hands them to the supervisor, which stops all of them
+when one fails and reads who failed first. The fork server (:class:`Zygote`) is owned
+by the agent and kept warm across attempts, so a restart pays no new ``import torch``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import BinaryIO
+
+from dist_core.log import LAUNCHER_PREFIXES_VARIABLE
+from dist_launch._bootstrap import PARENT_PID_VARIABLE, RUN_DIR_VARIABLE
+from dist_launch.output import LineRelay
+from dist_launch.plan import LaunchPlan, WorkerTarget
+from dist_launch.records import RankFiles
+from dist_launch.rendezvous import Assignment
+from dist_launch.supervisor import GroupOutcome, Supervisor, Worker
+from dist_launch.workers import PopenWorker, start_subprocess_worker
+from dist_launch.zygote import Zygote
+
+# After the workers ended, how long a grandchild holding their pipes may delay us.
+DRAIN_SECONDS = 2.0
+
+
+def node_environment(plan: LaunchPlan, base: dict[str, str]) -> dict[str, str]:
+    """The variables every worker of this node shares in every attempt.
+
+    ``OMP_NUM_THREADS=1`` unless set (as torchrun, when several workers share a node),
+    ``PYTHONUNBUFFERED=1`` unless set (so that prefixed lines arrive as written), and
+    ``TORCH_NCCL_ASYNC_ERROR_HANDLING=1`` unless set (as torchrun).
+    """
+    env = dict(base)
+    if "OMP_NUM_THREADS" not in env and plan.nproc > 1:
+        env["OMP_NUM_THREADS"] = "1"
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    # The launcher prefixes every line with the rank: dist_core.log adds no second one.
+    env[LAUNCHER_PREFIXES_VARIABLE] = "1"
+    # torchrun's flags reach no worker as PET_ variables.
+    for name in [key for key in env if key.startswith("PET_")]:
+        del env[name]
+    return env
+
+
+def worker_environment(
+    plan: LaunchPlan, assignment: Assignment, base: dict[str, str]
+) -> dict[str, str]:
+    """The variables torchrun sets that every local worker of this round shares."""
+    env = dict(base)
+    env.update(
+        {
+            "GROUP_RANK": str(assignment.group_rank),
+            "NODE_RANK": str(assignment.group_rank),
+            "ROLE_NAME": plan.role,
+            "WORLD_SIZE": str(assignment.world_size),
+            "LOCAL_WORLD_SIZE": str(plan.nproc),
+            "GROUP_WORLD_SIZE": str(assignment.group_world_size),
+            "ROLE_WORLD_SIZE": str(assignment.world_size),
+            "MASTER_ADDR": assignment.master_addr,
+            "MASTER_PORT": str(assignment.master_port),
+            "TORCHELASTIC_RESTART_COUNT": str(assignment.restart_count),
+            "TORCHELASTIC_MAX_RESTARTS": str(plan.max_restarts),
+            "TORCHELASTIC_RUN_ID": plan.run_id,
+            "TORCHELASTIC_USE_AGENT_STORE": "False",
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING": env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+        }
+    )
+    return env
+
+
+def rank_environment(
+    plan: LaunchPlan, env: dict[str, str], rank: int, local_rank: int
+) -> dict[str, str]:
+    """``env`` plus one worker's rank variables.
+
+    With ``--virtual-local-rank``, ``LOCAL_RANK`` is 0 and ``CUDA_VISIBLE_DEVICES`` names
+    only this worker's device (the ``local_rank``-th of those visible to the launcher).
+    """
+    rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(local_rank), "ROLE_RANK": str(rank)}
+    if plan.virtual_local_rank:
+        visible = [d for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+        device = visible[local_rank] if local_rank < len(visible) else str(local_rank)
+        rank_env["CUDA_VISIBLE_DEVICES"] = device
+        rank_env["LOCAL_RANK"] = "0"
+    return rank_env
+
+
+def start_program_worker(
+    target: WorkerTarget, env: dict[str, str], rank: int, local_rank: int, node_rank: int
+) -> tuple[PopenWorker, int, int]:
+    """Starts ``--no-python`` target as a program; returns it and its output pipes."""
+    out_read, out_write = os.pipe()
+    err_read, err_write = os.pipe()
+    try:
+        popen = subprocess.Popen(
+            [target.name, *target.args],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=out_write,
+            stderr=err_write,
+            process_group=0,
+        )
+    except BaseException:
+        for fd in (out_read, err_read):
+            os.close(fd)
+        raise
+    finally:
+        os.close(out_write)
+        os.close(err_write)
+    return PopenWorker(popen, rank, local_rank, node_rank), out_read, err_read
+
+
+def _pump_callback(selector: selectors.BaseSelector, relay: LineRelay) -> Callable[[], None]:
+    def pump() -> None:
+        if not relay.pump():
+            with contextlib.suppress(KeyError, ValueError):
+                selector.unregister(relay.fd)
+
+    return pump
+
+
+class LocalGroup:
+    """This node's workers for one round.
+
+    Args:
+        plan: The launch plan.
+        assignment: This node's place in the round.
+        node_env: :func:`node_environment`.
+        selector: The agent's selector (signal pipe, fork server socket, rendezvous
+            watcher are registered on it).
+        zygote: The warm fork server, or None to start fresh interpreters.
+        on_supervisor: Called with the supervisor once it exists (signals reach it).
+    """
+
+    def __init__(
+        self,
+        plan: LaunchPlan,
+        assignment: Assignment,
+        node_env: dict[str, str],
+        selector: selectors.BaseSelector,
+        zygote: Zygote | None,
+        on_supervisor: Callable[[Supervisor | None], None],
+    ) -> None:
+        self.plan = plan
+        self.assignment = assignment
+        self.node_env = node_env
+        self.selector = selector
+        self.zygote = zygote
+        self.on_supervisor = on_supervisor
+        self.run_dir = tempfile.mkdtemp(prefix="dist-launch-")
+        self.files: dict[int, RankFiles] = {}
+
+    def _open_logs(self, attempt: int) -> dict[int, BinaryIO]:
+        plan = self.plan
+        logs: dict[int, BinaryIO] = {}
+        if plan.log_dir is None:
+            return logs
+        os.makedirs(plan.log_dir, exist_ok=True)
+        for local_rank in range(plan.nproc):
+            rank = self.assignment.base_rank + local_rank
+            path = os.path.join(plan.log_dir, f"rank{rank}.log")
+            logs[rank] = open(path, "ab" if attempt else "wb")  # noqa: SIM115
+        return logs
+
+    def run(self, attempt: int, timeout: float | None) -> GroupOutcome:
+        """Starts the workers, waits for the outcome, cleans up; returns the outcome.
+
+        Raises:
+            OSError, RuntimeError: A worker could not be started.
+        """
+        plan, assignment = self.plan, self.assignment
+        selector = self.selector
+        logs = self._open_logs(attempt)
+        relays: list[LineRelay] = []
+        workers: list[Worker] = []
+        try:
+            env = worker_environment(plan, assignment, self.node_env)
+            env[RUN_DIR_VARIABLE] = self.run_dir
+            env[PARENT_PID_VARIABLE] = str(os.getpid())
+            for local_rank in range(plan.nproc):
+                rank = assignment.base_rank + local_rank
+                rank_env = rank_environment(plan, env, rank, local_rank)
+                self.files[rank] = RankFiles.for_rank(self.run_dir, rank)
+                rank_env["TORCHELASTIC_ERROR_FILE"] = str(self.files[rank].torchelastic_error)
+                worker: Worker
+                node = assignment.group_rank
+                if plan.target.no_python:
+                    worker, out_fd, err_fd = start_program_worker(
+                        plan.target, rank_env, rank, local_rank, node
+                    )
+                elif self.zygote is not None:
+                    worker, out_fd, err_fd = self.zygote.start(
+                        plan.target, rank_env, rank, local_rank, node
+                    )
+                else:
+                    worker, out_fd, err_fd = start_subprocess_worker(
+                        plan.target, rank_env, rank, local_rank, node
+                    )
+                workers.append(worker)
+                prefix = f"[rank{rank}]: ".encode()
+                for fd, sink in ((out_fd, sys.stdout.buffer), (err_fd, sys.stderr.buffer)):
+                    relay = LineRelay(fd, prefix, sink, logs.get(rank))
+                    relays.append(relay)
+                    selector.register(fd, selectors.EVENT_READ, _pump_callback(selector, relay))
+            supervisor = Supervisor(
+                workers,
+                {w.rank: self.files[w.rank] for w in workers},
+                grace_period=plan.grace_period,
+                timeout=timeout,
+                selector=selector,
+            )
+            self.on_supervisor(supervisor)
+            outcome = supervisor.run()
+            self._drain(relays)
+            return outcome
+        finally:
+            self.on_supervisor(None)
+            for worker in workers:
+                _kill_if_alive(worker)
+            for relay in relays:
+                with contextlib.suppress(KeyError, ValueError):
+                    selector.unregister(relay.fd)
+                relay.close()
+            for log in logs.values():
+                log.close()
+            for worker in workers:
+                close = getattr(worker, "close", None)
+                if close is not None:
+                    close()
+
+    def _drain(self, relays: list[LineRelay]) -> None:
+        """Passes on what the ended workers left in their pipes (bounded)."""
+        deadline = time.monotonic() + DRAIN_SECONDS
+        fds = {relay.fd for relay in relays}
+        while any(not relay.closed for relay in relays):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            for key, _ in self.selector.select(remaining):
+                if callable(key.data) and key.fd in fds:
+                    key.data()
+
+    def cleanup(self) -> None:
+        """Removes the attempt's scratch directory."""
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+
+
+def _kill_if_alive(worker: Worker) -> None:
+    if worker.returncode() is None and worker.pid is not None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(worker.pid, signal.SIGKILL)

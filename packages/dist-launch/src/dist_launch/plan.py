@@ -1,0 +1,469 @@
+"""What one ``dist-launch`` run does, resolved from flags, ``PET_*`` variables and SLURM.
+
+Each setting comes from the first of these that has it:
+
+1. the command-line flag (either spelling, ``--nproc-per-node`` or ``--nproc_per_node``);
+2. its ``PET_<FLAG>`` variable (``PET_NPROC_PER_NODE``, ``PET_RDZV_ENDPOINT``, ...), as
+   torchrun reads them, which is how Kubeflow's PyTorchJob configures a pod;
+3. under ``srun`` (``SLURM_JOB_ID`` and ``SLURM_NODEID`` set, and ``SLURM_STEP_ID`` or
+   ``SLURM_PROCID``), the node settings: ``--nnodes`` from ``SLURM_NNODES`` (or
+   ``SLURM_JOB_NUM_NODES``), ``--node-rank`` from ``SLURM_NODEID``, the master (or
+   rendezvous endpoint) host from the first host of ``SLURM_JOB_NODELIST``, and its
+   port from ``SLURM_JOB_ID`` (:func:`slurm_port`), so that two jobs sharing a node do
+   not collide;
+4. the default, torchrun's except where this module says otherwise.
+
+:attr:`LaunchPlan.sources` records where each of the node settings came from; the
+launcher prints it in its first line.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from dist_core.slurm import expand_hostlist
+
+SLURM_PORT_BASE = 15000
+SLURM_PORT_SPAN = 20000
+RDZV_BACKENDS = ("static", "c10d")
+DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+
+
+class UsageError(Exception):
+    """A command-line value (or its ``PET_`` or SLURM variable) is wrong; says which."""
+
+
+@dataclass(frozen=True)
+class WorkerTarget:
+    """What each worker runs: a script path or a module name, and its arguments.
+
+    ``no_python`` runs ``name`` itself as a program (torchrun's ``--no-python``).
+    """
+
+    name: str
+    args: tuple[str, ...]
+    is_module: bool = False
+    no_python: bool = False
+
+    def bootstrap_argv(self) -> list[str]:
+        """The arguments of :mod:`dist_launch._bootstrap` for this target."""
+        head = ["-m", self.name] if self.is_module else [self.name]
+        return [*head, *self.args]
+
+    def display(self) -> str:
+        """The command line as a user would type it (for logs and process titles)."""
+        head = ["-m", self.name] if self.is_module else [self.name]
+        return " ".join([*head, *self.args])
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """The validated settings of one ``dist-launch`` run."""
+
+    target: WorkerTarget
+    nproc: int
+    min_nodes: int
+    max_nodes: int
+    node_rank: int
+    rdzv_backend: str
+    rdzv_endpoint: str
+    rdzv_id: str
+    rdzv_conf: Mapping[str, str]
+    master_addr: str
+    master_port: int | None
+    local_addr: str | None
+    max_restarts: int
+    monitor_interval: float
+    start_method: str
+    role: str
+    log_dir: str | None
+    redirects: str
+    tee: str
+    local_ranks_filter: frozenset[int] | None
+    signals_to_handle: tuple[int, ...]
+    grace_period: float
+    timeout: float | None
+    run_id: str
+    virtual_local_rank: bool
+    standalone: bool
+    sources: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def nnodes(self) -> int:
+        """The node count of a static job (``MIN`` of ``MIN:MAX``)."""
+        return self.min_nodes
+
+    @property
+    def world_size(self) -> int:
+        """Ranks over all nodes of a static job."""
+        return self.nproc * self.min_nodes
+
+    @property
+    def elastic(self) -> bool:
+        """True when nodes meet through torch elastic's c10d rendezvous."""
+        return self.rdzv_backend == "c10d"
+
+
+def slurm_port(job_id: str) -> int:
+    """The master port of a SLURM job: ``15000 + SLURM_JOB_ID % 20000``.
+
+    Two jobs sharing a node get different ports unless their ids differ by a multiple
+    of 20000.
+    """
+    digits = "".join(ch for ch in job_id if ch.isdigit())
+    return SLURM_PORT_BASE + (int(digits) if digits else 0) % SLURM_PORT_SPAN
+
+
+def under_srun(environ: Mapping[str, str]) -> bool:
+    """True when this process is a task started by ``srun`` (reads the SLURM variables)."""
+    return (
+        bool(environ.get("SLURM_JOB_ID"))
+        and bool(environ.get("SLURM_NODEID"))
+        and ("SLURM_STEP_ID" in environ or "SLURM_STEPID" in environ or "SLURM_PROCID" in environ)
+    )
+
+
+def _slurm_defaults(environ: Mapping[str, str]) -> dict[str, tuple[str, str]]:
+    """Node settings from srun's variables: name -> (value, source)."""
+    if not under_srun(environ):
+        return {}
+    found: dict[str, tuple[str, str]] = {}
+    for variable in ("SLURM_NNODES", "SLURM_JOB_NUM_NODES"):
+        if environ.get(variable):
+            found["nnodes"] = (environ[variable], variable)
+            break
+    found["node_rank"] = (environ["SLURM_NODEID"], "SLURM_NODEID")
+    nodelist = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
+    if nodelist:
+        try:
+            hosts = expand_hostlist(nodelist)
+        except ValueError as error:
+            raise UsageError(str(error)) from None
+        found["master_addr"] = (hosts[0], "first host of SLURM_JOB_NODELIST")
+    found["master_port"] = (str(slurm_port(environ["SLURM_JOB_ID"])), "SLURM_JOB_ID")
+    ntasks = environ.get("SLURM_NTASKS") or environ.get("SLURM_NPROCS")
+    nnodes = found.get("nnodes", ("", ""))[0]
+    if ntasks and nnodes and ntasks.isdigit() and nnodes.isdigit() and int(ntasks) > int(nnodes):
+        raise UsageError(
+            f"SLURM_NTASKS={ntasks} tasks on SLURM_NNODES={nnodes} nodes: dist-launch starts "
+            "the workers of a node itself and must run once per node (srun "
+            "--ntasks-per-node=1 dist-launch ...)"
+        )
+    return found
+
+
+def _int(value: str, flag: str, *, minimum: int | None = None) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise UsageError(f"{flag}={value!r} is not an integer") from None
+    if minimum is not None and number < minimum:
+        raise UsageError(f"{flag}={number} must be at least {minimum}")
+    return number
+
+
+def _float(value: str, flag: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        raise UsageError(f"{flag}={value!r} is not a number") from None
+    if number <= 0:
+        raise UsageError(f"{flag}={value} must be positive")
+    return number
+
+
+def parse_nnodes(value: str) -> tuple[int, int]:
+    """``N`` or ``MIN:MAX`` as (min, max)."""
+    text = value.strip()
+    low, sep, high = text.partition(":")
+    minimum = _int(low, "--nnodes", minimum=1)
+    maximum = _int(high, "--nnodes", minimum=1) if sep else minimum
+    if maximum < minimum:
+        raise UsageError(f"--nnodes={value}: MAX ({maximum}) is below MIN ({minimum})")
+    return minimum, maximum
+
+
+def parse_nproc(value: str) -> int:
+    """``N``, ``cpu``, ``gpu``, ``xpu`` or ``auto`` as a worker count (torchrun's meaning).
+
+    ``gpu``/``xpu`` count this host's CUDA/XPU devices (an error when there are none);
+    ``auto`` counts the accelerator's devices where there are some, else CPU cores.
+    """
+    text = value.strip().lower()
+    if text == "cpu":
+        return os.cpu_count() or 1
+    if text in ("gpu", "xpu", "auto"):
+        # Only these values need torch; a number never pays for its import.
+        from dist_core.devices import accelerator_device_count, accelerator_type  # noqa: PLC0415
+
+        kind, count = accelerator_type(), accelerator_device_count()
+        if text == "auto":
+            return count if count > 0 else (os.cpu_count() or 1)
+        wanted = "cuda" if text == "gpu" else "xpu"
+        if kind != wanted or count == 0:
+            raise UsageError(
+                f"--nproc-per-node={value}: this host has no {wanted.upper()} device "
+                f"(accelerator: {kind or 'none'}); give a number or 'cpu'"
+            )
+        return count
+    return _int(value, "--nproc-per-node", minimum=1)
+
+
+def parse_rdzv_conf(value: str) -> dict[str, str]:
+    """``k1=v1,k2=v2`` as a dict."""
+    conf: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in value.split(","))):
+        key, sep, val = item.partition("=")
+        if not sep or not key.strip():
+            raise UsageError(f"--rdzv-conf: {item!r} is not key=value")
+        conf[key.strip()] = val.strip()
+    return conf
+
+
+def parse_signals(value: str) -> tuple[int, ...]:
+    """``SIGTERM,SIGINT,...`` as signal numbers."""
+    numbers: list[int] = []
+    for name in filter(None, (part.strip().upper() for part in value.split(","))):
+        full = name if name.startswith("SIG") else f"SIG{name}"
+        try:
+            numbers.append(int(signal.Signals[full]))
+        except KeyError:
+            raise UsageError(f"--signals-to-handle: {name!r} is not a signal name") from None
+    return tuple(numbers)
+
+
+def parse_ranks_filter(value: str) -> frozenset[int] | None:
+    """``0,2`` as a set of local ranks; empty means no filter."""
+    if not value.strip():
+        return None
+    ranks = {
+        _int(part, "--local-ranks-filter", minimum=0) for part in value.split(",") if part.strip()
+    }
+    return frozenset(ranks)
+
+
+def _refuse(flag: str, reason: str) -> UsageError:
+    return UsageError(f"{flag} is not supported: {reason}")
+
+
+def build_plan(
+    values: Mapping[str, object], environ: Mapping[str, str] | None = None
+) -> LaunchPlan:
+    """Resolves parsed flag values (None = not given) against ``PET_*`` and SLURM.
+
+    Args:
+        values: The parser's values by destination name; ``None`` where a flag was not
+            on the command line.
+        environ: The environment to read (``os.environ`` by default): ``PET_<FLAG>``
+            for every flag, the SLURM variables of :func:`_slurm_defaults`, and
+            ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` as torchrun does.
+
+    Raises:
+        UsageError: A value is malformed or out of range, or a flag cannot be honoured;
+            the message names the flag (and the variable it came from).
+    """
+    env = os.environ if environ is None else environ
+    slurm = _slurm_defaults(env)
+    sources: dict[str, str] = {}
+
+    def get(name: str, default: str | None = None) -> str | None:
+        given = values.get(name)
+        if given is not None:
+            sources[name] = "flag"
+            return str(given)
+        variable = f"PET_{name.upper()}"
+        if env.get(variable):
+            sources[name] = variable
+            return env[variable]
+        if name in slurm:
+            value, source = slurm[name]
+            sources[name] = source
+            return value
+        sources[name] = "default"
+        return default
+
+    def flag(name: str) -> bool:
+        given = values.get(name)
+        if given:
+            return True
+        raw = env.get(f"PET_{name.upper()}", "0").strip()
+        return raw not in ("", "0", "false", "False")
+
+    standalone = flag("standalone")
+    min_nodes, max_nodes = parse_nnodes(get("nnodes", "1") or "1")
+    nproc = parse_nproc(get("nproc_per_node", "1") or "1")
+    rdzv_backend = (get("rdzv_backend", "static") or "static").strip().lower()
+    if rdzv_backend in ("etcd", "etcd-v2"):
+        raise UsageError(
+            f"--rdzv-backend={rdzv_backend}: etcd rendezvous is deprecated in torch and not "
+            "supported; use --rdzv-backend c10d (an endpoint any node can reach) or static"
+        )
+    if rdzv_backend not in RDZV_BACKENDS:
+        raise UsageError(
+            f"--rdzv-backend={rdzv_backend!r} is not one of {', '.join(RDZV_BACKENDS)}"
+        )
+    rdzv_endpoint = get("rdzv_endpoint", "") or ""
+    rdzv_id = get("rdzv_id", "none") or "none"
+    rdzv_conf = parse_rdzv_conf(get("rdzv_conf", "") or "")
+    node_rank = _int(get("node_rank", "0") or "0", "--node-rank", minimum=0)
+    master_addr = get("master_addr", "127.0.0.1") or "127.0.0.1"
+    raw_port = get("master_port")
+    master_port = None if raw_port is None else _int(raw_port, "--master-port", minimum=1)
+    if master_port is not None and master_port > 65535:
+        raise UsageError(f"--master-port={master_port} is not a TCP port (1-65535)")
+    if standalone:
+        # torchrun --standalone: one node, its own rendezvous; the node flags are moot.
+        min_nodes = max_nodes = 1
+        rdzv_backend, node_rank = "static", 0
+        rdzv_endpoint = ""
+        sources["nnodes"] = sources["rdzv_backend"] = "--standalone"
+    if rdzv_backend == "static":
+        if min_nodes != max_nodes:
+            raise UsageError(
+                f"--nnodes={min_nodes}:{max_nodes} needs an elastic rendezvous: add "
+                "--rdzv-backend c10d --rdzv-endpoint HOST:PORT"
+            )
+        if node_rank >= min_nodes:
+            raise UsageError(f"--node-rank={node_rank}: must lie in [0, --nnodes={min_nodes})")
+        if rdzv_endpoint and min_nodes > 1 and sources.get("master_addr") == "default":
+            # torchrun's static rendezvous takes the endpoint as the master's address.
+            host, _, port = rdzv_endpoint.rpartition(":")
+            master_addr = host or master_addr
+            if port and master_port is None:
+                master_port = _int(port, "--rdzv-endpoint port")
+    elif not rdzv_endpoint:
+        if "master_addr" in slurm:
+            rdzv_endpoint = f"{slurm['master_addr'][0]}:{slurm['master_port'][0]}"
+            sources["rdzv_endpoint"] = "SLURM_JOB_NODELIST, SLURM_JOB_ID"
+        else:
+            raise UsageError(
+                "--rdzv-backend c10d needs --rdzv-endpoint HOST:PORT (the host of one node, "
+                "which serves the rendezvous store)"
+            )
+    max_restarts = _int(get("max_restarts", "0") or "0", "--max-restarts", minimum=0)
+    monitor_interval = _float(get("monitor_interval", "0.1") or "0.1", "--monitor-interval")
+    start_method = (get("start_method", "forkserver") or "forkserver").strip()
+    if start_method not in ("forkserver", "spawn", "fork"):
+        raise UsageError(f"--start-method={start_method!r} is not one of forkserver, spawn, fork")
+    if start_method == "fork":
+        # The launcher never imports torch; forking it would give each worker torch's
+        # import to pay. Workers forked from the fork server are what fork means here.
+        start_method = "forkserver"
+    event_log_handler = get("event_log_handler", "null") or "null"
+    if event_log_handler != "null":
+        raise _refuse(
+            "--event-log-handler",
+            f"{event_log_handler!r}: dist-launch has no event handler registry; its log "
+            "lines and the error.json files under --log-dir carry the events",
+        )
+    for name in ("duplicate_stdout_filters", "duplicate_stderr_filters"):
+        if (get(name, "") or "").strip():
+            raise _refuse(
+                "--" + name.replace("_", "-"),
+                "use --log-dir (every rank's full output) and grep the files",
+            )
+    if values.get("logs_specs"):
+        raise _refuse(
+            "--logs-specs",
+            "torchrun's LogsSpecs plugins are not loaded; --log-dir gives torchrun's layout",
+        )
+    if values.get("numa_binding"):
+        raise _refuse(
+            "--numa-binding",
+            "bind workers yourself (numactl in a --no-python wrapper) for now",
+        )
+    module = flag("module")
+    no_python = flag("no_python")
+    run_path = flag("run_path")
+    if run_path:
+        no_python = False  # torchrun: --run-path takes precedence over --no-python
+    if module and no_python:
+        raise UsageError("--no-python and -m/--module exclude each other")
+    target_name = str(values["target"])
+    if not module and not no_python and not os.path.isfile(target_name):
+        raise UsageError(f"script {target_name!r} does not exist (use -m for a module name)")
+    raw_args = values.get("target_args") or []
+    assert isinstance(raw_args, list)
+    target = WorkerTarget(target_name, tuple(str(a) for a in raw_args), module, no_python)
+    shutdown = get("shutdown_timeout")
+    grace_given = values.get("grace_period")
+    if grace_given is not None:
+        grace_period = _float(str(grace_given), "--grace-period")
+    elif shutdown is not None:
+        grace_period = _float(shutdown, "--shutdown-timeout")
+    elif env.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT"):
+        grace_period = _float(
+            env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"], "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
+        )
+    else:
+        grace_period = 5.0
+    raw_timeout = values.get("timeout")
+    timeout = None if raw_timeout is None else _float(str(raw_timeout), "--timeout")
+    run_id = str(values.get("run_id") or "")
+    if not run_id:
+        run_id = rdzv_id if rdzv_id != "none" else ""
+    if not run_id:
+        run_id = uuid.uuid4().hex if max_nodes == 1 and not rdzv_endpoint else "none"
+    if rdzv_backend == "c10d" and rdzv_id == "none":
+        rdzv_id = run_id
+    local_ranks_filter = parse_ranks_filter(get("local_ranks_filter", "") or "")
+    return LaunchPlan(
+        target=target,
+        nproc=nproc,
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        node_rank=node_rank,
+        rdzv_backend=rdzv_backend,
+        rdzv_endpoint=rdzv_endpoint,
+        rdzv_id=rdzv_id,
+        rdzv_conf=rdzv_conf,
+        master_addr=master_addr,
+        master_port=master_port,
+        local_addr=get("local_addr"),
+        max_restarts=max_restarts,
+        monitor_interval=monitor_interval,
+        start_method=start_method,
+        role=get("role", "default") or "default",
+        log_dir=get("log_dir"),
+        redirects=get("redirects", "0") or "0",
+        tee=get("tee", "0") or "0",
+        local_ranks_filter=local_ranks_filter,
+        signals_to_handle=parse_signals(get("signals_to_handle", DEFAULT_SIGNALS) or ""),
+        grace_period=grace_period,
+        timeout=timeout,
+        run_id=run_id,
+        virtual_local_rank=flag("virtual_local_rank"),
+        standalone=standalone,
+        sources=sources,
+    )
+
+
+def describe_sources(plan: LaunchPlan) -> str:
+    """One line saying the node settings and where each came from."""
+    s = plan.sources
+    nodes = (
+        str(plan.min_nodes)
+        if plan.min_nodes == plan.max_nodes
+        else (f"{plan.min_nodes}:{plan.max_nodes}")
+    )
+    parts = [
+        f"nnodes={nodes} ({s.get('nnodes', 'default')})",
+        f"nproc_per_node={plan.nproc} ({s.get('nproc_per_node', 'default')})",
+    ]
+    if plan.elastic:
+        parts.append(
+            f"rdzv=c10d at {plan.rdzv_endpoint} ({s.get('rdzv_endpoint', 'flag')}), "
+            f"id {plan.rdzv_id}"
+        )
+    else:
+        port = "auto" if plan.master_port is None else str(plan.master_port)
+        parts.append(f"node_rank={plan.node_rank} ({s.get('node_rank', 'default')})")
+        parts.append(
+            f"master={plan.master_addr}:{port} ({s.get('master_addr', 'default')}; "
+            f"port {s.get('master_port', 'default')})"
+        )
+    return ", ".join(parts)
