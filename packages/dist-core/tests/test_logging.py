@@ -1,4 +1,4 @@
-"""configure_logging: a [rank r/w] prefix; INFO on rank 0 only, INFOALL on every rank."""
+"""configure_logging: a [rank r/w] prefix unless the launcher prefixes lines; INFO on rank 0."""
 
 from __future__ import annotations
 
@@ -7,6 +7,13 @@ import logging
 import pytest
 
 from dist_core import INFOALL, configure_logging
+from dist_core.log import LAUNCHER_PREFIXES_VARIABLE
+
+
+@pytest.fixture(autouse=True)
+def _not_under_a_prefixing_launcher(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The suite itself may run under dist-launch; these tests choose the variable.
+    monkeypatch.delenv(LAUNCHER_PREFIXES_VARIABLE, raising=False)
 
 
 @pytest.fixture
@@ -58,6 +65,30 @@ def test_reads_environment_and_reconfigures_without_duplicates(
     logging.getLogger("x").log(INFOALL, "once")
     err = capsys.readouterr().err
     assert err.count("[rank 3/8] INFOALL x: once") == 1
+
+
+@pytest.mark.usefixtures("restore_root_logger")
+def test_no_rank_prefix_when_the_launcher_prefixes_every_line(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(LAUNCHER_PREFIXES_VARIABLE, "1")
+    err = _emit(capsys, 2)
+    assert err.splitlines() == [
+        "INFOALL dist_core.test: infoall 2",
+        "WARNING dist_core.test: warning 2",
+    ]
+
+
+@pytest.mark.usefixtures("restore_root_logger")
+def test_rank_prefix_kept_unless_the_variable_is_1(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(LAUNCHER_PREFIXES_VARIABLE, "0")
+    assert "[rank 1/4] WARNING dist_core.test: warning 1" in _emit(capsys, 1)
+
+
+def test_launcher_variable_name() -> None:
+    assert LAUNCHER_PREFIXES_VARIABLE == "DIST_LAUNCH_PREFIXES_OUTPUT"
 
 
 def test_infoall_level() -> None:

@@ -3,11 +3,17 @@
 ``INFO`` (and ``DEBUG``) records are kept on rank 0 only, so that N ranks do not print
 the same line N times; ``INFOALL`` (between INFO and WARNING) and everything from
 ``WARNING`` up are kept on every rank.
+
+Under a launcher that already starts every line of a rank's output with the rank
+(``dist-launch`` writes ``[rank3]: ``), the ``[rank r/w]`` prefix would say it twice:
+the launcher sets :data:`LAUNCHER_PREFIXES_VARIABLE` in each worker, and
+:func:`configure_logging` then leaves the rank out.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 INFOALL = logging.INFO + 5
@@ -16,6 +22,9 @@ LAUNCHER_PREFIXES_VARIABLE = "DIST_LAUNCH_PREFIXES_OUTPUT"
 logging.addLevelName(INFOALL, "INFOALL")
 
 _HANDLER_MARK = "_dist_core_handler"
+
+# Set to "1" by a launcher that prefixes every line of a worker's output with its rank.
+LAUNCHER_PREFIXES_VARIABLE = "DIST_LAUNCH_PREFIXES_OUTPUT"
 
 
 class RankZeroFilter(logging.Filter):
@@ -39,8 +48,14 @@ def configure_logging(
     replaces the handler it installed before, so a rank can reconfigure after it
     learns its rank.
 
-    Reads ``RANK``/``WORLD_SIZE`` (or SLURM's and Open MPI's equivalents, see
-    :meth:`dist_core.DistEnv.from_environ`) when ``rank`` or ``world_size`` is None.
+    Each line reads ``[rank r/w] LEVEL logger: message``, or ``LEVEL logger: message``
+    when ``DIST_LAUNCH_PREFIXES_OUTPUT`` (:data:`LAUNCHER_PREFIXES_VARIABLE`) is ``1``,
+    as ``dist-launch`` sets it in its workers: the launcher puts the rank in front of
+    every line already.
+
+    Reads ``DIST_LAUNCH_PREFIXES_OUTPUT``, and ``RANK``/``WORLD_SIZE`` (or SLURM's and
+    Open MPI's equivalents, see :meth:`dist_core.DistEnv.from_environ`) when ``rank``
+    or ``world_size`` is None.
 
     Args:
         rank: This process's global rank.
@@ -62,10 +77,17 @@ def configure_logging(
             root.removeHandler(handler)
     handler = logging.StreamHandler(sys.stderr)
     setattr(handler, _HANDLER_MARK, True)
-    handler.setFormatter(
-        logging.Formatter(f"[rank {rank}/{world_size}] %(levelname)s %(name)s: %(message)s")
-    )
+    prefix = "" if launcher_prefixes_output() else f"[rank {rank}/{world_size}] "
+    handler.setFormatter(logging.Formatter(f"{prefix}%(levelname)s %(name)s: %(message)s"))
     handler.addFilter(RankZeroFilter(rank))
     root.addHandler(handler)
     root.setLevel(level)
     return handler
+
+
+def launcher_prefixes_output() -> bool:
+    """Whether this process runs under a launcher that prefixes its lines with the rank.
+
+    Reads ``DIST_LAUNCH_PREFIXES_OUTPUT`` (:data:`LAUNCHER_PREFIXES_VARIABLE`).
+    """
+    return os.environ.get(LAUNCHER_PREFIXES_VARIABLE) == "1"
