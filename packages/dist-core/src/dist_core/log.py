@@ -24,7 +24,6 @@ logging.addLevelName(INFOALL, "INFOALL")
 _HANDLER_MARK = "_dist_core_handler"
 
 # Set to "1" by a launcher that prefixes every line of a worker's output with its rank.
-LAUNCHER_PREFIXES_VARIABLE = "DIST_LAUNCH_PREFIXES_OUTPUT"
 
 
 class RankZeroFilter(logging.Filter):

@@ -20,6 +20,7 @@ import threading
 from types import TracebackType
 from typing import NoReturn
 
+from dist_launch import proctitle
 from dist_launch.guards import die_quietly_of_sigint, install_worker_guards, record_and_print
 from dist_launch.records import RankFiles
 
@@ -122,7 +123,10 @@ def worker_setup() -> tuple[RankFiles, int]:
 def main(argv: list[str] | None = None) -> int:
     """Guards, then the target; returns its exit status."""
     files, rank = worker_setup()
-    kind, name = prepare_target(list(sys.argv[1:] if argv is None else argv))
+    target_argv = list(sys.argv[1:] if argv is None else argv)
+    kind, name = prepare_target(target_argv)
+    # `ps` shows the worker as the user's command (this argv area holds it already).
+    proctitle.name_worker(target_argv, rank)
     status = run_target(kind, name, files, rank)
     if status != 0:
         # Tell the launcher at once; a slow teardown would delay stopping the others.

@@ -1,7 +1,10 @@
 """The CLI's fork server: one interpreter imports torch once, then forks every worker.
 
-Started by :class:`dist_launch.zygote.Zygote` as ``python -m dist_launch._zygote FD``
-where FD is its end of a ``SOCK_SEQPACKET`` socket pair. Each request is a JSON
+Started by :class:`dist_launch.zygote.Zygote` as ``python -m dist_launch._zygote FD
+PADDING`` where FD is its end of a ``SOCK_SEQPACKET`` socket pair and PADDING (spaces,
+ignored) makes room for the process titles (:mod:`dist_launch.proctitle`): the
+server shows as ``dist-launch fork server (train.py)``, each worker as its own
+command line and rank. Each request is a JSON
 message (the worker's environment, working directory and bootstrap arguments) with
 the worker's stdout and stderr pipes attached (``SCM_RIGHTS``). The server replies
 ``{"rank": r, "pid": p}``, and ``{"rank": r, "exit": status}`` when it reaps the
@@ -23,10 +26,13 @@ import sys
 from typing import Any, NoReturn
 
 from dist_core.proc import set_parent_death_signal
+from dist_launch import proctitle
 
 PRELOAD_VARIABLE = "DIST_LAUNCH_PRELOAD"
 DEFAULT_PRELOAD = "torch,torch.distributed"
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+# What `top` and `ps -o comm` show for the server (at most 15 bytes).
+SERVER_THREAD_NAME = "dist-launch-fs"
 
 
 def _send(sock: socket.socket, message: dict[str, Any]) -> None:
@@ -53,6 +59,7 @@ def serve(sock: socket.socket) -> tuple[dict[str, Any], list[int]] | None:
     selector = selectors.DefaultSelector()
     selector.register(sock, selectors.EVENT_READ, "request")
     selector.register(wake_read, selectors.EVENT_READ, "child")
+    titled = False
     while True:
         for key, _ in selector.select():
             if key.data == "child":
@@ -70,6 +77,8 @@ def serve(sock: socket.socket) -> tuple[dict[str, Any], list[int]] | None:
             if not data:
                 return None  # the launcher closed its end
             request = json.loads(data)
+            if not titled:  # the first request names what the job runs
+                titled = proctitle.set_process_title(proctitle.fork_server_title(request["argv"]))
             pid = os.fork()
             if pid == 0:
                 selector.close()
@@ -104,6 +113,7 @@ def _become_worker(request: dict[str, Any], fds: list[int], server_pid: int) -> 
     os.environ[_bootstrap.PARENT_PID_VARIABLE] = str(server_pid)
     files, rank = _bootstrap.worker_setup()
     kind, name = _bootstrap.prepare_target(list(request["argv"]))
+    proctitle.name_worker(request["argv"], rank)
     _bootstrap.exit_without_teardown(_bootstrap.run_target(kind, name, files, rank))
 
 
@@ -114,6 +124,8 @@ def main() -> int:
     if launcher and os.getppid() != int(launcher):
         return 125  # the launcher died before the parent-death signal was armed
     sock = socket.socket(fileno=int(sys.argv[1]))
+    proctitle.set_process_title(proctitle.fork_server_title())
+    proctitle.set_thread_name(SERVER_THREAD_NAME)
     _preload()
     import dist_launch._bootstrap  # noqa: F401, PLC0415 - ready for the workers
 

@@ -17,6 +17,7 @@ import subprocess
 import sys
 from typing import Any
 
+from dist_launch.proctitle import TITLE_ROOM
 from dist_launch.workers import WorkerTarget
 
 # How long the server may take to fork one worker and reply (it may still be
@@ -63,9 +64,14 @@ class Zygote:
         self.selector = selector
         self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.workers: dict[int, ZygoteWorker] = {}
+        argv = [sys.executable, "-m", "dist_launch._zygote", str(theirs.fileno())]
+        # A last argument the server ignores makes its argv area (which its workers
+        # inherit) large enough for each worker's title: its own command line.
+        used = sum(len(os.fsencode(arg)) + 1 for arg in argv)
+        argv.append(" " * max(0, TITLE_ROOM - used - 1))
         try:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "dist_launch._zygote", str(theirs.fileno())],
+                argv,
                 env=env,
                 stdin=subprocess.DEVNULL,
                 pass_fds=(theirs.fileno(),),
