@@ -17,13 +17,12 @@ import os
 import sys
 
 INFOALL = logging.INFO + 5
-# Set by dist-launch in its workers: it prefixes every line with the rank itself.
-LAUNCHER_PREFIXES_VARIABLE = "DIST_LAUNCH_PREFIXES_OUTPUT"
 logging.addLevelName(INFOALL, "INFOALL")
 
 _HANDLER_MARK = "_dist_core_handler"
 
 # Set to "1" by a launcher that prefixes every line of a worker's output with its rank.
+LAUNCHER_PREFIXES_VARIABLE = "DIST_LAUNCH_PREFIXES_OUTPUT"
 
 
 class RankZeroFilter(logging.Filter):
