@@ -354,6 +354,7 @@ class Agent:
                 logger.info("%s: stopping this node's workers to re-form the job", self._change)
                 continue
             if outcome.status == "timed_out":
+                outcome.timeout = plan.timeout  # the job's, not this round's remainder
                 print(format_report(outcome, PROG), file=sys.stderr, flush=True)
                 if isinstance(rdzv, ElasticRendezvous):
                     rdzv.close_job(f"node {assignment.group_rank} timed out (--timeout)")
