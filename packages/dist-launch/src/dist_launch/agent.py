@@ -36,6 +36,7 @@ from collections.abc import Callable
 from typing import Any
 
 from dist_launch.local_group import LocalGroup, node_environment
+from dist_launch.log_layout import LogLayout
 from dist_launch.plan import LaunchPlan, describe_sources
 from dist_launch.rendezvous import (
     Assignment,
@@ -44,6 +45,7 @@ from dist_launch.rendezvous import (
     StaticRendezvous,
 )
 from dist_launch.report import describe_returncode, format_report, group_exit_status
+from dist_launch.routing import OutputRouting
 from dist_launch.signals import DUMP_SIGNAL, SignalInbox
 from dist_launch.supervisor import GroupOutcome, Supervisor
 from dist_launch.zygote import Zygote
@@ -221,6 +223,16 @@ class Agent:
         self.selector.register(self.inbox.read_fd, selectors.EVENT_READ, self._on_signal)
         self.selector.register(self._change_read, selectors.EVENT_READ, self._on_change_readable)
         node_env = node_environment(plan, dict(os.environ))
+        self.routing = OutputRouting.for_flags(
+            plan.redirects,
+            plan.tee,
+            None if plan.local_ranks_filter is None else set(plan.local_ranks_filter),
+            has_log_dir=plan.log_dir is not None,
+        )
+        self.layout: LogLayout | None = None
+        if self.routing.needs_files(range(plan.nproc)):
+            self.layout = LogLayout.create(plan.log_dir, plan.run_id)
+            logger.info("logs of this run: %s", self.layout.run_dir)
         zygote: Zygote | None = None
         rdzv: StaticRendezvous | ElasticRendezvous | None = None
         try:
@@ -326,7 +338,14 @@ class Agent:
                 else None
             )
             group = LocalGroup(
-                plan, assignment, node_env, self.selector, zygote, self._set_supervisor
+                plan,
+                assignment,
+                node_env,
+                self.selector,
+                zygote,
+                self._set_supervisor,
+                self.routing,
+                self.layout,
             )
             remaining = None if deadline is None else max(0.01, deadline - time.monotonic())
             try:

@@ -22,10 +22,12 @@ from typing import BinaryIO
 
 from dist_core.log import LAUNCHER_PREFIXES_VARIABLE
 from dist_launch._bootstrap import PARENT_PID_VARIABLE, RUN_DIR_VARIABLE
+from dist_launch.log_layout import LogLayout, write_torch_error_file
 from dist_launch.output import LineRelay
 from dist_launch.plan import LaunchPlan, WorkerTarget
 from dist_launch.records import RankFiles
 from dist_launch.rendezvous import Assignment
+from dist_launch.routing import OutputRouting
 from dist_launch.supervisor import GroupOutcome, Supervisor, Worker
 from dist_launch.workers import PopenWorker, start_subprocess_worker
 from dist_launch.zygote import Zygote
@@ -142,6 +144,8 @@ class LocalGroup:
             watcher are registered on it).
         zygote: The warm fork server, or None to start fresh interpreters.
         on_supervisor: Called with the supervisor once it exists (signals reach it).
+        routing: Where each local rank's streams go (console, file).
+        layout: The run's log directory, when some stream goes to a file.
     """
 
     def __init__(
@@ -152,6 +156,8 @@ class LocalGroup:
         selector: selectors.BaseSelector,
         zygote: Zygote | None,
         on_supervisor: Callable[[Supervisor | None], None],
+        routing: OutputRouting,
+        layout: LogLayout | None,
     ) -> None:
         self.plan = plan
         self.assignment = assignment
@@ -159,20 +165,41 @@ class LocalGroup:
         self.selector = selector
         self.zygote = zygote
         self.on_supervisor = on_supervisor
+        self.routing = routing
+        self.layout = layout
         self.run_dir = tempfile.mkdtemp(prefix="dist-launch-")
         self.files: dict[int, RankFiles] = {}
 
-    def _open_logs(self, attempt: int) -> dict[int, BinaryIO]:
-        plan = self.plan
-        logs: dict[int, BinaryIO] = {}
-        if plan.log_dir is None:
+    def _open_logs(self, attempt: int) -> dict[tuple[int, str], BinaryIO]:
+        """Each (local rank, stream) that goes to a file, opened in the attempt's directory."""
+        logs: dict[tuple[int, str], BinaryIO] = {}
+        layout = self.layout
+        if layout is None:
             return logs
-        os.makedirs(plan.log_dir, exist_ok=True)
-        for local_rank in range(plan.nproc):
-            rank = self.assignment.base_rank + local_rank
-            path = os.path.join(plan.log_dir, f"rank{rank}.log")
-            logs[rank] = open(path, "ab" if attempt else "wb")  # noqa: SIM115
+        layout.create_attempt(attempt, range(self.plan.nproc))
+        for local_rank in range(self.plan.nproc):
+            for stream, path in (
+                ("stdout", layout.stdout(attempt, local_rank)),
+                ("stderr", layout.stderr(attempt, local_rank)),
+            ):
+                if self.routing.route(local_rank, stream).file:
+                    logs[(local_rank, stream)] = open(path, "wb")  # noqa: SIM115
         return logs
+
+    def _write_error_files(self, attempt: int, outcome: GroupOutcome) -> None:
+        """Torch's error.json for each failed rank with a Python error, as torchrun."""
+        if self.layout is None:
+            return
+        for rank in outcome.ranks:
+            record = rank.record
+            if rank.status != "failed" or record is None:
+                continue
+            write_torch_error_file(
+                self.layout.error_file(attempt, rank.local_rank),
+                message=f"{record.exception}: {record.message}",
+                traceback=record.traceback,
+                timestamp=record.timestamp,
+            )
 
     def run(self, attempt: int, timeout: float | None) -> GroupOutcome:
         """Starts the workers, waits for the outcome, cleans up; returns the outcome.
@@ -210,8 +237,17 @@ class LocalGroup:
                     )
                 workers.append(worker)
                 prefix = f"[rank{rank}]: ".encode()
-                for fd, sink in ((out_fd, sys.stdout.buffer), (err_fd, sys.stderr.buffer)):
-                    relay = LineRelay(fd, prefix, sink, logs.get(rank))
+                for fd, stream, sink in (
+                    (out_fd, "stdout", sys.stdout.buffer),
+                    (err_fd, "stderr", sys.stderr.buffer),
+                ):
+                    relay = LineRelay(
+                        fd,
+                        prefix,
+                        sink,
+                        logs.get((local_rank, stream)),
+                        console=self.routing.route(local_rank, stream).console,
+                    )
                     relays.append(relay)
                     selector.register(fd, selectors.EVENT_READ, _pump_callback(selector, relay))
             supervisor = Supervisor(
@@ -224,6 +260,7 @@ class LocalGroup:
             self.on_supervisor(supervisor)
             outcome = supervisor.run()
             self._drain(relays)
+            self._write_error_files(attempt, outcome)
             return outcome
         finally:
             self.on_supervisor(None)

@@ -26,6 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from dist_core.slurm import expand_hostlist
+from dist_launch.routing import OutputRouting
 
 SLURM_PORT_BASE = 15000
 SLURM_PORT_SPAN = 20000
@@ -322,11 +323,8 @@ def build_plan(
         rdzv_endpoint = ""
         sources["nnodes"] = sources["rdzv_backend"] = "--standalone"
     if rdzv_backend == "static":
-        if min_nodes != max_nodes:
-            raise UsageError(
-                f"--nnodes={min_nodes}:{max_nodes} needs an elastic rendezvous: add "
-                "--rdzv-backend c10d --rdzv-endpoint HOST:PORT"
-            )
+        # torchrun's static rendezvous waits for MAX nodes; MIN means nothing to it.
+        min_nodes = max_nodes
         if node_rank >= min_nodes:
             raise UsageError(f"--node-rank={node_rank}: must lie in [0, --nnodes={min_nodes})")
         if rdzv_endpoint and min_nodes > 1 and sources.get("master_addr") == "default":
@@ -411,6 +409,12 @@ def build_plan(
     if rdzv_backend == "c10d" and rdzv_id == "none":
         rdzv_id = run_id
     local_ranks_filter = parse_ranks_filter(get("local_ranks_filter", "") or "")
+    redirects = get("redirects", "0") or "0"
+    tee = get("tee", "0") or "0"
+    try:
+        OutputRouting.for_flags(redirects, tee)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
     return LaunchPlan(
         target=target,
         nproc=nproc,
@@ -429,8 +433,8 @@ def build_plan(
         start_method=start_method,
         role=get("role", "default") or "default",
         log_dir=get("log_dir"),
-        redirects=get("redirects", "0") or "0",
-        tee=get("tee", "0") or "0",
+        redirects=redirects,
+        tee=tee,
         local_ranks_filter=local_ranks_filter,
         signals_to_handle=parse_signals(get("signals_to_handle", DEFAULT_SIGNALS) or ""),
         grace_period=grace_period,

@@ -1,0 +1,226 @@
+"""The command line: torchrun's flag set, PET_ variables and srun's defaults, resolved."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import pytest
+
+from dist_launch.cli import build_parser
+from dist_launch.plan import LaunchPlan, UsageError, build_plan, describe_sources, slurm_port
+
+
+@pytest.fixture
+def script(tmp_path: Path) -> str:
+    path = tmp_path / "train.py"
+    path.write_text("print('hi')\n")
+    return str(path)
+
+
+def plan_of(argv: list[str], environ: dict[str, str] | None = None) -> LaunchPlan:
+    return build_plan(vars(build_parser().parse_args(argv)), environ or {})
+
+
+def torchrun_options() -> list[str]:
+    """Every option string of torchrun's own parser (torch 2.13)."""
+    from torch.distributed.run import get_args_parser
+
+    strings: list[str] = []
+    for action in get_args_parser()._actions:
+        strings.extend(s for s in action.option_strings if s not in ("-h", "--help"))
+    return strings
+
+
+def test_every_torchrun_option_string_is_known() -> None:
+    ours = {s for action in build_parser()._actions for s in action.option_strings}
+    missing = sorted(set(torchrun_options()) - ours)
+    assert not missing, f"torchrun flags dist-launch does not accept: {missing}"
+
+
+def test_torchrun_defaults_run_one_node(script: str) -> None:
+    plan = plan_of([script])
+    assert (plan.nproc, plan.min_nodes, plan.max_nodes, plan.node_rank) == (1, 1, 1, 0)
+    assert plan.rdzv_backend == "static" and plan.master_port is None
+    assert plan.monitor_interval == pytest.approx(0.1)
+    assert signal.SIGTERM in plan.signals_to_handle and signal.SIGQUIT in plan.signals_to_handle
+
+
+@pytest.mark.parametrize("spelling", ["--nproc-per-node", "--nproc_per_node", "-n"])
+def test_both_spellings(script: str, spelling: str) -> None:
+    assert plan_of([spelling, "3", script]).nproc == 3
+
+
+def test_standalone_is_one_node_whatever_else_was_said(script: str) -> None:
+    plan = plan_of(["--standalone", "--nnodes", "4", "--rdzv-backend", "c10d", "-n", "2", script])
+    assert (plan.min_nodes, plan.rdzv_backend, plan.standalone) == (1, "static", True)
+    assert plan.sources["nnodes"] == "--standalone"
+
+
+def test_min_max_nodes_with_c10d(script: str) -> None:
+    plan = plan_of(
+        ["--nnodes", "2:4", "--rdzv-backend", "c10d", "--rdzv-endpoint", "h:29400", script]
+    )
+    assert (plan.min_nodes, plan.max_nodes, plan.elastic) == (2, 4, True)
+    assert plan.rdzv_id == plan.run_id
+
+
+def test_static_min_max_waits_for_max_as_torchrun(script: str) -> None:
+    plan = plan_of(["--nnodes", "1:2", "--node-rank", "1", script])
+    assert plan.nnodes == 2
+
+
+def test_nproc_words(script: str) -> None:
+    assert plan_of(["-n", "cpu", script]).nproc >= 1
+    assert plan_of(["-n", "auto", script]).nproc >= 1
+
+
+def test_rdzv_conf_parsed(script: str) -> None:
+    plan = plan_of(
+        [
+            "--rdzv-backend=c10d",
+            "--rdzv-endpoint=h:1",
+            "--rdzv-conf",
+            "join_timeout=5,last_call_timeout=1",
+            script,
+        ]
+    )
+    assert dict(plan.rdzv_conf) == {"join_timeout": "5", "last_call_timeout": "1"}
+
+
+@pytest.mark.parametrize(
+    ("argv", "names"),
+    [
+        (["--rdzv-backend", "etcd"], "--rdzv-backend=etcd"),
+        (["--rdzv-backend", "etcd-v2"], "--rdzv-backend=etcd-v2"),
+        (["--rdzv-backend", "c10d"], "--rdzv-endpoint"),
+        (["--nnodes", "3:2"], "--nnodes=3:2"),
+        (["--nnodes", "2", "--node-rank", "2"], "--node-rank=2"),
+        (["--master-port", "70000"], "--master-port=70000"),
+        (["--max-restarts", "-1"], "--max-restarts=-1"),
+        (["--monitor-interval", "0"], "--monitor-interval=0"),
+        (["--start-method", "thread"], "--start-method='thread'"),
+        (["--event-log-handler", "console"], "--event-log-handler"),
+        (["--logs-specs", "x"], "--logs-specs"),
+        (["--numa-binding", "node"], "--numa-binding"),
+        (["--duplicate-stdout-filters", "apple"], "--duplicate-stdout-filters"),
+        (["--signals-to-handle", "SIGNOPE"], "--signals-to-handle"),
+        (["--local-ranks-filter", "x"], "--local-ranks-filter"),
+        (["--redirects", "7"], "--redirects"),
+        (["-n", "0"], "--nproc-per-node=0"),
+        (["--no-python", "-m"], "--no-python"),
+    ],
+)
+def test_bad_or_unsupported_values_are_named(script: str, argv: list[str], names: str) -> None:
+    with pytest.raises(UsageError, match=names.replace("[", r"\[")):
+        plan_of([*argv, script])
+
+
+def test_gpu_count_on_a_host_without_that_device(script: str) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this host has a CUDA device: -n gpu is valid here")
+    with pytest.raises(UsageError, match="--nproc-per-node=gpu"):
+        plan_of(["-n", "gpu", script])
+
+
+def test_missing_script_is_named(tmp_path: Path) -> None:
+    with pytest.raises(UsageError, match=r"nope\.py"):
+        plan_of([str(tmp_path / "nope.py")])
+
+
+def test_pet_variables_configure_a_pod_without_flags(script: str) -> None:
+    environ = {
+        "PET_NNODES": "2",
+        "PET_NPROC_PER_NODE": "4",
+        "PET_RDZV_BACKEND": "c10d",
+        "PET_RDZV_ENDPOINT": "master-0:29400",
+        "PET_RDZV_ID": "job-7",
+        "PET_MAX_RESTARTS": "3",
+    }
+    plan = plan_of([script], environ)
+    assert (plan.min_nodes, plan.nproc, plan.rdzv_backend) == (2, 4, "c10d")
+    assert (plan.rdzv_endpoint, plan.rdzv_id, plan.max_restarts) == ("master-0:29400", "job-7", 3)
+    assert plan.sources["nproc_per_node"] == "PET_NPROC_PER_NODE"
+
+
+def test_static_pet_variables_as_pytorchjob_sets_them(script: str) -> None:
+    environ = {
+        "PET_NNODES": "2",
+        "PET_NODE_RANK": "1",
+        "PET_MASTER_ADDR": "job-master-0",
+        "PET_MASTER_PORT": "23456",
+    }
+    plan = plan_of([script], environ)
+    assert (plan.nnodes, plan.node_rank, plan.master_addr, plan.master_port) == (
+        2,
+        1,
+        "job-master-0",
+        23456,
+    )
+
+
+def test_flags_win_over_pet_variables(script: str) -> None:
+    plan = plan_of(["-n", "2", script], {"PET_NPROC_PER_NODE": "8"})
+    assert plan.nproc == 2 and plan.sources["nproc_per_node"] == "flag"
+
+
+def test_pet_switches(script: str) -> None:
+    plan = plan_of([script], {"PET_STANDALONE": "1", "PET_VIRTUAL_LOCAL_RANK": "1"})
+    assert plan.standalone and plan.virtual_local_rank
+
+
+SRUN = {
+    "SLURM_JOB_ID": "4242",
+    "SLURM_STEP_ID": "0",
+    "SLURM_NNODES": "3",
+    "SLURM_JOB_NUM_NODES": "3",
+    "SLURM_NODEID": "2",
+    "SLURM_PROCID": "2",
+    "SLURM_LOCALID": "0",
+    "SLURM_NTASKS": "3",
+    "SLURM_JOB_NODELIST": "gpu-[07-09]",
+}
+
+
+def test_srun_defaults_the_node_flags(script: str) -> None:
+    plan = plan_of(["-n", "4", script], SRUN)
+    assert (plan.nnodes, plan.node_rank, plan.master_addr) == (3, 2, "gpu-07")
+    assert plan.master_port == slurm_port("4242") == 15000 + 4242
+    line = describe_sources(plan)
+    assert "SLURM_NNODES" in line and "SLURM_NODEID" in line and "SLURM_JOB_NODELIST" in line
+
+
+def test_two_jobs_on_one_node_get_different_ports() -> None:
+    assert slurm_port("1001") != slurm_port("1002")
+
+
+def test_flags_and_pet_win_over_slurm(script: str) -> None:
+    plan = plan_of(["--nnodes", "1", "--node-rank", "0", script], {**SRUN, "PET_MASTER_PORT": "1"})
+    assert (plan.nnodes, plan.node_rank, plan.master_port) == (1, 0, 1)
+
+
+def test_srun_c10d_endpoint_from_the_nodelist(script: str) -> None:
+    plan = plan_of(["--rdzv-backend", "c10d", script], SRUN)
+    assert plan.rdzv_endpoint == f"gpu-07:{15000 + 4242}"
+
+
+def test_srun_with_a_task_per_gpu_is_refused(script: str) -> None:
+    with pytest.raises(UsageError, match="SLURM_NTASKS=12"):
+        plan_of([script], {**SRUN, "SLURM_NTASKS": "12"})
+
+
+def test_a_batch_script_is_not_srun(script: str) -> None:
+    batch = {k: v for k, v in SRUN.items() if k not in ("SLURM_STEP_ID", "SLURM_PROCID")}
+    assert plan_of([script], batch).nnodes == 1
+
+
+def test_shutdown_timeout_is_the_grace_period(script: str) -> None:
+    assert plan_of(["--shutdown-timeout", "7", script]).grace_period == 7
+    assert plan_of([script], {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "9"}).grace_period == 9
+    assert plan_of(["--grace-period", "2", "--shutdown-timeout", "7", script]).grace_period == 2
+
+
+def test_fork_is_served_by_the_fork_server(script: str) -> None:
+    assert plan_of(["--start-method", "fork", script]).start_method == "forkserver"
