@@ -1,10 +1,10 @@
 """Own a group of worker processes from start to cleanup; when one fails, stop the rest.
 
 One :class:`Supervisor` serves every runner of the dist-* packages: dist-launch's CLI
-(subprocess and fork-server workers), its library launcher and
-:func:`dist_core.testing.run_ranks` (``multiprocessing`` workers, see
-:class:`ProcessWorker`). It only needs, for each worker, a pid, a way to learn its
-exit status, and optionally a file descriptor that becomes readable when it exits.
+(:class:`PopenWorker` and fork-server workers), its library launcher and
+:func:`dist_core.testing.run_ranks` (``multiprocessing`` workers: :class:`ProcessWorker`).
+It only needs, for each worker, a pid, a way to learn its exit status, and
+optionally a file descriptor that becomes readable when it exits.
 The caller may register more file descriptors on the supervisor's selector (output
 pipes, a signal wake-up pipe) with a callback each. Standard library only.
 
@@ -47,6 +47,7 @@ import logging
 import os
 import selectors
 import signal
+import subprocess
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -144,6 +145,55 @@ class ProcessWorker:
         if self.process.exitcode is not None:
             self.process.close()
         # else it survived SIGKILL: leave the object to the garbage collector.
+
+
+class PopenWorker:
+    """A ``subprocess.Popen`` child as a :class:`Worker`; its exit is seen through a pidfd.
+
+    Start it in a process group of its own (``process_group=0``): stop signals then
+    reach everything it started.
+
+    Args:
+        popen: The started process.
+        rank: Its global rank.
+        local_rank: Its rank on this node.
+        node_rank: Its node's rank.
+    """
+
+    own_process_group = True
+
+    def __init__(
+        self, popen: subprocess.Popen[bytes], rank: int, local_rank: int, node_rank: int
+    ) -> None:
+        self.popen = popen
+        self.rank = rank
+        self.local_rank = local_rank
+        self.node_rank = node_rank
+        self._pidfd: int | None = None
+        with contextlib.suppress(OSError, AttributeError):  # pidfds need Linux 5.3
+            self._pidfd = os.pidfd_open(popen.pid)
+
+    @property
+    def pid(self) -> int | None:
+        """The process id."""
+        return self.popen.pid
+
+    def returncode(self) -> int | None:
+        """None while running; the exit status, or -N after signal N."""
+        return self.popen.poll()
+
+    def exit_fd(self) -> int | None:
+        """A descriptor readable once the process exited, if there is one."""
+        return self._pidfd
+
+    def close(self) -> None:
+        """Reaps the process (bounded) and releases the pidfd."""
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.popen.wait(5.0)
+        if self._pidfd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._pidfd)
+            self._pidfd = None
 
 
 @dataclass
