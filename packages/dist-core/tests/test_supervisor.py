@@ -14,7 +14,7 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -60,26 +60,54 @@ WORKER = textwrap.dedent(
 READY_SECONDS = 60.0
 
 
+class Workers:
+    """Starts the test's workers; :meth:`kill_leftovers` ends any a test left alive."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+        self.started: list[PopenWorker] = []
+
+    def start(self, rank: int, mode: str, supervisor: Supervisor | None = None) -> PopenWorker:
+        """Starts rank ``rank`` in ``mode`` (see WORKER); hands it to ``supervisor``."""
+        script = self.run_dir.parent / "worker.py"
+        popen = subprocess.Popen(
+            [sys.executable, str(script), str(self.run_dir), str(rank), mode],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            bufsize=0,  # unbuffered: a line read leaves the next one in the pipe for select()
+            process_group=0,
+        )
+        worker = PopenWorker(popen, rank, rank, 0)
+        self.started.append(worker)
+        if supervisor is not None:
+            supervisor.add(worker, RankFiles.for_rank(self.run_dir, rank))
+        return worker
+
+    def park(self, supervisor: Supervisor, ranks: Sequence[int]) -> None:
+        """Starts ``ranks`` parked in Python and waits until each one's handler is armed."""
+        for rank in ranks:
+            assert read_line(self.start(rank, "park", supervisor)) == "ready"
+
+    def kill_leftovers(self) -> None:
+        for worker in self.started:
+            if worker.popen.poll() is None:
+                worker.popen.kill()
+                worker.popen.wait(30)
+            if worker.popen.stdout is not None:
+                worker.popen.stdout.close()
+
+
 @pytest.fixture
-def run_dir(tmp_path: Path) -> Path:
-    path = tmp_path / "run"
-    path.mkdir()
+def workers(tmp_path: Path) -> Iterator[Workers]:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
     (tmp_path / "worker.py").write_text(WORKER)
-    return path
+    starter = Workers(run_dir)
+    yield starter
+    starter.kill_leftovers()
 
 
-def _start(run_dir: Path, rank: int, mode: str) -> PopenWorker:
-    popen = subprocess.Popen(
-        [sys.executable, str(run_dir.parent / "worker.py"), str(run_dir), str(rank), mode],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        bufsize=0,  # unbuffered: a line read leaves the next one in the pipe for select()
-        process_group=0,
-    )
-    return PopenWorker(popen, rank, rank, 0)
-
-
-def _read_line(worker: PopenWorker) -> str:
+def read_line(worker: PopenWorker) -> str:
     """The worker's next stdout line, waiting at most READY_SECONDS."""
     stdout = worker.popen.stdout
     assert stdout is not None
@@ -88,16 +116,7 @@ def _read_line(worker: PopenWorker) -> str:
     return stdout.readline().decode().strip()
 
 
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` is a live process (a zombie counts as gone)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"
-
-
-def _reaped(pid: int) -> bool:
+def reaped(pid: int) -> bool:
     """Whether ``pid``, a child of this process, was already waited for."""
     try:
         os.waitpid(pid, os.WNOHANG)
@@ -106,121 +125,79 @@ def _reaped(pid: int) -> bool:
     return False
 
 
-def _gone_within(pid: int, seconds: float) -> bool:
-    """Whether ``pid`` (not our child: nothing to wait on) is gone within ``seconds``."""
-    deadline = time.monotonic() + seconds
-    while _alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.05)  # polling /proc: it is not our child
-    return not _alive(pid)
-
-
-@pytest.fixture
-def started() -> Iterator[list[PopenWorker]]:
-    """Workers a test started; any the test leaves alive are killed after it."""
-    workers: list[PopenWorker] = []
-    yield workers
-    for worker in workers:
-        if worker.popen.poll() is None:
-            worker.popen.kill()
-            worker.popen.wait(30)
-        if worker.popen.stdout is not None:
-            worker.popen.stdout.close()
-
-
 def test_leaving_the_block_by_an_exception_kills_and_reaps_every_worker(
-    run_dir: Path, started: list[PopenWorker]
+    workers: Workers, alive: Callable[[int], bool]
 ) -> None:
     """As when the start of a later rank fails: the ranks already started do not leak."""
-    worker = _start(run_dir, 0, "grandchild")
-    started.append(worker)
-    grandchild = int(_read_line(worker))
-    assert _read_line(worker) == "ready"
     with (
         pytest.raises(OSError, match="rank 1 could not start"),
         Supervisor(grace_period=5.0) as supervisor,
     ):
-        supervisor.add(worker, RankFiles.for_rank(run_dir, 0))
+        worker = workers.start(0, "grandchild", supervisor)
+        grandchild = int(read_line(worker))
+        assert read_line(worker) == "ready"
         raise OSError("rank 1 could not start")
     assert worker.popen.returncode == -signal.SIGKILL
-    assert _reaped(worker.popen.pid)
-    assert not _alive(worker.popen.pid)
-    # The worker led its process group: what it started went with it.
-    assert _gone_within(grandchild, 30.0)
+    assert reaped(worker.popen.pid)
+    assert not alive(worker.popen.pid)
+    # The worker led its process group: what it started went with it. That one is not
+    # our child (nothing to wait on): poll /proc, bounded.
+    deadline = time.monotonic() + 30
+    while alive(grandchild) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive(grandchild)
     assert supervisor.outcomes[0].status == "stopped"
 
 
-def test_keyboard_interrupt_forwards_sigint_before_killing(
-    run_dir: Path, started: list[PopenWorker]
-) -> None:
-    worker = _start(run_dir, 0, "note-sigint")
-    started.append(worker)
-    assert _read_line(worker) == "ready"
+def test_keyboard_interrupt_forwards_sigint_before_killing(workers: Workers) -> None:
     with pytest.raises(KeyboardInterrupt), Supervisor(grace_period=30.0) as supervisor:
-        supervisor.add(worker, RankFiles.for_rank(run_dir, 0))
+        worker = workers.start(0, "note-sigint", supervisor)
+        assert read_line(worker) == "ready"
         raise KeyboardInterrupt
-    assert (run_dir / "rank0.got").read_text() == "SIGINT"
+    assert (workers.run_dir / "rank0.got").read_text() == "SIGINT"
     assert worker.popen.returncode == 130
-    assert _reaped(worker.popen.pid)
+    assert reaped(worker.popen.pid)
     # Where it was when interrupted, asked for before the signal was forwarded.
     assert "in parked_in_python" in supervisor.outcomes[0].live_stack
 
 
-def test_a_failure_stops_the_others_and_says_where_they_were(
-    run_dir: Path, started: list[PopenWorker]
-) -> None:
+def test_a_failure_stops_the_others_and_says_where_they_were(workers: Workers) -> None:
     with Supervisor(grace_period=5.0) as supervisor:
-        for rank in (0, 1):
-            worker = _start(run_dir, rank, "park")
-            started.append(worker)
-            supervisor.add(worker, RankFiles.for_rank(run_dir, rank))
-            assert _read_line(worker) == "ready"
-        failing = _start(run_dir, 2, "fail")
-        started.append(failing)
-        supervisor.add(failing, RankFiles.for_rank(run_dir, 2))
+        workers.park(supervisor, [0, 1])
+        workers.start(2, "fail", supervisor)
         outcome = supervisor.run()
     assert outcome.status == "failed"
     root = outcome.root_cause
     assert root is not None and root.rank == 2 and root.returncode == 1
     assert root.record is not None
     assert root.record.summary == "ValueError: rank 2 failed on purpose"
-    for rank in (0, 1):
-        other = outcome.ranks[rank]
+    for other in outcome.ranks[:2]:
         assert other.status == "stopped"
         assert other.stop_signal == signal.SIGTERM
         assert other.returncode == -signal.SIGTERM
         assert "in parked_in_python" in other.live_stack
 
 
-def test_request_stacks_stops_nothing(run_dir: Path, started: list[PopenWorker]) -> None:
+def test_request_stacks_stops_nothing(workers: Workers) -> None:
     with Supervisor(grace_period=5.0) as supervisor:
-        for rank in (0, 1):
-            worker = _start(run_dir, rank, "park")
-            started.append(worker)
-            supervisor.add(worker, RankFiles.for_rank(run_dir, rank))
-            assert _read_line(worker) == "ready"
+        workers.park(supervisor, [0, 1])
         first = supervisor.request_stacks()
         second = supervisor.request_stacks()
         assert sorted(first) == sorted(second) == [0, 1]
         for stacks in (first, second):
             assert all("in parked_in_python" in stack for stack in stacks.values())
-        assert [w.popen.poll() for w in started] == [None, None]
+        assert [w.popen.poll() for w in workers.started] == [None, None]
         assert [o.status for o in supervisor.outcomes] == ["running", "running"]
         assert [o.stop_signal for o in supervisor.outcomes] == [None, None]
         supervisor.dump_stacks()
         assert [o.status for o in supervisor.outcomes] == ["running", "running"]
         assert all("in parked_in_python" in o.live_stack for o in supervisor.outcomes)
-    assert [w.popen.returncode for w in started] == [-signal.SIGKILL] * 2
+    assert [w.popen.returncode for w in workers.started] == [-signal.SIGKILL] * 2
 
 
-def test_an_interrupt_dumps_every_stack_then_forwards_the_signal(
-    run_dir: Path, started: list[PopenWorker]
-) -> None:
+def test_an_interrupt_dumps_every_stack_then_forwards_the_signal(workers: Workers) -> None:
     with Supervisor(grace_period=30.0) as supervisor:
-        for rank in (0, 1):
-            worker = _start(run_dir, rank, "park")
-            started.append(worker)
-            supervisor.add(worker, RankFiles.for_rank(run_dir, rank))
-            assert _read_line(worker) == "ready"
+        workers.park(supervisor, [0, 1])
         supervisor.interrupt(signal.SIGTERM)
         outcome = supervisor.run()
     assert outcome.status == "interrupted"
@@ -231,13 +208,12 @@ def test_an_interrupt_dumps_every_stack_then_forwards_the_signal(
         assert "in parked_in_python" in rank.live_stack
 
 
-def test_a_closed_supervisor_takes_no_worker(run_dir: Path, started: list[PopenWorker]) -> None:
+def test_a_closed_supervisor_takes_no_worker(workers: Workers) -> None:
     with Supervisor(grace_period=1.0) as supervisor:
         pass
-    worker = _start(run_dir, 0, "park")
-    started.append(worker)
+    worker = workers.start(0, "park")
     with pytest.raises(RuntimeError, match="cannot add rank 0: the supervisor is closed"):
-        supervisor.add(worker, RankFiles.for_rank(run_dir, 0))
+        supervisor.add(worker, RankFiles.for_rank(workers.run_dir, 0))
     with Supervisor(grace_period=1.0) as other, pytest.raises(KeyError, match="rank 0"):
         other.add(worker)
 
