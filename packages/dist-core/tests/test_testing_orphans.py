@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 SCRIPT = textwrap.dedent(
@@ -26,15 +27,9 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"
-
-
-def test_sigkilled_caller_takes_its_workers_down(tmp_path: Path) -> None:
+def test_sigkilled_caller_takes_its_workers_down(
+    tmp_path: Path, alive: Callable[[int], bool]
+) -> None:
     script = tmp_path / "caller.py"
     script.write_text(SCRIPT)
     pids_dir = tmp_path / "pids"
@@ -49,9 +44,9 @@ def test_sigkilled_caller_takes_its_workers_down(tmp_path: Path) -> None:
         os.kill(caller.pid, signal.SIGKILL)
         caller.wait(timeout=30)
         deadline = time.monotonic() + 30
-        while any(_alive(pid) for pid in workers) and time.monotonic() < deadline:
+        while any(alive(pid) for pid in workers) and time.monotonic() < deadline:
             time.sleep(0.05)  # polling /proc: these are not our children
-        assert not [pid for pid in workers if _alive(pid)]
+        assert not [pid for pid in workers if alive(pid)]
     finally:
         if caller.poll() is None:
             caller.kill()

@@ -20,41 +20,35 @@ Where worker functions must live:
 
 Workers start through a ``forkserver`` that has imported torch once, so a test pays
 torch's import once per pytest process, not once per rank. Workers die with the
-forkserver, which dies with the pytest process.
+forkserver, which dies with the pytest process. They are watched and stopped by the
+same :class:`~dist_core.supervisor.Supervisor` as dist-launch's workers, and report
+their failures through the same files (:mod:`dist_core.rank_files`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import faulthandler
-import logging
 import multiprocessing as mp
-import multiprocessing.connection as mp_connection
 import os
 import pickle
-import signal
 import tempfile
 import time
-import traceback
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from dist_core.callables import CallableRef
-from dist_core.proc import (
-    close_inherited_forkserver_fd,
-    describe_exit,
-    is_peer_failure,
-    set_parent_death_signal,
-)
-
-logger = logging.getLogger(__name__)
+from dist_core.proc import close_inherited_forkserver_fd, describe_exit
+from dist_core.rank_files import RankFiles, write_error_record
+from dist_core.supervisor import GroupOutcome, ProcessWorker, RankOutcome, Supervisor
+from dist_core.worker_guards import install_worker_guards
 
 # After the first failure, how long the other ranks may take to report before they
 # are stopped. Short: a rank blocked in a collective would otherwise wait for the
 # group's timeout.
 FAILURE_GRACE_SECONDS = 2.0
+# Between SIGTERM and SIGKILL when stopping ranks.
 _TERMINATE_SECONDS = 2.0
 
 
@@ -76,7 +70,7 @@ class _WorkerSpec:
     backend: str
     timeout: float
     environ: dict[str, str]
-    stack_file: str
+    run_dir: str
 
 
 def _function_ref(fn: Callable[..., Any]) -> CallableRef:
@@ -89,12 +83,15 @@ def _function_ref(fn: Callable[..., Any]) -> CallableRef:
     return ref
 
 
-def _worker_main(spec: _WorkerSpec, conn: mp_connection.Connection) -> None:
+def _result_path(run_dir: str | os.PathLike[str], rank: int) -> Path:
+    return Path(run_dir, f"rank{rank}.result")
+
+
+def _worker_main(spec: _WorkerSpec) -> None:
     """Body of one rank: set up, run, report. Runs in the child process."""
     close_inherited_forkserver_fd()  # so that a SIGKILLed pytest takes the workers down
-    set_parent_death_signal(signal.SIGKILL)
-    stack_file = open(spec.stack_file, "w")  # noqa: SIM115 - open for the process's life
-    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    files = RankFiles.for_rank(spec.run_dir, spec.rank)
+    install_worker_guards(files, parent_pid=None)
     os.environ.clear()
     os.environ.update(spec.environ)
     os.environ.update(
@@ -116,28 +113,15 @@ def _worker_main(spec: _WorkerSpec, conn: mp_connection.Connection) -> None:
         fn = spec.function.resolve()
         args, kwargs = pickle.loads(spec.payload)
         init_process_group_from_backend(spec.backend, timeout=timedelta(seconds=spec.timeout))
-        result = fn(*args, **kwargs)
-        conn.send(("ok", time.time(), pickle.dumps(result)))
+        result = pickle.dumps(fn(*args, **kwargs))
+        path = _result_path(spec.run_dir, spec.rank)
+        partial = path.with_name(path.name + ".partial")
+        partial.write_bytes(result)
+        os.replace(partial, path)  # the caller never reads half a result
     except BaseException as error:  # every failure, even SystemExit, is reported
-        conn.send(("error", time.time(), traceback.format_exc(), f"{type(error).__name__}"))
-        conn.close()
+        write_error_record(files.error, spec.rank, error)
         os._exit(1)  # skip destroy: peers may be gone, and it could block
-    try:
-        destroy_dist()
-    finally:
-        conn.close()
-
-
-@dataclasses.dataclass
-class _RankState:
-    process: Any
-    conn: mp_connection.Connection
-    stack_file: Path
-    status: str = "running"  # running | ok | error | died
-    result: Any = None
-    failed_at: float = float("inf")
-    traceback: str = ""
-    stopped: bool = False
+    destroy_dist()
 
 
 def _context() -> Any:
@@ -146,136 +130,41 @@ def _context() -> Any:
     return context
 
 
-def _receive(state: _RankState) -> None:
-    try:
-        message = state.conn.recv()
-    except (EOFError, OSError):
-        return
-    if message[0] == "ok":
-        state.status = "ok"
-        state.result = pickle.loads(message[2])
-    else:
-        state.status = "error"
-        state.failed_at = message[1]
-        state.traceback = message[2]
-
-
-def _stop(states: list[_RankState]) -> None:
-    live = [state for state in states if state.process.is_alive()]
-    for state in live:
-        state.stopped = True
-        state.process.terminate()
-    deadline = time.monotonic() + _TERMINATE_SECONDS
-    for state in live:
-        state.process.join(max(0.0, deadline - time.monotonic()))
-        if state.process.is_alive():
-            state.process.kill()
-            state.process.join(_TERMINATE_SECONDS)
-
-
-def _dump_stacks(states: list[_RankState]) -> dict[int, str]:
-    """Asks every live rank for its Python stack (faulthandler on SIGUSR1)."""
-    live = [rank for rank, state in enumerate(states) if state.process.is_alive()]
-    for rank in live:
-        try:
-            os.kill(states[rank].process.pid, signal.SIGUSR1)
-        except ProcessLookupError:
-            continue
-    stacks: dict[int, str] = {}
-    deadline = time.monotonic() + 2.0
-    for rank in live:
-        previous = -1
-        text = ""
-        # The child writes from its signal handler; the text is complete once its size
-        # stops changing. Bounded by the deadline.
-        while time.monotonic() < deadline:
-            text = states[rank].stack_file.read_text(errors="replace")
-            if text and len(text) == previous:
-                break
-            previous = len(text)
-            time.sleep(0.05)
-        stacks[rank] = text.rstrip() or "(no stack received)"
-    return stacks
-
-
-def _wait(states: list[_RankState], deadline: float) -> None:
-    first_failure_seen: float | None = None
-    while True:
-        pending = [state for state in states if state.status == "running"]
-        if not pending:
-            return
-        now = time.monotonic()
-        limit = deadline
-        if first_failure_seen is not None:
-            limit = min(limit, first_failure_seen + FAILURE_GRACE_SECONDS)
-        if now >= limit:
-            return
-        waitables: list[Any] = [state.conn for state in pending]
-        waitables += [state.process.sentinel for state in pending]
-        ready = mp_connection.wait(waitables, timeout=limit - now)
-        for state in pending:
-            if state.conn in ready:
-                _receive(state)
-            if state.status == "running" and state.process.sentinel in ready:
-                if state.conn.poll(0):
-                    _receive(state)
-                if state.status == "running":
-                    state.process.join(1.0)
-                    state.status = "died"
-                    state.failed_at = time.time()
-            if state.status in ("error", "died") and first_failure_seen is None:
-                first_failure_seen = time.monotonic()
-
-
-def _root_cause(states: list[_RankState]) -> int | None:
-    """The rank whose failure caused the others.
-
-    That is the earliest failure by the workers' clocks, preferring ranks that did not
-    merely see a peer vanish (see :func:`dist_core.proc.is_peer_failure`).
-    """
-    failed = [rank for rank, state in enumerate(states) if state.status in ("error", "died")]
-    if not failed:
-        return None
-    primary = [
-        rank
-        for rank in failed
-        if states[rank].status == "died" or not is_peer_failure(states[rank].traceback)
-    ]
-    return min(primary or failed, key=lambda rank: states[rank].failed_at)
-
-
-def _format_failure(states: list[_RankState], stacks: dict[int, str], timeout: float) -> str:
-    world = len(states)
+def _format_failure(outcome: GroupOutcome, timeout: float) -> str:
+    world = len(outcome.ranks)
+    root = outcome.root_cause
     lines: list[str] = []
-    first = _root_cause(states)
-    if first is not None:
-        state = states[first]
-        if state.status == "error":
-            lines.append(f"rank {first} of {world} failed first:\n{state.traceback.rstrip()}")
-        else:
-            lines.append(
-                f"rank {first} of {world} failed first: its process ended with "
-                f"{describe_exit(state.process.exitcode)} without reporting a result"
-            )
-    else:
+    if root is None:
         lines.append(f"timed out after {timeout:g} s; no rank failed")
+    elif root.record is not None:
+        lines.append(f"rank {root.rank} of {world} failed first:\n{root.record.traceback.rstrip()}")
+    else:
+        lines.append(
+            f"rank {root.rank} of {world} failed first: its process ended with "
+            f"{describe_exit(root.returncode)} without reporting a result"
+        )
+        if root.crash_stack:
+            lines.append(f"Python stack at the crash (faulthandler):\n{root.crash_stack}")
     lines.append("other ranks:")
-    for rank, state in enumerate(states):
-        if rank == first:
-            continue
-        if state.status == "ok":
-            what = "finished"
-        elif state.status == "error":
-            last = state.traceback.strip().splitlines()[-1] if state.traceback else "error"
-            what = f"failed too: {last}"
-        elif state.status == "died":
-            what = f"died with {describe_exit(state.process.exitcode)}"
-        else:
-            when = "after the failure" if first is not None else "at the timeout"
-            stack = stacks.get(rank, "(no stack received)")
-            what = f"still running {when}, stopped; it was at:\n{stack}"
-        lines.append(f"  rank {rank}: {what}")
+    lines.extend(
+        f"  rank {rank.rank}: {_what_became_of(rank, root)}"
+        for rank in outcome.ranks
+        if rank is not root
+    )
     return "\n".join(lines)
+
+
+def _what_became_of(rank: RankOutcome, root: RankOutcome | None) -> str:
+    if rank.status == "succeeded":
+        return "finished"
+    if rank.status == "failed":
+        if rank.record is None:
+            return f"died with {describe_exit(rank.returncode)}"
+        last = rank.record.traceback.strip().splitlines()[-1] if rank.record.traceback else ""
+        return f"failed too: {last or rank.record.summary}"
+    when = "after the failure" if root is not None else "at the timeout"
+    stack = rank.live_stack or "(no stack received)"
+    return f"still running {when}, stopped; it was at:\n{stack}"
 
 
 def run_ranks(
@@ -320,37 +209,35 @@ def run_ranks(
     context = _context()
     port = get_unused_port()
     deadline = time.monotonic() + timeout
-    states: list[_RankState] = []
     with tempfile.TemporaryDirectory(prefix="dist-core-run-ranks-") as scratch:
         try:
-            for rank in range(world_size):
-                stack_file = Path(scratch) / f"rank{rank}.stack"
-                stack_file.touch()
-                spec = _WorkerSpec(
-                    function=ref,
-                    payload=payload,
-                    rank=rank,
-                    world_size=world_size,
-                    master_port=port,
-                    backend=backend,
-                    timeout=timeout,
-                    environ=dict(os.environ),
-                    stack_file=str(stack_file),
-                )
-                receiver, sender = context.Pipe(duplex=False)
-                process = context.Process(
-                    target=_worker_main, args=(spec, sender), name=f"run_ranks-rank{rank}"
-                )
-                process.start()
-                sender.close()
-                states.append(_RankState(process, receiver, stack_file))
-            _wait(states, deadline)
-            if all(state.status == "ok" for state in states):
-                return [state.result for state in states]
-            stacks = _dump_stacks(states)
-            raise RankFailedError(_format_failure(states, stacks, timeout), _root_cause(states))
+            with Supervisor(
+                grace_period=_TERMINATE_SECONDS, report_window=FAILURE_GRACE_SECONDS
+            ) as supervisor:
+                for rank in range(world_size):
+                    spec = _WorkerSpec(
+                        function=ref,
+                        payload=payload,
+                        rank=rank,
+                        world_size=world_size,
+                        master_port=port,
+                        backend=backend,
+                        timeout=timeout,
+                        environ=dict(os.environ),
+                        run_dir=scratch,
+                    )
+                    process = context.Process(
+                        target=_worker_main, args=(spec,), name=f"run_ranks-rank{rank}"
+                    )
+                    process.start()
+                    supervisor.add(ProcessWorker(process, rank), RankFiles.for_rank(scratch, rank))
+                # The timeout covers the start too (the fork server imports torch).
+                supervisor.timeout = max(0.0, deadline - time.monotonic())
+                outcome = supervisor.run()
         finally:
-            _stop(states)
-            for state in states:
-                state.conn.close()
             release_port(port)
+        if outcome.status == "succeeded":
+            return [pickle.loads(_result_path(scratch, r).read_bytes()) for r in range(world_size)]
+        root = outcome.root_cause
+        message = _format_failure(outcome, timeout)
+        raise RankFailedError(message, None if root is None else root.rank)

@@ -21,31 +21,28 @@ What must be picklable:
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import multiprocessing as mp
 import os
 import pickle
 import shutil
-import signal
 import sys
 import tempfile
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import import_module
-from multiprocessing.process import BaseProcess
 from typing import Any
 
 from dist_core.callables import CallableRef
 from dist_core.config import MultiprocessConfig
 from dist_core.ports import release_port
 from dist_core.proc import close_inherited_forkserver_fd
+from dist_core.rank_files import RankFiles
+from dist_core.supervisor import ProcessWorker, Supervisor
+from dist_core.worker_guards import die_quietly_of_sigint, install_worker_guards, record_and_print
 from dist_launch.errors import LaunchError
-from dist_launch.guards import die_quietly_of_sigint, install_worker_guards, record_and_print
-from dist_launch.records import RankFiles
 from dist_launch.report import format_report, group_exit_status
-from dist_launch.supervisor import Supervisor
 
 logger = logging.getLogger(__name__)
 
@@ -189,31 +186,6 @@ def _unpack(
     func, setup = (item.resolve() if isinstance(item, CallableRef) else item for item in callables)
     args, kwargs = pickle.loads(payload)  # after the callables' modules are loaded
     return func, setup, args, kwargs
-
-
-class _ProcessWorker:
-    """A ``multiprocessing`` worker as the supervisor sees it."""
-
-    own_process_group = False  # it shares the caller's: signal the worker alone
-
-    def __init__(self, process: BaseProcess, rank: int, local_rank: int, node_rank: int) -> None:
-        self.process = process
-        self.rank = rank
-        self.local_rank = local_rank
-        self.node_rank = node_rank
-
-    @property
-    def pid(self) -> int | None:
-        """The process id (None until the server replied)."""
-        return self.process.pid
-
-    def returncode(self) -> int | None:
-        """None while running; the exit status, or -N after signal N."""
-        return self.process.exitcode
-
-    def exit_fd(self) -> int | None:
-        """A descriptor readable once the process exited, if there is one."""
-        return self.process.sentinel
 
 
 def _cuda_initialised_here() -> bool:
@@ -363,44 +335,33 @@ def launch_subprocesses(
     )
     parent_pid = None if cfg.launch_method == "forkserver" else os.getpid()
     run_dir = tempfile.mkdtemp(prefix="dist-launch-")
-    workers: list[_ProcessWorker] = []
-    supervisor: Supervisor | None = None
     try:
-        for local_rank in range(local):
-            rank = rank_offset + local_rank
-            worker_cfg = cfg.replace(rank=rank, local_rank=local_rank)
-            process = context.Process(
-                target=_worker_main,
-                args=(task, worker_cfg, run_dir, parent_pid),
-                name=f"dist-launch-rank{rank}",
-            )
-            process.start()
-            workers.append(_ProcessWorker(process, rank, local_rank, rank // local))
-        files = {w.rank: RankFiles.for_rank(run_dir, w.rank) for w in workers}
-        supervisor = Supervisor(
-            workers, files, grace_period=grace_period or DEFAULT_GRACE_PERIOD, timeout=timeout
-        )
-        try:
+        # The supervisor kills and reaps every worker it holds when the block ends, a
+        # failed start or a Ctrl-C (forwarded as SIGINT first) included.
+        with Supervisor(
+            grace_period=grace_period or DEFAULT_GRACE_PERIOD, timeout=timeout
+        ) as supervisor:
+            for local_rank in range(local):
+                rank = rank_offset + local_rank
+                worker_cfg = cfg.replace(rank=rank, local_rank=local_rank)
+                process = context.Process(
+                    target=_worker_main,
+                    args=(task, worker_cfg, run_dir, parent_pid),
+                    name=f"dist-launch-rank{rank}",
+                )
+                process.start()
+                supervisor.add(
+                    ProcessWorker(process, rank, local_rank, rank // local),
+                    RankFiles.for_rank(run_dir, rank),
+                )
             outcome = supervisor.run()
-        except KeyboardInterrupt:
-            supervisor.interrupt(signal.SIGINT)
-            supervisor.run()
-            raise
-        if outcome.status != "succeeded":
-            root = outcome.root_cause
-            raise LaunchError(
-                format_report(outcome, "launch_subprocesses"),
-                rank=None if root is None else root.rank,
-                exitcode=group_exit_status(outcome),
-            )
     finally:
-        for worker in workers:
-            if worker.process.is_alive():
-                worker.process.kill()
-            worker.process.join(5.0)
-            with contextlib.suppress(ValueError):
-                worker.process.close()
-        if supervisor is not None:
-            supervisor.selector.close()
         shutil.rmtree(run_dir, ignore_errors=True)
         release_port(cfg.master_port)
+    if outcome.status != "succeeded":
+        root = outcome.root_cause
+        raise LaunchError(
+            format_report(outcome, "launch_subprocesses"),
+            rank=None if root is None else root.rank,
+            exitcode=group_exit_status(outcome),
+        )

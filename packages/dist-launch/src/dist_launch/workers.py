@@ -1,52 +1,18 @@
-"""Start CLI workers as fresh interpreters (``spawn``): ``python -m dist_launch._bootstrap``."""
+"""Start CLI workers as fresh interpreters (``spawn``): ``python -m dist_launch._bootstrap``.
+
+Each becomes a :class:`~dist_core.supervisor.PopenWorker` (re-exported here).
+"""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import subprocess
 import sys
 
+from dist_core.supervisor import PopenWorker
 from dist_launch.plan import WorkerTarget
 
-
-class PopenWorker:
-    """A worker started as a child process; exit observed through a pidfd."""
-
-    own_process_group = True
-
-    def __init__(
-        self, popen: subprocess.Popen[bytes], rank: int, local_rank: int, node_rank: int
-    ) -> None:
-        self.popen = popen
-        self.rank = rank
-        self.local_rank = local_rank
-        self.node_rank = node_rank
-        self._pidfd: int | None = None
-        with contextlib.suppress(OSError, AttributeError):  # pidfds need Linux 5.3
-            self._pidfd = os.pidfd_open(popen.pid)
-
-    @property
-    def pid(self) -> int | None:
-        """The process id (None until the server replied)."""
-        return self.popen.pid
-
-    def returncode(self) -> int | None:
-        """None while running; the exit status, or -N after signal N."""
-        return self.popen.poll()
-
-    def exit_fd(self) -> int | None:
-        """A descriptor readable once the process exited, if there is one."""
-        return self._pidfd
-
-    def close(self) -> None:
-        """Reaps the process (bounded) and releases the pidfd."""
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.popen.wait(5.0)
-        if self._pidfd is not None:
-            with contextlib.suppress(OSError):
-                os.close(self._pidfd)
-            self._pidfd = None
+__all__ = ["PopenWorker", "WorkerTarget", "start_subprocess_worker"]
 
 
 def start_subprocess_worker(

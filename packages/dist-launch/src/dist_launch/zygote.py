@@ -50,6 +50,9 @@ class ZygoteWorker:
         """A descriptor readable once the process exited, if there is one."""
         return None  # the server's message wakes the supervisor's selector instead
 
+    def close(self) -> None:
+        """Nothing to release: the server, its parent, reaps the process."""
+
 
 class Zygote:
     """Starts the fork server and asks it for workers.

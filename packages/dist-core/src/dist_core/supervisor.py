@@ -1,0 +1,621 @@
+"""Own a group of worker processes from start to cleanup; when one fails, stop the rest.
+
+One :class:`Supervisor` serves every runner of the dist-* packages: dist-launch's CLI
+(:class:`PopenWorker` and fork-server workers), its library launcher and
+:func:`dist_core.testing.run_ranks` (``multiprocessing`` workers: :class:`ProcessWorker`).
+It only needs, for each worker, a pid, a way to learn its exit status, and
+optionally a file descriptor that becomes readable when it exits.
+The caller may register more file descriptors on the supervisor's selector (output
+pipes, a signal wake-up pipe) with a callback each. Standard library only.
+
+It is a context manager that owns the workers' cleanup::
+
+    with Supervisor(grace_period=5.0) as supervisor:
+        for rank in range(n):
+            supervisor.add(start_worker(rank), RankFiles.for_rank(run_dir, rank))
+        outcome = supervisor.run()
+
+Whatever ends the block (a return, an exception, a worker that failed to start, a
+KeyboardInterrupt), every worker still alive is killed (its whole process group
+where it leads one) and reaped, and the descriptors the supervisor registered are
+unregistered. A KeyboardInterrupt is first handled as a SIGINT the caller received
+(:meth:`Supervisor.interrupt`): forwarded, with the grace period to end.
+
+What happens when a rank fails (exits non-zero):
+
+1. The other ranks may end on their own for ``report_window`` seconds (0 for the
+   launchers; :func:`~dist_core.testing.run_ranks` lets peers report what they saw).
+2. Every live rank is asked for its Python stack (faulthandler on
+   :data:`~dist_core.rank_files.STACK_DUMP_SIGNAL`), so the report shows where each
+   one was, even in C code or a collective.
+3. Every live rank gets SIGTERM; those alive after the grace period get SIGKILL. The
+   supervisor never waits for a collective's own timeout.
+4. The root cause is the failed rank with the earliest failure time *recorded by the
+   workers* (see :mod:`dist_core.rank_files`), preferring failures that are not merely
+   a peer vanishing (:func:`dist_core.proc.is_peer_failure`).
+
+A signal the caller forwards with :meth:`Supervisor.interrupt` (SIGINT, SIGTERM) goes
+the same way: stacks first, so that a Ctrl-C on a hung job can say where every rank
+was, then the signal itself instead of SIGTERM. :meth:`Supervisor.request_stacks`
+asks for the stacks without stopping anything (a launcher's SIGQUIT).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import selectors
+import signal
+import subprocess
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from multiprocessing.process import BaseProcess
+from types import TracebackType
+from typing import Literal, Protocol
+
+from dist_core.proc import is_peer_failure
+from dist_core.rank_files import (
+    STACK_DUMP_SIGNAL,
+    ErrorRecord,
+    RankFiles,
+    read_error_record,
+    read_torchelastic_error,
+)
+
+logger = logging.getLogger(__name__)
+
+# How long live ranks get to write their stacks before they are stopped.
+STACK_DUMP_SECONDS = 1.0
+# After SIGKILL, how long to wait for the kernel to reap; past it the report says so.
+KILL_WAIT_SECONDS = 10.0
+# How often workers without an exit descriptor are polled.
+_POLL_SECONDS = 0.05
+
+RankStatus = Literal["running", "succeeded", "failed", "stopped"]
+GroupStatus = Literal["succeeded", "failed", "timed_out", "interrupted"]
+
+
+class Worker(Protocol):
+    """One worker process as the supervisor sees it."""
+
+    rank: int
+    local_rank: int
+    node_rank: int
+    # True when the worker leads its own process group: stop signals then reach its
+    # children too (data-loader workers, tools it started).
+    own_process_group: bool
+
+    @property
+    def pid(self) -> int | None:
+        """The process id (None when it never started)."""
+
+    def returncode(self) -> int | None:
+        """None while running; the exit status, or ``-N`` when killed by signal N."""
+
+    def exit_fd(self) -> int | None:
+        """A descriptor readable once the process exited; None if none exists."""
+
+    def close(self) -> None:
+        """Reaps the ended process (bounded) and releases what the object holds.
+
+        Called once by the supervisor when it closes, after the process ended or was
+        killed.
+        """
+
+
+class ProcessWorker:
+    """A ``multiprocessing`` process as a :class:`Worker`.
+
+    It shares the caller's process group, so stop signals reach the process alone.
+
+    Args:
+        process: The started process.
+        rank: Its global rank.
+        local_rank: Its rank on this node (default: ``rank``).
+        node_rank: Its node's rank.
+    """
+
+    own_process_group = False
+
+    def __init__(
+        self, process: BaseProcess, rank: int, local_rank: int | None = None, node_rank: int = 0
+    ) -> None:
+        self.process = process
+        self.rank = rank
+        self.local_rank = rank if local_rank is None else local_rank
+        self.node_rank = node_rank
+
+    @property
+    def pid(self) -> int | None:
+        """The process id (None before it started)."""
+        return self.process.pid
+
+    def returncode(self) -> int | None:
+        """None while running; the exit status, or -N after signal N."""
+        return self.process.exitcode
+
+    def exit_fd(self) -> int | None:
+        """The process's sentinel, readable once it exited."""
+        return self.process.sentinel
+
+    def close(self) -> None:
+        """Releases the process's sentinel once it ended (reading its exit code reaps it)."""
+        if self.process.exitcode is not None:
+            self.process.close()
+        # else it survived SIGKILL: leave the object to the garbage collector.
+
+
+class PopenWorker:
+    """A ``subprocess.Popen`` child as a :class:`Worker`; its exit is seen through a pidfd.
+
+    Start it in a process group of its own (``process_group=0``): stop signals then
+    reach everything it started.
+
+    Args:
+        popen: The started process.
+        rank: Its global rank.
+        local_rank: Its rank on this node.
+        node_rank: Its node's rank.
+    """
+
+    own_process_group = True
+
+    def __init__(
+        self, popen: subprocess.Popen[bytes], rank: int, local_rank: int, node_rank: int
+    ) -> None:
+        self.popen = popen
+        self.rank = rank
+        self.local_rank = local_rank
+        self.node_rank = node_rank
+        self._pidfd: int | None = None
+        with contextlib.suppress(OSError, AttributeError):  # pidfds need Linux 5.3
+            self._pidfd = os.pidfd_open(popen.pid)
+
+    @property
+    def pid(self) -> int | None:
+        """The process id."""
+        return self.popen.pid
+
+    def returncode(self) -> int | None:
+        """None while running; the exit status, or -N after signal N."""
+        return self.popen.poll()
+
+    def exit_fd(self) -> int | None:
+        """A descriptor readable once the process exited, if there is one."""
+        return self._pidfd
+
+    def close(self) -> None:
+        """Reaps the process (bounded) and releases the pidfd."""
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.popen.wait(5.0)
+        if self._pidfd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._pidfd)
+            self._pidfd = None
+
+
+@dataclass
+class RankOutcome:
+    """What became of one rank."""
+
+    rank: int
+    local_rank: int
+    node_rank: int
+    status: RankStatus = "running"
+    returncode: int | None = None
+    ended_at: float | None = None  # wall clock when the supervisor saw it end
+    stop_signal: int | None = None  # the signal the supervisor sent to stop it
+    stopped_at: float | None = None  # wall clock when it was sent
+    record: ErrorRecord | None = None
+    crash_stack: str = ""  # faulthandler's output at a fatal signal
+    crash_time: float | None = None
+    live_stack: str = ""  # the stack the rank dumped before it was stopped
+
+    @property
+    def failure_time(self) -> float:
+        """When the rank failed, by the worker's clock where it recorded one."""
+        if self.record is not None:
+            return self.record.timestamp
+        if self.crash_time is not None:
+            return self.crash_time
+        return self.ended_at if self.ended_at is not None else float("inf")
+
+    @property
+    def is_peer_failure(self) -> bool:
+        """True when its error only says that a peer vanished."""
+        return self.record is not None and is_peer_failure(self.record.traceback)
+
+
+@dataclass
+class GroupOutcome:
+    """What became of the whole group."""
+
+    status: GroupStatus
+    ranks: list[RankOutcome]
+    signum: int | None = None  # for "interrupted"
+    timeout: float | None = None  # for "timed_out"
+    unkillable: list[int] = field(default_factory=list)
+
+    @property
+    def root_cause(self) -> RankOutcome | None:
+        """The rank whose failure came first (see the module docstring)."""
+        return pick_root_cause(self.ranks)
+
+
+def pick_root_cause(ranks: Sequence[RankOutcome]) -> RankOutcome | None:
+    """The failed rank that failed first, preferring failures not caused by a peer."""
+    failed = [rank for rank in ranks if rank.status == "failed"]
+    primary = [rank for rank in failed if not rank.is_peer_failure]
+    candidates = primary or failed
+    if not candidates:
+        return None
+    return min(candidates, key=lambda rank: (rank.failure_time, rank.rank))
+
+
+class Supervisor:
+    """Owns a group of workers: watches them, stops them all when one fails, cleans up.
+
+    Use it as a context manager (see the module docstring); :meth:`close` is what
+    leaving the block calls.
+
+    Args:
+        workers: Workers already started, if any; more come with :meth:`add`.
+        files: Each worker's files, by global rank (:meth:`add` may name them instead).
+        grace_period: Seconds between SIGTERM (or a forwarded signal) and SIGKILL.
+        timeout: Seconds the whole group may run, counted from the first :meth:`run`;
+            None for no limit.
+        report_window: Seconds after the first failure during which the other ranks
+            may still end on their own (and record why) before they are stopped.
+        selector: A selector the caller also registers its own descriptors on; the
+            ``data`` of each such key is a callable run when it is ready. The caller
+            keeps it open until the supervisor closed (exit statuses may arrive
+            through it) and closes it; a selector the supervisor made itself is
+            closed with it.
+    """
+
+    def __init__(
+        self,
+        workers: Sequence[Worker] = (),
+        files: Mapping[int, RankFiles] | None = None,
+        *,
+        grace_period: float,
+        timeout: float | None = None,
+        report_window: float = 0.0,
+        selector: selectors.BaseSelector | None = None,
+    ) -> None:
+        self.files: dict[int, RankFiles] = dict(files or {})
+        self.grace_period = grace_period
+        self.timeout = timeout
+        self.report_window = report_window
+        self._owns_selector = selector is None
+        self.selector = selector if selector is not None else selectors.DefaultSelector()
+        self.workers: list[Worker] = []
+        self.outcomes: list[RankOutcome] = []
+        self._signals: list[int] = []
+        self._exit_fds: dict[int, int] = {}
+        self._closed = False
+        # The run's state lives here, not in run(), so that run() may be called again
+        # (after a KeyboardInterrupt) and goes on where it stopped.
+        self._status: GroupStatus | None = None
+        self._signum: int | None = None
+        self._deadline: float | None = None
+        self._stop_at: float | None = None
+        self._kill_at: float | None = None
+        self._give_up_at: float | None = None
+        for worker in workers:
+            self.add(worker)
+
+    # -- owning ---------------------------------------------------------------------
+
+    def add(self, worker: Worker, files: RankFiles | None = None) -> None:
+        """Takes a started worker into the group; from now on the supervisor cleans it up.
+
+        Add each worker as soon as it started, so that a later start that fails does
+        not leave it behind. Workers are added before :meth:`run`.
+
+        Args:
+            worker: The started worker.
+            files: Its files; by default those given at construction for its rank.
+
+        Raises:
+            KeyError: No files were given for the worker's rank.
+            RuntimeError: The supervisor is closed.
+        """
+        if self._closed:
+            raise RuntimeError(f"cannot add rank {worker.rank}: the supervisor is closed")
+        if files is not None:
+            self.files[worker.rank] = files
+        elif worker.rank not in self.files:
+            raise KeyError(f"no RankFiles for rank {worker.rank}: pass them to add()")
+        index = len(self.workers)
+        self.workers.append(worker)
+        self.outcomes.append(RankOutcome(worker.rank, worker.local_rank, worker.node_rank))
+        fd = worker.exit_fd()
+        if fd is not None:
+            self.selector.register(fd, selectors.EVENT_READ, None)
+            self._exit_fds[index] = fd
+
+    def __enter__(self) -> Supervisor:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        try:
+            if isinstance(exc, KeyboardInterrupt) and not self._closed:
+                # As if the caller had received SIGINT: stacks, SIGINT, grace, SIGKILL.
+                self._poll()
+                if self._live():
+                    self.interrupt(signal.SIGINT)
+                    self.run()
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Kills every worker still alive and reaps it; unregisters what it registered.
+
+        Idempotent. Workers that lead a process group are killed with their group.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._poll()
+            live = self._live()
+            if live:
+                logger.debug("closing: SIGKILL to %d live rank(s)", len(live))
+                self._stop(signal.SIGKILL)
+                give_up_at = time.monotonic() + KILL_WAIT_SECONDS
+                while self._live() and time.monotonic() < give_up_at:
+                    self._wait_quietly(min(give_up_at, time.monotonic() + _POLL_SECONDS))
+                    self._poll()
+                survivors = [self.workers[i].rank for i in self._live()]
+                if survivors:
+                    logger.warning("rank(s) %s survived SIGKILL (stuck in the kernel?)", survivors)
+        finally:
+            for fd in self._exit_fds.values():
+                with contextlib.suppress(KeyError, ValueError, OSError):
+                    self.selector.unregister(fd)
+            self._exit_fds.clear()
+            for worker in self.workers:
+                try:
+                    worker.close()
+                except (OSError, ValueError):
+                    logger.debug("closing rank %d failed", worker.rank, exc_info=True)
+            if self._owns_selector:
+                self.selector.close()
+
+    def interrupt(self, signum: int) -> None:
+        """Records a signal the caller received; :meth:`run` forwards it to every rank.
+
+        Before forwarding it, :meth:`run` asks every live rank for its stack (each
+        outcome's ``live_stack``). A second signal skips the rest of the grace period.
+        """
+        self._signals.append(signum)
+
+    # -- observing ------------------------------------------------------------------
+
+    def _poll(self) -> None:
+        for index, worker in enumerate(self.workers):
+            outcome = self.outcomes[index]
+            if outcome.status != "running":
+                continue
+            code = worker.returncode()
+            if code is None:
+                continue
+            outcome.returncode = code
+            outcome.ended_at = time.time()
+            if code == 0:
+                outcome.status = "succeeded"
+            elif outcome.stop_signal is not None:
+                outcome.status = "stopped"
+            else:
+                outcome.status = "failed"
+            fd = self._exit_fds.pop(index, None)
+            if fd is not None:
+                with contextlib.suppress(KeyError, ValueError):
+                    self.selector.unregister(fd)
+
+    def _live(self) -> list[int]:
+        return [i for i, outcome in enumerate(self.outcomes) if outcome.status == "running"]
+
+    def _wait(self, until: float | None) -> None:
+        """Sleeps until a descriptor is ready or ``until`` (monotonic); runs callbacks."""
+        delay = None if until is None else max(0.0, until - time.monotonic())
+        for key, _ in self.selector.select(delay):
+            if callable(key.data):
+                key.data()
+
+    def _wait_quietly(self, until: float) -> None:
+        """:meth:`_wait` for cleanup, where the caller's selector may be closed already."""
+        try:
+            self._wait(until)
+        except (OSError, ValueError, RuntimeError):
+            time.sleep(max(0.0, until - time.monotonic()))
+
+    # -- acting ---------------------------------------------------------------------
+
+    def _signal(self, indices: Sequence[int], signum: int, *, group: bool = False) -> None:
+        for index in indices:
+            worker = self.workers[index]
+            pid = worker.pid
+            if pid is None or self.outcomes[index].status != "running":
+                continue
+            if group and worker.own_process_group:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(pid, signum)
+                    continue
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signum)
+
+    def _stop(self, signum: int) -> None:
+        live = self._live()
+        for index in live:
+            if self.outcomes[index].stop_signal is None:
+                self.outcomes[index].stop_signal = signum
+                self.outcomes[index].stopped_at = time.time()
+        self._signal(live, signum, group=True)
+
+    def request_stacks(self) -> dict[int, str]:
+        """Asks every live rank for its Python stack, without stopping anything.
+
+        Only ranks whose handler is armed (their stack file exists) are asked; the wait
+        for their answers is bounded by :data:`STACK_DUMP_SECONDS`. Nothing about the
+        ranks' outcomes changes.
+
+        Returns:
+            Each asked rank's stack, by global rank (``(no stack received)`` for one
+            that did not answer in time).
+        """
+        targets: dict[int, int] = {}
+        for index in self._live():
+            path = self.files[self.workers[index].rank].stack
+            with contextlib.suppress(OSError):
+                targets[index] = path.stat().st_size  # exists once the handler is armed
+        self._signal(list(targets), STACK_DUMP_SIGNAL)
+        pending = dict(targets)
+        last_size: dict[int, int] = {}
+        deadline = time.monotonic() + STACK_DUMP_SECONDS
+        # faulthandler writes from its signal handler, line by line, and tells nobody
+        # when it is done: a dump is complete once the file grew and stopped growing.
+        while pending and time.monotonic() < deadline:
+            time.sleep(0.02)
+            for index, before in list(pending.items()):
+                path = self.files[self.workers[index].rank].stack
+                try:
+                    size = path.stat().st_size
+                except OSError:
+                    del pending[index]
+                    continue
+                if size > before and last_size.get(index) == size:
+                    del pending[index]
+                last_size[index] = size
+        stacks: dict[int, str] = {}
+        for index, before in targets.items():
+            rank = self.workers[index].rank
+            text = ""
+            with contextlib.suppress(OSError), self.files[rank].stack.open("rb") as handle:
+                handle.seek(before)
+                text = handle.read().decode(errors="replace").strip()
+            stacks[rank] = text or "(no stack received)"
+        return stacks
+
+    def dump_stacks(self) -> None:
+        """:meth:`request_stacks`, kept in each asked rank's outcome (``live_stack``)."""
+        stacks = self.request_stacks()
+        for outcome in self.outcomes:
+            if outcome.rank in stacks and outcome.status == "running":
+                outcome.live_stack = stacks[outcome.rank]
+
+    # -- the loop -------------------------------------------------------------------
+
+    def _take_signals(self) -> None:
+        received = self._signals[:]
+        self._signals.clear()
+        if not received:
+            return
+        if self._status != "interrupted":
+            first = received.pop(0)
+            if self._kill_at is None and self._live():
+                self.dump_stacks()  # not yet stopping: say where each rank was
+                self._poll()
+            self._status, self._signum = "interrupted", first
+            logger.debug(
+                "forwarding %s to %d rank(s)", signal.Signals(first).name, len(self._live())
+            )
+            self._stop(first)
+            self._kill_at = time.monotonic() + self.grace_period
+        if received:
+            self._kill_at = time.monotonic()  # asked again: stop waiting for a clean exit
+
+    def run(self) -> GroupOutcome:
+        """Waits until every rank ended, stopping them all after a failure.
+
+        May be called again after it was interrupted (KeyboardInterrupt): it goes on
+        where it stopped.
+
+        Returns:
+            The group's outcome, with each rank's record and stacks read.
+        """
+        if self._deadline is None and self.timeout is not None:
+            self._deadline = time.monotonic() + self.timeout
+        deadline = self._deadline
+        while True:
+            self._poll()
+            self._take_signals()
+            now = time.monotonic()
+            if self._status is None and any(o.status == "failed" for o in self.outcomes):
+                self._status = "failed"
+                self._stop_at = now + self.report_window
+            if self._status is None and deadline is not None and now >= deadline:
+                self._status = "timed_out"
+                self._stop_at = now
+            if (
+                self._kill_at is None
+                and self._stop_at is not None
+                and (now >= self._stop_at or (deadline is not None and now >= deadline))
+                and self._live()
+            ):
+                self.dump_stacks()
+                self._poll()
+                self._stop(signal.SIGTERM)
+                self._kill_at = time.monotonic() + self.grace_period
+            live = self._live()
+            if not live:
+                break
+            now = time.monotonic()
+            if self._kill_at is not None and now >= self._kill_at and self._give_up_at is None:
+                logger.info("grace period over: SIGKILL to %d rank(s)", len(live))
+                self._stop(signal.SIGKILL)
+                self._give_up_at = now + KILL_WAIT_SECONDS
+            if self._give_up_at is not None and now >= self._give_up_at:
+                break
+            wake_points = [
+                t
+                for t in (
+                    deadline if self._status is None else None,
+                    self._stop_at if self._kill_at is None else None,
+                    self._kill_at,
+                    self._give_up_at,
+                )
+                if t is not None and t > now
+            ]
+            # The exit of a worker without a descriptor is not watched: poll it now and then.
+            if len(self._exit_fds) < len(live):
+                wake_points.append(now + _POLL_SECONDS)
+            self._wait(min(wake_points) if wake_points else None)
+        outcome = GroupOutcome(
+            status=self._status or "succeeded",
+            ranks=self.outcomes,
+            signum=self._signum,
+            timeout=self.timeout,
+            unkillable=[self.workers[i].rank for i in self._live()],
+        )
+        self._read_records()
+        return outcome
+
+    def _read_records(self) -> None:
+        for outcome in self.outcomes:
+            files = self.files[outcome.rank]
+            outcome.record = read_error_record(files.error) or read_torchelastic_error(
+                files.torchelastic_error, outcome.rank
+            )
+            with contextlib.suppress(OSError):
+                text = files.fatal.read_text(errors="replace").strip()
+                if text:
+                    outcome.crash_stack = text
+                    outcome.crash_time = files.fatal.stat().st_mtime
+            # A rank that failed on its own just before it was told to stop counts as
+            # failed: its record predates the stop signal.
+            if (
+                outcome.status == "stopped"
+                and outcome.record is not None
+                and outcome.stopped_at is not None
+                and outcome.record.timestamp < outcome.stopped_at
+            ):
+                outcome.status = "failed"

@@ -1,0 +1,232 @@
+"""The Supervisor owns its workers: failures stop the group, and leaving the block cleans up.
+
+Workers are real interpreters (no torch) that install the same guards as dist-launch's
+and run_ranks' workers; each says ``ready`` on its stdout once its stack handler is
+armed.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+import pytest
+
+from dist_core.rank_files import ErrorRecord, RankFiles
+from dist_core.supervisor import PopenWorker, RankOutcome, Supervisor, pick_root_cause
+
+WORKER = textwrap.dedent(
+    """
+    import os, signal, subprocess, sys, time
+    from pathlib import Path
+    from dist_core.rank_files import RankFiles
+    from dist_core.worker_guards import install_worker_guards, record_and_print
+
+    run_dir, rank, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    files = RankFiles.for_rank(run_dir, rank)
+    install_worker_guards(files, os.getppid())
+
+    def parked_in_python():
+        print("ready", flush=True)
+        time.sleep(600)
+
+    if mode == "park":
+        parked_in_python()
+    elif mode == "grandchild":
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        print(child.pid, flush=True)
+        parked_in_python()
+    elif mode == "note-sigint":
+        def note(signum, frame):
+            Path(run_dir, f"rank{rank}.got").write_text(signal.Signals(signum).name)
+            os._exit(130)
+        signal.signal(signal.SIGINT, note)
+        parked_in_python()
+    elif mode == "fail":
+        try:
+            raise ValueError(f"rank {rank} failed on purpose")
+        except ValueError as error:
+            sys.exit(record_and_print(files, rank, error))
+    """
+)
+
+READY_SECONDS = 60.0
+
+
+class Workers:
+    """Starts the test's workers; :meth:`kill_leftovers` ends any a test left alive."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+        self.started: list[PopenWorker] = []
+
+    def start(self, rank: int, mode: str, supervisor: Supervisor | None = None) -> PopenWorker:
+        """Starts rank ``rank`` in ``mode`` (see WORKER); hands it to ``supervisor``."""
+        script = self.run_dir.parent / "worker.py"
+        popen = subprocess.Popen(
+            [sys.executable, str(script), str(self.run_dir), str(rank), mode],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            bufsize=0,  # unbuffered: a line read leaves the next one in the pipe for select()
+            process_group=0,
+        )
+        worker = PopenWorker(popen, rank, rank, 0)
+        self.started.append(worker)
+        if supervisor is not None:
+            supervisor.add(worker, RankFiles.for_rank(self.run_dir, rank))
+        return worker
+
+    def park(self, supervisor: Supervisor, ranks: Sequence[int]) -> None:
+        """Starts ``ranks`` parked in Python and waits until each one's handler is armed."""
+        for rank in ranks:
+            assert read_line(self.start(rank, "park", supervisor)) == "ready"
+
+    def kill_leftovers(self) -> None:
+        for worker in self.started:
+            if worker.popen.poll() is None:
+                worker.popen.kill()
+                worker.popen.wait(30)
+            if worker.popen.stdout is not None:
+                worker.popen.stdout.close()
+
+
+@pytest.fixture
+def workers(tmp_path: Path) -> Iterator[Workers]:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (tmp_path / "worker.py").write_text(WORKER)
+    starter = Workers(run_dir)
+    yield starter
+    starter.kill_leftovers()
+
+
+def read_line(worker: PopenWorker) -> str:
+    """The worker's next stdout line, waiting at most READY_SECONDS."""
+    stdout = worker.popen.stdout
+    assert stdout is not None
+    ready, _, _ = select.select([stdout], [], [], READY_SECONDS)
+    assert ready, f"rank {worker.rank} said nothing within {READY_SECONDS:g} s"
+    return stdout.readline().decode().strip()
+
+
+def reaped(pid: int) -> bool:
+    """Whether ``pid``, a child of this process, was already waited for."""
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        return True
+    return False
+
+
+def test_leaving_the_block_by_an_exception_kills_and_reaps_every_worker(
+    workers: Workers, alive: Callable[[int], bool]
+) -> None:
+    """As when the start of a later rank fails: the ranks already started do not leak."""
+    with (
+        pytest.raises(OSError, match="rank 1 could not start"),
+        Supervisor(grace_period=5.0) as supervisor,
+    ):
+        worker = workers.start(0, "grandchild", supervisor)
+        grandchild = int(read_line(worker))
+        assert read_line(worker) == "ready"
+        raise OSError("rank 1 could not start")
+    assert worker.popen.returncode == -signal.SIGKILL
+    assert reaped(worker.popen.pid)
+    assert not alive(worker.popen.pid)
+    # The worker led its process group: what it started went with it. That one is not
+    # our child (nothing to wait on): poll /proc, bounded.
+    deadline = time.monotonic() + 30
+    while alive(grandchild) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive(grandchild)
+    assert supervisor.outcomes[0].status == "stopped"
+
+
+def test_keyboard_interrupt_forwards_sigint_before_killing(workers: Workers) -> None:
+    with pytest.raises(KeyboardInterrupt), Supervisor(grace_period=30.0) as supervisor:
+        worker = workers.start(0, "note-sigint", supervisor)
+        assert read_line(worker) == "ready"
+        raise KeyboardInterrupt
+    assert (workers.run_dir / "rank0.got").read_text() == "SIGINT"
+    assert worker.popen.returncode == 130
+    assert reaped(worker.popen.pid)
+    # Where it was when interrupted, asked for before the signal was forwarded.
+    assert "in parked_in_python" in supervisor.outcomes[0].live_stack
+
+
+def test_a_failure_stops_the_others_and_says_where_they_were(workers: Workers) -> None:
+    with Supervisor(grace_period=5.0) as supervisor:
+        workers.park(supervisor, [0, 1])
+        workers.start(2, "fail", supervisor)
+        outcome = supervisor.run()
+    assert outcome.status == "failed"
+    root = outcome.root_cause
+    assert root is not None and root.rank == 2 and root.returncode == 1
+    assert root.record is not None
+    assert root.record.summary == "ValueError: rank 2 failed on purpose"
+    for other in outcome.ranks[:2]:
+        assert other.status == "stopped"
+        assert other.stop_signal == signal.SIGTERM
+        assert other.returncode == -signal.SIGTERM
+        assert "in parked_in_python" in other.live_stack
+
+
+def test_request_stacks_stops_nothing(workers: Workers) -> None:
+    with Supervisor(grace_period=5.0) as supervisor:
+        workers.park(supervisor, [0, 1])
+        first = supervisor.request_stacks()
+        second = supervisor.request_stacks()
+        assert sorted(first) == sorted(second) == [0, 1]
+        for stacks in (first, second):
+            assert all("in parked_in_python" in stack for stack in stacks.values())
+        assert [w.popen.poll() for w in workers.started] == [None, None]
+        assert [o.status for o in supervisor.outcomes] == ["running", "running"]
+        assert [o.stop_signal for o in supervisor.outcomes] == [None, None]
+        supervisor.dump_stacks()
+        assert [o.status for o in supervisor.outcomes] == ["running", "running"]
+        assert all("in parked_in_python" in o.live_stack for o in supervisor.outcomes)
+    assert [w.popen.returncode for w in workers.started] == [-signal.SIGKILL] * 2
+
+
+def test_an_interrupt_dumps_every_stack_then_forwards_the_signal(workers: Workers) -> None:
+    with Supervisor(grace_period=30.0) as supervisor:
+        workers.park(supervisor, [0, 1])
+        supervisor.interrupt(signal.SIGTERM)
+        outcome = supervisor.run()
+    assert outcome.status == "interrupted"
+    assert outcome.signum == signal.SIGTERM
+    for rank in outcome.ranks:
+        assert rank.status == "stopped"
+        assert rank.returncode == -signal.SIGTERM
+        assert "in parked_in_python" in rank.live_stack
+
+
+def test_a_closed_supervisor_takes_no_worker(workers: Workers) -> None:
+    with Supervisor(grace_period=1.0) as supervisor:
+        pass
+    worker = workers.start(0, "park")
+    with pytest.raises(RuntimeError, match="cannot add rank 0: the supervisor is closed"):
+        supervisor.add(worker, RankFiles.for_rank(workers.run_dir, 0))
+    with Supervisor(grace_period=1.0) as other, pytest.raises(KeyError, match="rank 0"):
+        other.add(worker)
+
+
+def _failed(rank: int, when: float, text: str) -> RankOutcome:
+    record = ErrorRecord(rank, when, "RuntimeError", text, text, 1)
+    return RankOutcome(rank, rank, 0, status="failed", returncode=1, record=record)
+
+
+def test_root_cause_prefers_the_first_failure_that_is_not_a_peer_vanishing() -> None:
+    peer = _failed(0, 1.0, "Connection closed by peer")
+    real = _failed(1, 2.0, "out of memory")
+    later = _failed(2, 3.0, "out of memory")
+    assert pick_root_cause([peer, real, later]) is real
+    assert pick_root_cause([peer]) is peer
+    assert pick_root_cause([RankOutcome(0, 0, 0, status="succeeded", returncode=0)]) is None
