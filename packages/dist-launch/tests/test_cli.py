@@ -138,7 +138,9 @@ def _wait_until_gone(pids: list[int], timeout: float = 20) -> list[int]:
 def test_unmodified_torchrun_script_runs(tmp_path: Path) -> None:
     script = _script(tmp_path, "train.py", TORCHRUN_SCRIPT)
     logs = tmp_path / "logs"
-    result = _launch("-n", "2", "--log-dir", str(logs), script, "--lr", "0.1", cwd=tmp_path)
+    result = _launch(
+        "-n", "2", "--log-dir", str(logs), "--run-id", "r1", script, "--lr", "0.1", cwd=tmp_path
+    )  # fmt: skip
     assert result.returncode == 0, result.stderr
     for rank in (0, 1):
         assert f"[rank{rank}]: sum 1 world 2 argv ['--lr', '0.1']" in result.stdout
@@ -162,7 +164,7 @@ def test_unmodified_torchrun_script_runs(tmp_path: Path) -> None:
         ):
             assert f" {expected}" in env_line, (expected, env_line)
         assert "<unset>" not in env_line
-        log = (logs / f"rank{rank}.log").read_text()
+        log = (logs / "r1" / "attempt_0" / str(rank) / "stdout.log").read_text()
         assert "sum 1 world 2" in log and "[rank" not in log
 
 

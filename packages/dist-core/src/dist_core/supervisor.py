@@ -49,7 +49,7 @@ import selectors
 import signal
 import subprocess
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
 from types import TracebackType
@@ -295,6 +295,7 @@ class Supervisor:
         self.outcomes: list[RankOutcome] = []
         self._signals: list[int] = []
         self._exit_fds: dict[int, int] = {}
+        self._timers: list[Callable[[float], float | None]] = []
         self._closed = False
         # The run's state lives here, not in run(), so that run() may be called again
         # (after a KeyboardInterrupt) and goes on where it stopped.
@@ -308,6 +309,14 @@ class Supervisor:
             self.add(worker)
 
     # -- owning ---------------------------------------------------------------------
+
+    def add_timer(self, due: Callable[[float], float | None]) -> None:
+        """Calls ``due(now)`` on every turn of :meth:`run`'s loop.
+
+        ``due`` does what is due at ``now`` (monotonic) and returns when it next needs
+        a call, or None; the loop wakes up by then (an output relay's partial line).
+        """
+        self._timers.append(due)
 
     def add(self, worker: Worker, files: RankFiles | None = None) -> None:
         """Takes a started worker into the group; from now on the supervisor cleans it up.
@@ -585,6 +594,10 @@ class Supervisor:
                 )
                 if t is not None and t > now
             ]
+            for due in self._timers:
+                when = due(now)
+                if when is not None:
+                    wake_points.append(max(when, now))
             # The exit of a worker without a descriptor is not watched: poll it now and then.
             if len(self._exit_fds) < len(live):
                 wake_points.append(now + _POLL_SECONDS)

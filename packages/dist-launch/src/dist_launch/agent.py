@@ -165,6 +165,14 @@ class Agent:
 
     # -- events ---------------------------------------------------------------------
 
+    def _received(self) -> int | None:
+        """The first stopping signal received (set by the signal callback)."""
+        return self._interrupted
+
+    def _rendezvous_change(self) -> str | None:
+        """Why the rendezvous asked for a new round (set by the watcher thread)."""
+        return self._change
+
     def _set_supervisor(self, supervisor: Supervisor | None) -> None:
         self._supervisor = supervisor
         if supervisor is not None and self._interrupted is not None:
@@ -362,15 +370,16 @@ class Agent:
                 if isinstance(rdzv, ElasticRendezvous):
                     rdzv.exit_barrier()
                 return 0
-            if self._interrupted is not None:
+            if self._received() is not None:
                 print(format_report(outcome, PROG), file=sys.stderr, flush=True)
                 return self._interrupted_status(rdzv)
-            if self._change is not None and outcome.status == "interrupted":
-                if self._change == "closed":
+            change = self._rendezvous_change()
+            if change is not None and outcome.status == "interrupted":
+                if change == "closed":
                     reason = isinstance(rdzv, ElasticRendezvous) and rdzv.closing_reason()
                     _say(f"the job was closed by another node: {reason or 'no reason given'}")
                     return 1
-                logger.info("%s: stopping this node's workers to re-form the job", self._change)
+                logger.info("%s: stopping this node's workers to re-form the job", change)
                 continue
             if outcome.status == "timed_out":
                 outcome.timeout = plan.timeout  # the job's, not this round's remainder

@@ -12,12 +12,12 @@ import contextlib
 import os
 import selectors
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import BinaryIO
 
 from dist_core.log import LAUNCHER_PREFIXES_VARIABLE
@@ -27,7 +27,7 @@ from dist_launch.output import LineRelay
 from dist_launch.plan import LaunchPlan, WorkerTarget
 from dist_launch.records import RankFiles
 from dist_launch.rendezvous import Assignment
-from dist_launch.routing import OutputRouting
+from dist_launch.routing import OutputRouting, Stream
 from dist_launch.supervisor import GroupOutcome, Supervisor, Worker
 from dist_launch.workers import PopenWorker, start_subprocess_worker
 from dist_launch.zygote import Zygote
@@ -124,6 +124,17 @@ def start_program_worker(
     return PopenWorker(popen, rank, local_rank, node_rank), out_read, err_read
 
 
+def _flush_partial_lines(relays: list[LineRelay], now: float) -> float | None:
+    """Shows partial lines that waited long enough; returns when the next one is due."""
+    due: list[float] = []
+    for relay in relays:
+        relay.flush_due(now)
+        deadline = relay.next_deadline()
+        if deadline is not None:
+            due.append(deadline)
+    return min(due, default=None)
+
+
 def _pump_callback(selector: selectors.BaseSelector, relay: LineRelay) -> Callable[[], None]:
     def pump() -> None:
         if not relay.pump():
@@ -178,10 +189,11 @@ class LocalGroup:
             return logs
         layout.create_attempt(attempt, range(self.plan.nproc))
         for local_rank in range(self.plan.nproc):
-            for stream, path in (
+            paths: tuple[tuple[Stream, Path], ...] = (
                 ("stdout", layout.stdout(attempt, local_rank)),
                 ("stderr", layout.stderr(attempt, local_rank)),
-            ):
+            )
+            for stream, path in paths:
                 if self.routing.route(local_rank, stream).file:
                     logs[(local_rank, stream)] = open(path, "wb")  # noqa: SIM115
         return logs
@@ -204,6 +216,9 @@ class LocalGroup:
     def run(self, attempt: int, timeout: float | None) -> GroupOutcome:
         """Starts the workers, waits for the outcome, cleans up; returns the outcome.
 
+        Every worker started is killed and reaped when this returns or raises (the
+        supervisor's context), a start that failed halfway included.
+
         Raises:
             OSError, RuntimeError: A worker could not be started.
         """
@@ -211,71 +226,71 @@ class LocalGroup:
         selector = self.selector
         logs = self._open_logs(attempt)
         relays: list[LineRelay] = []
-        workers: list[Worker] = []
+        env = worker_environment(plan, assignment, self.node_env)
+        env[RUN_DIR_VARIABLE] = self.run_dir
+        env[PARENT_PID_VARIABLE] = str(os.getpid())
         try:
-            env = worker_environment(plan, assignment, self.node_env)
-            env[RUN_DIR_VARIABLE] = self.run_dir
-            env[PARENT_PID_VARIABLE] = str(os.getpid())
-            for local_rank in range(plan.nproc):
-                rank = assignment.base_rank + local_rank
-                rank_env = rank_environment(plan, env, rank, local_rank)
-                self.files[rank] = RankFiles.for_rank(self.run_dir, rank)
-                rank_env["TORCHELASTIC_ERROR_FILE"] = str(self.files[rank].torchelastic_error)
-                worker: Worker
-                node = assignment.group_rank
-                if plan.target.no_python:
-                    worker, out_fd, err_fd = start_program_worker(
-                        plan.target, rank_env, rank, local_rank, node
-                    )
-                elif self.zygote is not None:
-                    worker, out_fd, err_fd = self.zygote.start(
-                        plan.target, rank_env, rank, local_rank, node
-                    )
-                else:
-                    worker, out_fd, err_fd = start_subprocess_worker(
-                        plan.target, rank_env, rank, local_rank, node
-                    )
-                workers.append(worker)
-                prefix = f"[rank{rank}]: ".encode()
-                for fd, stream, sink in (
-                    (out_fd, "stdout", sys.stdout.buffer),
-                    (err_fd, "stderr", sys.stderr.buffer),
-                ):
-                    relay = LineRelay(
-                        fd,
-                        prefix,
-                        sink,
-                        logs.get((local_rank, stream)),
-                        console=self.routing.route(local_rank, stream).console,
-                    )
-                    relays.append(relay)
-                    selector.register(fd, selectors.EVENT_READ, _pump_callback(selector, relay))
-            supervisor = Supervisor(
-                workers,
-                {w.rank: self.files[w.rank] for w in workers},
-                grace_period=plan.grace_period,
-                timeout=timeout,
-                selector=selector,
-            )
-            self.on_supervisor(supervisor)
-            outcome = supervisor.run()
-            self._drain(relays)
+            with Supervisor(
+                grace_period=plan.grace_period, timeout=timeout, selector=selector
+            ) as supervisor:
+                supervisor.add_timer(lambda now: _flush_partial_lines(relays, now))
+                for local_rank in range(plan.nproc):
+                    worker, out_fd, err_fd = self._start(env, local_rank)
+                    supervisor.add(worker, self.files[worker.rank])
+                    relays.extend(self._relays(worker.rank, local_rank, out_fd, err_fd, logs))
+                self.on_supervisor(supervisor)
+                outcome = supervisor.run()
+                self._drain(relays)
             self._write_error_files(attempt, outcome)
             return outcome
         finally:
             self.on_supervisor(None)
-            for worker in workers:
-                _kill_if_alive(worker)
             for relay in relays:
                 with contextlib.suppress(KeyError, ValueError):
                     selector.unregister(relay.fd)
                 relay.close()
             for log in logs.values():
                 log.close()
-            for worker in workers:
-                close = getattr(worker, "close", None)
-                if close is not None:
-                    close()
+
+    def _start(self, env: dict[str, str], local_rank: int) -> tuple[Worker, int, int]:
+        """Starts one worker; returns it and the read ends of its stdout and stderr."""
+        plan, node = self.plan, self.assignment.group_rank
+        rank = self.assignment.base_rank + local_rank
+        rank_env = rank_environment(plan, env, rank, local_rank)
+        self.files[rank] = RankFiles.for_rank(self.run_dir, rank)
+        rank_env["TORCHELASTIC_ERROR_FILE"] = str(self.files[rank].torchelastic_error)
+        if plan.target.no_python:
+            return start_program_worker(plan.target, rank_env, rank, local_rank, node)
+        if self.zygote is not None:
+            return self.zygote.start(plan.target, rank_env, rank, local_rank, node)
+        return start_subprocess_worker(plan.target, rank_env, rank, local_rank, node)
+
+    def _relays(
+        self,
+        rank: int,
+        local_rank: int,
+        out_fd: int,
+        err_fd: int,
+        logs: dict[tuple[int, str], BinaryIO],
+    ) -> list[LineRelay]:
+        """A relay per stream, registered on the selector, routed as the flags say."""
+        prefix = f"[rank{rank}]: ".encode()
+        relays = []
+        streams: tuple[tuple[int, Stream, BinaryIO], ...] = (
+            (out_fd, "stdout", sys.stdout.buffer),
+            (err_fd, "stderr", sys.stderr.buffer),
+        )
+        for fd, stream, sink in streams:
+            relay = LineRelay(
+                fd,
+                prefix,
+                sink,
+                logs.get((local_rank, stream)),
+                console=self.routing.route(local_rank, stream).console,
+            )
+            relays.append(relay)
+            self.selector.register(fd, selectors.EVENT_READ, _pump_callback(self.selector, relay))
+        return relays
 
     def _drain(self, relays: list[LineRelay]) -> None:
         """Passes on what the ended workers left in their pipes (bounded)."""
@@ -292,9 +307,3 @@ class LocalGroup:
     def cleanup(self) -> None:
         """Removes the attempt's scratch directory."""
         shutil.rmtree(self.run_dir, ignore_errors=True)
-
-
-def _kill_if_alive(worker: Worker) -> None:
-    if worker.returncode() is None and worker.pid is not None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(worker.pid, signal.SIGKILL)

@@ -32,7 +32,7 @@ from dist_core.ports import DEFAULT_PORT, get_unused_port, release_port
 from dist_launch.plan import LaunchPlan
 
 if TYPE_CHECKING:
-    from torch.distributed import Store
+    from torch.distributed import Store  # type: ignore[attr-defined]  # public, not re-exported in the stubs
 
 logger = logging.getLogger(__name__)
 
@@ -224,12 +224,12 @@ class ElasticRendezvous:
                 node stopped it).
             torch's RendezvousTimeoutError: Too few nodes joined within join_timeout.
         """
-        import torch.distributed as dist  # noqa: PLC0415
+        from torch.distributed import PrefixStore  # type: ignore[attr-defined]  # noqa: PLC0415
 
         info = self.handler.next_rendezvous()
         store = info.store
         self._round_store = store
-        self._job_store = store.underlying_store if isinstance(store, dist.PrefixStore) else store
+        self._job_store = store.underlying_store if isinstance(store, PrefixStore) else store
         group_rank, nodes = info.rank, info.world_size
         store.set(f"dist_launch/nproc/{group_rank}", str(self.plan.nproc))
         counts = [
