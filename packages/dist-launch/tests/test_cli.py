@@ -554,3 +554,83 @@ def test_explicit_port_is_never_replaced(tmp_path: Path) -> None:
     )
     assert result.returncode == 1
     assert "retrying" not in result.stderr
+
+
+def test_sigquit_dumps_grouped_stacks_and_stops_nothing(tmp_path: Path) -> None:
+    script = _script(tmp_path, "wait.py", WAITING_SCRIPT)
+    go = tmp_path / "go"
+    launcher = subprocess.Popen(
+        [*LAUNCH, "-n", "3", script, str(go)],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        pids = _read_ready_pids(launcher, 3)
+        launcher.send_signal(signal.SIGQUIT)
+        assert launcher.stderr is not None
+        seen = b""
+        deadline = time.monotonic() + 60
+        while b"wait.py" not in seen:
+            assert time.monotonic() < deadline, seen
+            if select.select([launcher.stderr], [], [], 1.0)[0]:
+                chunk = os.read(launcher.stderr.fileno(), 65536)
+                assert chunk, seen
+                seen += chunk
+        assert all(_alive(pid) for pid in pids), "SIGQUIT stopped a rank"
+        go.write_text("")
+        out, err = launcher.communicate(timeout=60)
+        text = (seen + err).decode()
+        assert launcher.returncode == 0, text
+        assert "stacks of 3 ranks (SIGQUIT; nothing stopped)" in text, text
+        # A rank may still be between its "ready" line and the wait: at least two agree.
+        assert re.search(r"ranks \d-\d: same stack", text), text
+        assert out.count(b"done") == 3
+    finally:
+        launcher.kill()
+        launcher.wait(30)
+
+
+def test_ctrl_c_on_a_hung_job_shows_where_every_rank_was(tmp_path: Path) -> None:
+    script = _script(tmp_path, "wait.py", WAITING_SCRIPT)
+    launcher = subprocess.Popen(
+        [*LAUNCH, "-n", "2", script, str(tmp_path / "never")],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        _read_ready_pids(launcher, 2)
+        launcher.send_signal(signal.SIGINT)
+        _, raw = launcher.communicate(timeout=60)
+        stderr = raw.decode()
+        assert launcher.returncode == 130, stderr
+        assert "ranks 0-1: same stack" in stderr, stderr
+        assert "wait.py" in stderr, stderr
+    finally:
+        launcher.kill()
+        launcher.wait(30)
+
+
+def test_a_partial_line_is_shown_before_the_line_ends(tmp_path: Path) -> None:
+    script = _script(
+        tmp_path,
+        "partial.py",
+        "import os, sys, time\nsys.stdout.write('loading...'); sys.stdout.flush()\n"
+        "deadline = time.monotonic() + 120\n"
+        "while not os.path.exists(sys.argv[1]) and time.monotonic() < deadline:\n"
+        "    time.sleep(0.05)\nprint(' done')\n",
+    )
+    go = tmp_path / "go"
+    launcher = subprocess.Popen(
+        [*LAUNCH, "-n", "1", script, str(go)], cwd=tmp_path, stdout=subprocess.PIPE
+    )
+    try:
+        _wait_for_output(launcher, b"[rank0]: loading...", 1)  # while the line is open
+        go.write_text("")
+        out, _ = launcher.communicate(timeout=60)
+        assert launcher.returncode == 0
+        assert out == b" done\n"  # the rest of the line, without a second prefix
+    finally:
+        launcher.kill()
+        launcher.wait(30)

@@ -197,7 +197,11 @@ class Agent:
         from dist_launch.report import format_stack_dump  # noqa: PLC0415
 
         supervisor.dump_stacks()
-        print(format_stack_dump(supervisor.outcomes, "SIGQUIT"), file=sys.stderr, flush=True)
+        print(
+            format_stack_dump(supervisor.outcomes, "SIGQUIT; nothing stopped"),
+            file=sys.stderr,
+            flush=True,
+        )
 
     def _on_change(self, why: str) -> None:
         """From the watcher thread: wake the main loop through a pipe."""
