@@ -78,3 +78,30 @@ def test_resolve_refuses_more_local_ranks_than_the_job_has() -> None:
     cfg = MultiprocessConfig(world_size=2, local_world_size=4, master_port=1234)
     with pytest.raises(ValueError, match=r"local_world_size=4\) is larger than world_size=2"):
         MultiprocessConfig.resolve(cfg)
+
+
+def test_resolved_is_a_filled_copy_and_leaves_the_config_alone() -> None:
+    from dist_core.config import MISSING, resolved
+
+    cfg = MultiprocessConfig(world_size=4)
+    filled = resolved(cfg)
+    assert cfg.local_world_size is MISSING and cfg.master_port is MISSING
+    assert (filled.world_size, filled.local_world_size) == (4, 4)
+    assert 1 <= filled.master_port <= 65535
+
+
+def test_a_resolved_config_becomes_a_rank_dist_env() -> None:
+    from dist_core import DistEnv
+    from dist_core.config import resolved
+
+    cfg = resolved(MultiprocessConfig(world_size=8, local_world_size=4, master_port=29511))
+    env = cfg.replace(rank=6, local_rank=2).dist_env()
+    assert env == DistEnv(
+        rank=6,
+        local_rank=2,
+        node_rank=1,
+        world_size=8,
+        local_world_size=4,
+        master_addr=cfg.master_addr,
+        master_port=29511,
+    )

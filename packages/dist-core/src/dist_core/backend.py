@@ -345,6 +345,22 @@ def init_dist(
     init_process_group_from_backend(backend, timeout=timeout)
 
 
+def init_dist_env(
+    env: DistEnv,
+    init_method: str = "env://",
+    backend: str | None = None,
+    timeout: timedelta | None = None,
+) -> None:
+    """:func:`init_dist` for a validated :class:`DistEnv` (a launcher's resolved config).
+
+    Writes ``env`` to ``os.environ`` under torchrun's names (and ``INIT_METHOD``), then
+    initializes the process group as :func:`init_process_group_from_backend` does.
+    """
+    os.environ.update(env.to_environ())
+    os.environ[INIT_METHOD_VARIABLE] = init_method
+    init_process_group_from_backend(backend, timeout=timeout)
+
+
 def destroy_dist() -> None:
     """Destroys the default process group, if any, so that another can be initialized."""
     if dist.is_available() and dist.is_initialized():

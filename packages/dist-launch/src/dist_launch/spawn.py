@@ -35,7 +35,7 @@ from importlib import import_module
 from typing import Any
 
 from dist_core.callables import CallableRef
-from dist_core.config import MultiprocessConfig
+from dist_core.config import MultiprocessConfig, is_missing, resolved
 from dist_core.ports import release_port
 from dist_core.proc import close_inherited_forkserver_fd
 from dist_core.rank_files import RankFiles
@@ -84,7 +84,7 @@ def init_and_run(
     Raises:
         LaunchError: Parallelism was asked for and dist-collectives is not installed.
     """
-    from dist_core.backend import destroy_dist, init_dist  # noqa: PLC0415 - imports torch
+    from dist_core.backend import destroy_dist, init_dist_env  # noqa: PLC0415 - imports torch
 
     wants_parallelism = cfg.model_parallelism > 1 or cfg.pipeline_parallelism > 1
     init_parallelism: Callable[..., Any] | None = None
@@ -101,16 +101,9 @@ def init_and_run(
                 f"{cfg.pipeline_parallelism} need the dist-collectives package, which is not "
                 "installed: pip install dist-collectives (or set both to 1)"
             ) from error
-    init_dist(
-        rank=cfg.rank,
-        local_rank=cfg.local_rank,
-        world_size=cfg.world_size,
-        local_world_size=cfg.local_world_size,
-        master_addr=cfg.master_addr,
-        master_port=cfg.master_port,
-        init_method=cfg.init_method,
-        backend=cfg.backend,
-    )
+    if any(is_missing(cfg, name) for name in ("world_size", "local_world_size", "master_port")):
+        cfg = resolved(cfg)  # called directly with an unresolved config
+    init_dist_env(cfg.dist_env(), init_method=cfg.init_method, backend=cfg.backend)
     if init_parallelism is not None:
         init_parallelism(
             model_parallelism=cfg.model_parallelism,
@@ -279,7 +272,7 @@ def launch_subprocesses(
 ) -> None:
     """Runs ``func(*args, **kwargs)`` on this node's ranks, each in the process group.
 
-    Resolves ``cfg`` (:meth:`MultiprocessConfig.resolve`), then starts
+    Resolves a copy of ``cfg`` (:func:`dist_core.config.resolved`), then starts
     ``cfg.local_world_size`` processes with global ranks ``rank_offset + i`` and
     local ranks ``i``; ``cfg.world_size`` is the total over all nodes. Left unset,
     ``local_world_size`` is ``world_size``: all ranks on this node. A multi-node launch
@@ -302,7 +295,8 @@ def launch_subprocesses(
 
     Args:
         func: The function each rank runs (picklable: see the module docstring).
-        cfg: The configuration; missing fields are filled in place.
+        cfg: The configuration; the launch uses a copy with the missing fields
+            filled (:func:`dist_core.config.resolved`) and leaves ``cfg`` as it was.
         setup: Run first in each worker, before the process group exists.
         rank_offset: Added to every local index to form the global rank.
         *args: Positional arguments of ``func``.
@@ -313,7 +307,8 @@ def launch_subprocesses(
             timeout expired (every rank's stack), or the configuration is invalid.
         KeyboardInterrupt: Ctrl-C; the workers were stopped first.
     """
-    MultiprocessConfig.resolve(cfg)
+    # The caller's config is left as it was; the launch works on a resolved copy.
+    cfg = resolved(cfg)
     if cfg.world_size <= 1:
         _run_in_this_process(func, cfg, setup, args, kwargs)
         return
