@@ -326,8 +326,9 @@ def test_srun_environment_without_node_flags(
     two_hosts: tuple[Host, Host], dist_launch_job: Job
 ) -> None:
     job = dist_launch_job
-    nodelist = f"node[0-1]-{two_hosts[0].name.split('-', 1)[1]}"
-    assert [h.name for h in two_hosts] == [f"node{i}-{nodelist.split('-', 1)[1]}" for i in (0, 1)]
+    tag = two_hosts[0].name.split("-", 1)[1]
+    nodelist = f"node[0-1]-{tag}"  # compressed, as SLURM writes it
+    assert [h.name for h in two_hosts] == [f"node{i}-{tag}" for i in (0, 1)]
     for node_id, host in enumerate(two_hosts):
         # As srun sets them for one task per node (srun -N2 --ntasks-per-node 1).
         env = {
