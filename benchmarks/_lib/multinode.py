@@ -53,6 +53,11 @@ if attempt == 0:
 dist.destroy_process_group()
 """
 
+# torchrun (torch 2.13) keeps its rendezvous store across restarts and gives it to the
+# workers, whose gloo then reads the previous attempt's addresses ("Connection refused")
+# and the restarted group fails; torch's own opt-out gives each attempt a fresh store.
+RESTART_ENV = {"torchrun": {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}}
+
 STAMP = re.compile(r"first_all_reduce (?:attempt=(\d+) )?rank=(\d+) at=([0-9.]+)")
 
 
@@ -220,7 +225,8 @@ def restart_part(scratch: Path, env: dict[str, str], ranks: int = 4) -> dict[str
             stamp.unlink(missing_ok=True)
             flags = ["--standalone", "--nproc-per-node", str(ranks), "--max-restarts", "1"]
             process = subprocess.Popen(
-                [*launcher(kind), *flags, str(script), str(stamp)], env=env, text=True,
+                [*launcher(kind), *flags, str(script), str(stamp)],
+                env={**env, **RESTART_ENV.get(kind, {})}, text=True,
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             )  # fmt: skip
             (output,) = _finish([process], time.monotonic() + RUN_SECONDS)
