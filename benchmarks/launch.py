@@ -11,20 +11,33 @@ For 2, 4 and 8 CPU ranks, in one run, side by side:
 - the time from a rank's crash (the others blocked in a barrier) to the launcher's
   exit, for both launchers.
 
-Run: ``python benchmarks/launch.py [--ranks 2 4 8] [--repeat N]`` (``nox -s bench``).
-The measurements also go to ``docs/_data/bench/launch.json`` (``--json``), which the
-docs draw as a figure.
+Across nodes, on torch elastic's c10d rendezvous, both launchers with the same flags
+(benchmarks/_lib/multinode.py):
+
+- ``netns``: a 2-node job in network namespaces (root only), start to first all_reduce;
+- ``rdzv``: N agents (``--rdzv-agents``, default 8 64 256, one process each, no
+  workers) joining one rendezvous on loopback, start to every agent done, with the
+  growth per doubling of N; N above ``--rdzv-limit`` is skipped, saying why;
+- ``restart``: ``--max-restarts 1``, 4 ranks, a rank's crash to the restarted group's
+  first all_reduce, beside the script's own start-up (``import torch``).
+
+Run: ``python benchmarks/launch.py [--ranks 2 4 8] [--repeat N] [--only PART ...]``
+(``nox -s bench``); the parts are start, crash, netns, rdzv, restart. The measurements
+also go to ``docs/_data/bench/launch.json`` (``--json``), which the docs draw as a
+figure; a run of some parts updates only their keys there.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ALL_REDUCE = """\
@@ -47,6 +60,20 @@ if dist.get_rank() == 1:
 dist.barrier()
 dist.barrier()
 """
+
+
+PARTS = ("start", "crash", "netns", "rdzv", "restart")
+
+
+def _default_rdzv_limit() -> int:
+    """Agents that half the available memory holds, at ~120 MiB of their own each."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) // 2 // (120 * 1024)
+    except OSError:
+        pass
+    return 64
 
 
 def _descendants(root: int) -> list[int]:
@@ -131,6 +158,23 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--repeat", type=int, default=1, help="runs per point (min is kept)")
     parser.add_argument("--crash-ranks", type=int, default=4)
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        choices=PARTS,
+        default=list(PARTS),
+        metavar="PART",
+        help=f"run only these parts ({', '.join(PARTS)}; default: all)",
+    )
+    parser.add_argument("--rdzv-agents", type=int, nargs="+", default=[8, 64, 256])
+    parser.add_argument(
+        "--rdzv-limit",
+        type=int,
+        default=_default_rdzv_limit(),
+        help="skip rendezvous points with more agents than this "
+        "(default: what half the available memory holds at ~120 MiB each)",
+    )
+    from _lib import multinode
     from _lib.results import add_json_argument, write_results
 
     add_json_argument(parser, "launch")
@@ -152,9 +196,39 @@ def main() -> None:
             return [python, "-m", "torch.distributed.run", "--standalone",
                     f"--nproc-per-node={n}", str(target), *rest]  # fmt: skip
 
-        floor = min(_run([python, "-c", "import torch"], env)[0] for _ in range(args.repeat))
         print(f"machine: {os.cpu_count()} CPUs, python {sys.version.split()[0]}")
-        print(f"floor (python -c 'import torch'): {floor:.2f} s\n")
+        results: dict[str, object] = {}
+        if "start" in args.only or "crash" in args.only:
+            results.update(_local_parts(args, env, script, crash, stamp, dist_launch, torchrun))
+        if "netns" in args.only:
+            results.update(multinode.netns_part(Path(scratch), env))
+        if "rdzv" in args.only:
+            results.update(multinode.rdzv_part(env, args.rdzv_agents, args.rdzv_limit))
+        if "restart" in args.only:
+            results.update(multinode.restart_part(Path(scratch), env))
+    if args.json != "-" and set(args.only) != set(PARTS) and Path(args.json).exists():
+        # Some parts only: keep the others' last measurements for the docs' figures.
+        kept = json.loads(Path(args.json).read_text())
+        results = {k: v for k, v in kept.items() if k not in ("benchmark", "run")} | results
+    write_results(args.json, "launch", results)
+
+
+def _local_parts(
+    args: argparse.Namespace,
+    env: dict[str, str],
+    script: Path,
+    crash: Path,
+    stamp: Path,
+    dist_launch: Callable[..., list[str]],
+    torchrun: Callable[..., list[str]],
+) -> dict[str, object]:
+    """One node: start-up and memory per rank count (start), crash to exit (crash)."""
+    python = sys.executable
+    results: dict[str, object] = {}
+    floor = min(_run([python, "-c", "import torch"], env)[0] for _ in range(args.repeat))
+    print(f"floor (python -c 'import torch'): {floor:.2f} s\n")
+    results["floor_s"] = round(floor, 3)
+    if "start" in args.only:
         header = (
             f"{'ranks':>5} | {'dist-launch s':>13} {'torchrun s':>10} {'ratio':>6} "
             f"{'/floor':>7} | {'PSS MiB dl':>10} {'torchrun':>8} {'ratio':>6} | "
@@ -184,25 +258,7 @@ def main() -> None:
             )
         print("\nratio = dist-launch / torchrun (target at 8 ranks: <= 0.35); "
               "/floor = dist-launch / one 'import torch'")  # fmt: skip
-        n = args.crash_ranks
-        ours_crash = min(
-            _crash_to_exit(dist_launch(n, crash, str(stamp)), stamp, env)
-            for _ in range(args.repeat)
-        )
-        theirs_crash = min(
-            _crash_to_exit(torchrun(n, crash, str(stamp)), stamp, env) for _ in range(args.repeat)
-        )
-        print(
-            f"\ncrash to launcher exit, {n} ranks (others blocked in a barrier): "
-            f"dist-launch {ours_crash:.2f} s, torchrun {theirs_crash:.2f} s, "
-            f"ratio {ours_crash / theirs_crash:.2f} (target: dist-launch <= 0.5 s + the time "
-            "the stopped ranks take to die)"
-        )
-    write_results(
-        args.json,
-        "launch",
-        {
-            "floor_s": round(floor, 3),
+        results.update({
             "ranks": args.ranks,
             "start_to_exit_s": {
                 "dist-launch": measured["dist-launch s"],
@@ -218,14 +274,31 @@ def main() -> None:
                 "dist-launch": measured["dist-launch PSS"],
                 "torchrun": measured["torchrun PSS"],
             },
+        })  # fmt: skip
+    if "crash" in args.only:
+        n = args.crash_ranks
+        ours_crash = min(
+            _crash_to_exit(dist_launch(n, crash, str(stamp)), stamp, env)
+            for _ in range(args.repeat)
+        )
+        theirs_crash = min(
+            _crash_to_exit(torchrun(n, crash, str(stamp)), stamp, env) for _ in range(args.repeat)
+        )
+        print(
+            f"\ncrash to launcher exit, {n} ranks (others blocked in a barrier): "
+            f"dist-launch {ours_crash:.2f} s, torchrun {theirs_crash:.2f} s, "
+            f"ratio {ours_crash / theirs_crash:.2f} (target: dist-launch <= 0.5 s + the time "
+            "the stopped ranks take to die)"
+        )
+        results.update({
             "crash_ranks": n,
             "crash_to_exit_s": {
                 "dist-launch": round(ours_crash, 3),
                 "torchrun": round(theirs_crash, 3),
             },
-            "targets": {"ratio_at_8_ranks": 0.35, "crash_to_exit_s": 0.5},
-        },
-    )
+        })  # fmt: skip
+    results["targets"] = {"ratio_at_8_ranks": 0.35, "crash_to_exit_s": 0.5}
+    return results
 
 
 if __name__ == "__main__":

@@ -1,0 +1,397 @@
+"""Jobs across 2 to 3 hosts (network namespaces), one launcher per host, real processes.
+
+Each scenario runs under every launcher that supports it: ``LAUNCHERS`` lists them by
+id, and a scenario that only dist-launch supports says so with ``DIST_LAUNCH_ONLY``. A
+node is a :class:`Node`: its launcher's output is read by a thread so that a test can
+wait, bounded, for a line from any node (``Job.wait_for``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+Host = Any  # conftest.Host; conftest modules are not importable by name
+Network = Any  # conftest.Network
+
+SCRIPT = Path(__file__).resolve().parent / "scripts" / "elastic_steps.py"
+PORT = 29400
+BOUND_SECONDS = 90.0  # any one wait; a hang fails the test instead of the suite
+# A node that stops heartbeating is dropped after 2 missed 1-second beats (torch's
+# default: 3 missed 5-second ones), and a round closes 2 s after its minimum is reached.
+FAST_EVICTION = "last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=2"
+
+# Launchers every torchrun-compatible scenario runs under. The lead's dist-launch is
+# expected to pass all of them; to run one launcher alone: -k torchrun / -k dist-launch.
+LAUNCHERS = ["torchrun", "dist-launch"]
+DIST_LAUNCH_ONLY = ["dist-launch"]
+
+# torchrun (torch 2.13) keeps one rendezvous store across restarts and gives it to the
+# workers: a restarted rank can read its peer's gloo address of the attempt before and
+# fail with "Connection refused". Its own opt-out gives each round a store of its own.
+TORCHRUN_ENV = {"torchrun": {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}}
+
+LINE = re.compile(
+    r"\b(?P<kind>start|step|done) attempt=(?P<attempt>\d+) host=(?P<host>\S+) "
+    r"rank=(?P<rank>\d+) group_rank=(?P<group_rank>\S+) world=(?P<world>\d+)"
+    r"(?: step=(?P<step>\d+) sum=(?P<sum>\d+))?"
+)
+
+
+def launcher_argv(kind: str) -> list[str]:
+    """The command that starts launcher ``kind`` (``dist-launch`` or ``torchrun``)."""
+    beside = Path(sys.executable).with_name(kind)
+    if not beside.exists():
+        pytest.fail(f"{kind} is not installed beside {sys.executable}")
+    return [str(beside)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    """One parsed line of the worker script (see scripts/elastic_steps.py)."""
+
+    kind: str
+    attempt: int
+    host: str
+    rank: int
+    group_rank: str
+    world: int
+    step: int | None
+    sum: int | None
+
+    @classmethod
+    def parse(cls, line: str) -> Event | None:
+        found = LINE.search(line)
+        if found is None:
+            return None
+        step, total = found["step"], found["sum"]
+        return cls(
+            found["kind"], int(found["attempt"]), found["host"], int(found["rank"]),
+            found["group_rank"], int(found["world"]),
+            None if step is None else int(step), None if total is None else int(total),
+        )  # fmt: skip
+
+
+class Node:
+    """One host's launcher; its stdout and stderr, merged, read line by line by a thread."""
+
+    def __init__(
+        self, host: Host, argv: list[str], env: dict[str, str], changed: threading.Condition
+    ) -> None:
+        self.host = host
+        self.lines: list[str] = []
+        self._changed = changed
+        self.process = subprocess.Popen(
+            host.command(argv),
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            with self._changed:
+                self.lines.append(line)
+                self._changed.notify_all()
+        self.process.wait()
+        with self._changed:
+            self._changed.notify_all()
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def events(self, kind: str | None = None) -> list[Event]:
+        parsed = (Event.parse(line) for line in list(self.lines))
+        return [e for e in parsed if e is not None and kind in (None, e.kind)]
+
+    def finished(self) -> bool:
+        """The launcher exited and its output was read to the end."""
+        return self.process.poll() is not None and not self._reader.is_alive()
+
+
+class Job:
+    """The launchers of one multi-node job; every wait bounded."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self.nodes: list[Node] = []
+        self._changed = threading.Condition()
+
+    def start(
+        self, host: Host, flags: list[str], env: dict[str, str] | None = None, *script_args: str
+    ) -> Node:
+        """Starts ``<launcher> flags script`` on ``host``, gloo bound to its interface."""
+        full_env = {
+            **os.environ,
+            "GLOO_SOCKET_IFNAME": host.interface,
+            "LOGLEVEL": "INFO",  # torchrun's agent says when it reaches the rendezvous
+            **TORCHRUN_ENV.get(self.kind, {}),
+            **(env or {}),
+        }
+        argv = [*launcher_argv(self.kind), *flags, str(SCRIPT), *script_args]
+        node = Node(host, argv, full_env, self._changed)
+        self.nodes.append(node)
+        return node
+
+    def wait_for(self, what: str, condition: Callable[[], bool]) -> None:
+        """Waits until ``condition()`` holds; fails with every node's output if it does not."""
+        deadline = time.monotonic() + BOUND_SECONDS
+        with self._changed:
+            while not condition():
+                left = deadline - time.monotonic()
+                if left <= 0 or all(node.finished() for node in self.nodes):
+                    if condition():
+                        return
+                    pytest.fail(f"{self.kind}: never saw {what}\n{self.outputs()}")
+                self._changed.wait(timeout=min(left, 1.0))
+
+    def wait_exits(self, nodes: list[Node] | None = None) -> list[int]:
+        """Waits for the nodes' launchers to exit; their exit codes."""
+        chosen = self.nodes if nodes is None else nodes
+        self.wait_for("every launcher exit", lambda: all(n.finished() for n in chosen))
+        return [node.process.returncode for node in chosen]
+
+    def events(self, kind: str | None = None) -> list[Event]:
+        return [event for node in self.nodes for event in node.events(kind)]
+
+    def outputs(self) -> str:
+        return "\n".join(
+            f"--- {node.host.name} (exit {node.process.poll()}) ---\n{node.output}"
+            for node in self.nodes
+        )
+
+    def stop(self) -> None:
+        """Kills what is left of every node: launchers and anything they left behind."""
+        for node in self.nodes:
+            if node.process.poll() is None:
+                os.killpg(node.process.pid, signal.SIGKILL)
+            node.host.kill_everything()
+            node.process.wait(timeout=30)
+
+
+@pytest.fixture(params=LAUNCHERS)
+def job(request: pytest.FixtureRequest) -> Iterator[Job]:
+    started = Job(request.param)
+    try:
+        yield started
+    finally:
+        started.stop()
+
+
+@pytest.fixture(params=DIST_LAUNCH_ONLY)
+def dist_launch_job(request: pytest.FixtureRequest) -> Iterator[Job]:
+    started = Job(request.param)
+    try:
+        yield started
+    finally:
+        started.stop()
+
+
+def c10d_flags(
+    endpoint: Host, nnodes: str, nproc: int, *, max_restarts: int = 0, conf: str = ""
+) -> list[str]:
+    """torchrun's flags for a c10d rendezvous whose store lives on ``endpoint``."""
+    rdzv_conf = ",".join(filter(None, ["join_timeout=60", conf]))
+    return [
+        "--nnodes", nnodes, "--nproc-per-node", str(nproc),
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{endpoint.name}:{PORT}",
+        "--rdzv-id", "job", "--rdzv-conf", rdzv_conf, "--max-restarts", str(max_restarts),
+    ]  # fmt: skip
+
+
+def assert_one_group(job: Job, world: int, per_host: int) -> None:
+    """Every launcher succeeded, and the ranks 0..world-1 did one all_reduce together."""
+    codes = job.wait_exits()
+    assert codes == [0] * len(job.nodes), job.outputs()
+    steps = [e for e in job.events("step") if e.step == 1]
+    assert sorted(e.rank for e in steps) == list(range(world)), job.outputs()
+    assert {e.world for e in steps} == {world}, job.outputs()
+    # Rank r adds r + 1: the sum shows that every rank took part with its own value.
+    assert {e.sum for e in steps} == {world * (world + 1) // 2}, job.outputs()
+    hosts = [e.host for e in steps]
+    assert all(hosts.count(h) == per_host for h in set(hosts)), job.outputs()
+    assert len(set(hosts)) == world // per_host, job.outputs()
+
+
+def test_static_two_node_job(two_hosts: tuple[Host, Host], job: Job) -> None:
+    first, _ = two_hosts
+    for node_rank, host in enumerate(two_hosts):
+        flags = ["--nnodes", "2", "--node-rank", str(node_rank), "--nproc-per-node", "2",
+                 "--master-addr", first.address, "--master-port", str(PORT)]  # fmt: skip
+        job.start(host, flags)
+    assert_one_group(job, world=4, per_host=2)
+    assert {e.group_rank for e in job.events("step")} == {"0", "1"}
+
+
+def test_c10d_nodes_started_in_reverse_order(two_hosts: tuple[Host, Host], job: Job) -> None:
+    first, second = two_hosts
+    flags = c10d_flags(first, "2", 2)
+    late = job.start(second, flags)
+    # The endpoint's host starts after the other launcher has said anything (it logs
+    # before its rendezvous): that one then waits for a store nobody serves yet. Not a
+    # synchronisation: the job must form in any order.
+    job.wait_for("a first line from the node started first", lambda: bool(late.lines))
+    job.start(first, flags)
+    assert_one_group(job, world=4, per_host=2)
+    group_ranks = {(e.host, e.group_rank) for e in job.events("step")}
+    assert len(group_ranks) == 2 and {g for _, g in group_ranks} == {"0", "1"}, job.outputs()
+
+
+def test_c10d_configured_by_pet_variables_alone(two_hosts: tuple[Host, Host], job: Job) -> None:
+    first, _ = two_hosts
+    env = {
+        "PET_NNODES": "2",
+        "PET_NPROC_PER_NODE": "2",
+        "PET_RDZV_BACKEND": "c10d",
+        "PET_RDZV_ENDPOINT": f"{first.name}:{PORT}",
+        "PET_RDZV_ID": "pet-job",
+    }
+    for host in two_hosts:
+        job.start(host, [], env)
+    assert_one_group(job, world=4, per_host=2)
+
+
+def test_killed_node_leaves_the_rest_to_restart_and_finish(
+    hosts: Callable[[int], Network], job: Job, tmp_path: Path
+) -> None:
+    net = hosts(3)
+    endpoint, survivor, doomed = net.hosts
+    flags = c10d_flags(endpoint, "2:3", 1, max_restarts=1, conf=FAST_EVICTION)
+    # Steps go on until the group breaks; workers started once the node is gone finish.
+    finish = tmp_path / "node-gone"
+    env = {"FINISH_FILE": str(finish), "STEPS": "5", "COLLECTIVE_TIMEOUT": "30"}
+    nodes = [job.start(host, flags, env) for host in net.hosts]
+    job.wait_for(
+        "every node stepping in one group of 3",
+        lambda: (
+            {e.host for e in job.events("step") if e.world == 3 and e.step == 2}
+            == {h.name for h in net.hosts}
+        ),
+    )
+    os.kill(nodes[2].process.pid, signal.SIGKILL)  # the launcher first, as a crash would
+    doomed.kill_everything()  # then whatever it left: a dead node runs nothing
+    finish.touch()
+    codes = job.wait_exits(nodes[:2])
+    assert codes == [0, 0], job.outputs()
+    done = job.events("done")
+    assert sorted(e.rank for e in done) == [0, 1], job.outputs()
+    assert {e.world for e in done} == {2}, job.outputs()
+    assert {e.host for e in done} == {endpoint.name, survivor.name}, job.outputs()
+    # The survivors restarted once, on a failure (a membership change does not count).
+    assert all(e.attempt >= 1 for e in done), job.outputs()
+
+
+def test_late_node_joins_at_the_next_rendezvous(hosts: Callable[[int], Network], job: Job) -> None:
+    net = hosts(3)
+    endpoint = net.hosts[0]
+    # Restarts: under torchrun the first node to see the newcomer stops its workers, and
+    # the other node's workers may fail on the broken collective before their agent sees
+    # the newcomer too; that failure is what the budget is for.
+    flags = c10d_flags(endpoint, "2:3", 1, max_restarts=3, conf="last_call_timeout=1")
+    # Steps go on until the world has 3 ranks; then 3 steps and the job is done.
+    env = {"FINISH_WORLD": "3", "STEPS": "3"}
+    for host in net.hosts[:2]:
+        job.start(host, flags, env)
+    job.wait_for(
+        "two nodes stepping without the third",
+        lambda: any(e.world == 2 and e.step == 2 for e in job.events("step")),
+    )
+    job.start(net.hosts[2], flags, env)
+    codes = job.wait_exits()
+    assert codes == [0, 0, 0], job.outputs()
+    done = job.events("done")
+    assert sorted(e.rank for e in done) == [0, 1, 2], job.outputs()
+    assert {e.world for e in done} == {3}, job.outputs()
+    assert {e.host for e in done} == {h.name for h in net.hosts}, job.outputs()
+
+
+def test_srun_environment_without_node_flags(
+    two_hosts: tuple[Host, Host], dist_launch_job: Job
+) -> None:
+    job = dist_launch_job
+    tag = two_hosts[0].name.split("-", 1)[1]
+    nodelist = f"node[0-1]-{tag}"  # compressed, as SLURM writes it
+    assert [h.name for h in two_hosts] == [f"node{i}-{tag}" for i in (0, 1)]
+    for node_id, host in enumerate(two_hosts):
+        # As srun sets them for one task per node (srun -N2 --ntasks-per-node 1).
+        env = {
+            "SLURM_JOB_ID": "1234",
+            "SLURM_JOBID": "1234",
+            "SLURM_NNODES": "2",
+            "SLURM_JOB_NUM_NODES": "2",
+            "SLURM_NODEID": str(node_id),
+            "SLURM_JOB_NODELIST": nodelist,
+            "SLURM_NODELIST": nodelist,
+            "SLURM_STEP_NODELIST": nodelist,
+            "SLURM_STEP_NUM_NODES": "2",
+            "SLURMD_NODENAME": host.name,
+            "SLURM_PROCID": str(node_id),
+            "SLURM_LOCALID": "0",
+            "SLURM_NTASKS": "2",
+            "SLURM_NPROCS": "2",
+            "SLURM_NTASKS_PER_NODE": "1",
+            "SLURM_TASKS_PER_NODE": "1(x2)",
+            "SLURM_STEP_TASKS_PER_NODE": "1(x2)",
+        }
+        job.start(host, ["-n", "2"], env)
+    assert_one_group(job, world=4, per_host=2)
+
+
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "dist-launch",
+        pytest.param(
+            "torchrun",
+            marks=pytest.mark.xfail(
+                strict=False,
+                reason="torchrun counts restarts per node (pytorch#108158): the healthy "
+                "node restarts on the failing node's re-rendezvous without counting (its "
+                "workers start twice as attempt 0), waits a collective timeout, and its "
+                "report does not name the failing node",
+            ),
+        ),
+    ],
+)
+def test_restart_budget_is_job_wide(kind: str, two_hosts: tuple[Host, Host]) -> None:
+    first, second = two_hosts
+    job = Job(kind)
+    try:
+        flags = c10d_flags(first, "2", 1, max_restarts=1, conf="last_call_timeout=1")
+        # The worker on the second host fails before it joins the group, in every attempt:
+        # the first host's workers never see a broken collective, only a missing peer.
+        env = {"FAIL_HOST": second.name, "COLLECTIVE_TIMEOUT": "15"}
+        for host in two_hosts:
+            job.start(host, flags, env)
+        codes = job.wait_exits()
+        assert all(code != 0 for code in codes), job.outputs()
+        # One attempt plus one restart, counted once for the whole job: every node's
+        # workers started exactly twice, as attempts 0 and 1.
+        for host in two_hosts:
+            started = [e.attempt for e in job.events("start") if e.host == host.name]
+            assert sorted(started) == [0, 1], f"{host.name}\n{job.outputs()}"
+        failed = [e for e in job.events("start") if e.host == second.name]
+        # Each launcher's report names the failing node (by name or node rank) and rank.
+        for node in job.nodes:
+            named = second.name in node.output or f"node {failed[0].group_rank}" in node.output
+            assert named, job.outputs()
+            assert re.search(rf"\brank {failed[0].rank}\b", node.output), job.outputs()
+    finally:
+        job.stop()
