@@ -177,9 +177,23 @@ def rdzv_part(
             print(f"  skipped N={n}: above --rdzv-limit {limit} (each agent imports torch: "
                   f"~120 MiB and ~1-2 CPU-s; {os.cpu_count()} CPUs here)")  # fmt: skip
     measured: dict[str, list[float | None]] = {kind: [] for kind in LAUNCHERS}
-    header = f"  {'N':>5} | {'dist-launch s':>13} {'torchrun s':>10} {'ratio':>6}"
+    floors: list[float] = []
+    header = (
+        f"  {'N':>5} | {'dist-launch s':>13} {'torchrun s':>10} {'ratio':>6} | "
+        f"{'floor s':>7} {'dl/floor':>8}"
+    )
     print(header)
     for i, n in enumerate(run_counts):
+        # The machine's limit: N interpreters importing torch's rendezvous at once, which
+        # every agent of either launcher must do; nothing meets, nothing runs.
+        floor_started = time.perf_counter()
+        importers = [
+            subprocess.Popen([sys.executable, "-c", "import torch.distributed.elastic.rendezvous"],
+                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            for _ in range(n)
+        ]  # fmt: skip
+        _finish(importers, time.monotonic() + RUN_SECONDS)
+        floors.append(time.perf_counter() - floor_started)
         for offset, kind in enumerate(LAUNCHERS):
 
             def run(kind: str = kind, n: int = n, port: int = port + 2 * i + offset) -> float:
@@ -197,15 +211,21 @@ def rdzv_part(
 
             measured[kind].append(_measure(kind, run))
         ours, theirs = measured["dist-launch"][-1], measured["torchrun"][-1]
-        print(f"  {n:>5} | {_cell(ours, 13)} {_cell(theirs, 10)} {_ratio(ours, theirs)}",
-              flush=True)  # fmt: skip
+        print(f"  {n:>5} | {_cell(ours, 13)} {_cell(theirs, 10)} {_ratio(ours, theirs)} | "
+              f"{floors[-1]:>7.2f} {_ratio(ours, floors[-1]):>8}", flush=True)  # fmt: skip
     for kind in LAUNCHERS:
         points = [(n, t) for n, t in zip(run_counts, measured[kind], strict=True) if t]
         if len(points) >= 2:
             (n0, t0), (n1, t1) = points[0], points[-1]
             growth = (t1 / t0) ** (1 / math.log2(n1 / n0))
             print(f"  {kind}: x{growth:.2f} per doubling of N ({n0} to {n1})")
-    return {"rdzv_agents": run_counts, "rdzv_all_done_s": measured}
+    print("  floor: N interpreters importing torch's rendezvous at once (every agent of "
+          "either launcher does), nothing else")  # fmt: skip
+    return {
+        "rdzv_agents": run_counts,
+        "rdzv_all_done_s": measured,
+        "rdzv_floor_s": [round(f, 3) for f in floors],
+    }
 
 
 def restart_part(scratch: Path, env: dict[str, str], ranks: int = 4) -> dict[str, object]:
