@@ -298,6 +298,42 @@ def test_killed_node_leaves_the_rest_to_restart_and_finish(
     assert all(e.attempt >= 1 for e in done), job.outputs()
 
 
+def test_cut_node_is_left_out_and_the_rest_finish(
+    hosts: Callable[[int], Network], dist_launch_job: Job, tmp_path: Path
+) -> None:
+    """A node whose cable is pulled: no reset reaches its peers, only silence.
+
+    Its peers' collectives would wait for it up to their own timeout (120 s here); the
+    launchers see torch's keep-alive declare it dead and re-form the job without it.
+    """
+    job = dist_launch_job
+    net = hosts(3)
+    endpoint, survivor, cut = net.hosts
+    # Three heartbeats: with two, torch's keep-alive can drop a live node whose first
+    # heartbeat after the round formed comes a little late.
+    conf = "last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3"
+    flags = c10d_flags(endpoint, "2:3", 1, max_restarts=1, conf=conf)
+    finish = tmp_path / "node-cut"
+    env = {"FINISH_FILE": str(finish), "STEPS": "5", "COLLECTIVE_TIMEOUT": "120"}
+    nodes = [job.start(host, flags, env) for host in net.hosts]
+    job.wait_for(
+        "every node stepping in one group of 3",
+        lambda: (
+            {e.host for e in job.events("step") if e.world == 3 and e.step == 2}
+            == {h.name for h in net.hosts}
+        ),
+    )
+    net.cut(cut)
+    finish.touch()
+    codes = job.wait_exits(nodes[:2])
+    assert codes == [0, 0], job.outputs()
+    done = job.events("done")
+    assert {e.world for e in done} == {2}, job.outputs()
+    assert {e.host for e in done} == {endpoint.name, survivor.name}, job.outputs()
+    # Not a failure: the survivors re-formed the job on a membership change.
+    assert "stopped sending heartbeats" in job.outputs(), job.outputs()
+
+
 def test_late_node_joins_at_the_next_rendezvous(hosts: Callable[[int], Network], job: Job) -> None:
     net = hosts(3)
     endpoint = net.hosts[0]

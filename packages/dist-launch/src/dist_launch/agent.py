@@ -121,10 +121,18 @@ class _RendezvousWatcher:
     """Polls the c10d rendezvous while workers run: waiting nodes, a closed job."""
 
     def __init__(
-        self, rdzv: ElasticRendezvous, interval: float, on_change: Callable[[str], None]
+        self,
+        rdzv: ElasticRendezvous,
+        interval: float,
+        on_change: Callable[[str], None],
+        lost_after: float,
     ) -> None:
         self._rdzv = rdzv
         self._interval = interval
+        # torch's keep-alive may drop a node whose first heartbeat after a round formed
+        # is late; a node gone for good stays gone for a whole heartbeat interval.
+        self._lost_after = lost_after
+        self._lost_since: float | None = None
         self._on_change = on_change
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -137,11 +145,23 @@ class _RendezvousWatcher:
                     self._on_change("closed")
                     return
                 waiting = self._rdzv.nodes_waiting()
-            except Exception as error:
-                logger.debug("rendezvous poll failed: %s", error)
-                continue
+                lost = self._rdzv.lost_nodes()
+            except Exception as error:  # torch's store errors vary
+                # Each store operation already waited torch's read_timeout: the store's
+                # node is gone, or this node's network is.
+                self._on_change(f"unreachable: the rendezvous store does not answer ({error})")
+                return
             if waiting > 0:
                 self._on_change(f"{waiting} node(s) waiting to join")
+                return
+            if lost == 0:
+                self._lost_since = None
+                continue
+            now = time.monotonic()
+            if self._lost_since is None:
+                self._lost_since = now
+            if now - self._lost_since >= self._lost_after:
+                self._on_change(f"{lost} node(s) stopped sending heartbeats")
                 return
 
     def stop(self) -> None:
@@ -345,7 +365,9 @@ class Agent:
                 )
             self._change = None
             watcher = (
-                _RendezvousWatcher(rdzv, plan.monitor_interval, self._on_change)
+                _RendezvousWatcher(
+                    rdzv, plan.monitor_interval, self._on_change, rdzv.keep_alive_interval
+                )
                 if isinstance(rdzv, ElasticRendezvous)
                 else None
             )
@@ -382,6 +404,9 @@ class Agent:
                 if change == "closed":
                     reason = isinstance(rdzv, ElasticRendezvous) and rdzv.closing_reason()
                     _say(f"the job was closed by another node: {reason or 'no reason given'}")
+                    return 1
+                if change.startswith("unreachable"):
+                    _say(f"error: {change}; this node stops")
                     return 1
                 logger.info("%s: stopping this node's workers to re-form the job", change)
                 continue
@@ -427,6 +452,20 @@ class Agent:
     ) -> int | None:
         """Shares the failure; None to restart, else the exit status (budget spent)."""
         plan = self.plan
+        failed = [rank for rank in outcome.ranks if rank.status == "failed"]
+        if failed and all(rank.is_peer_failure for rank in failed):
+            try:
+                reforming = rdzv.nodes_waiting() > 0 or rdzv.lost_nodes() > 0
+            except Exception:
+                reforming = False
+            if reforming:
+                # Peers went away because the job is re-forming (a node restarted or
+                # left); the node that failed first counts the failure, if it was one.
+                logger.info(
+                    "this node's ranks lost their peers while the job re-forms; "
+                    "rejoining (not counted as a restart)"
+                )
+                return None
         root = outcome.root_cause
         record = FailureRecord(
             node=socket.gethostname(),

@@ -254,6 +254,30 @@ class ElasticRendezvous:
         """Nodes waiting to join a next round (late or restarted ones)."""
         return int(self.handler.num_nodes_waiting())
 
+    @property
+    def keep_alive_interval(self) -> float:
+        """Seconds between torch's heartbeats (``--rdzv-conf keep_alive_interval``, 5)."""
+        try:
+            return float(self.plan.rdzv_conf.get("keep_alive_interval", "5"))
+        except ValueError:
+            return 5.0
+
+    def lost_nodes(self) -> int:
+        """Nodes of the current round that torch's keep-alive has since declared dead.
+
+        Read from the rendezvous state torch synced during :meth:`nodes_waiting` (its
+        ``_state_holder``; 0 when a torch version keeps it elsewhere): a node whose
+        network was cut sends no heartbeat, and its peers' collectives may wait for it
+        much longer than ``keep_alive_interval * keep_alive_max_attempt``.
+        """
+        if self.assignment is None:
+            return 0
+        holder = getattr(self.handler, "_state_holder", None)
+        participants = getattr(getattr(holder, "state", None), "participants", None)
+        if not isinstance(participants, dict):
+            return 0
+        return max(0, self.assignment.group_world_size - len(participants))
+
     def is_closed(self) -> bool:
         """True once a node closed the job."""
         return bool(self.handler.is_closed())
