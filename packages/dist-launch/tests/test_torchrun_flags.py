@@ -208,23 +208,31 @@ def test_virtual_local_rank(tmp_path: Path) -> None:
     assert "[rank0]: 0 5" in result.stdout and "[rank1]: 0 7" in result.stdout
 
 
-def test_c10d_on_loopback_nodes_started_in_reverse_order(tmp_path: Path, allreduce: Path) -> None:
+def two_loopback_nodes(
+    argv: list[str], cwd: Path
+) -> tuple[list[subprocess.Popen[str]], list[tuple[str, str]]]:
+    """Two launchers on this host, as two nodes of one c10d job; waits for both."""
+    nodes = [
+        subprocess.Popen(
+            [*LAUNCH, *argv], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for _ in range(2)
+    ]
+    try:
+        return nodes, [node.communicate(timeout=BOUND) for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+            node.wait(30)
+
+
+def test_c10d_on_loopback_two_nodes(tmp_path: Path, allreduce: Path) -> None:
     port = get_unused_port()
     argv = [
         "--nnodes", "2", "-n", "2", "--rdzv-backend", "c10d",
         "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "rev", str(allreduce),
     ]  # fmt: skip
-    nodes = [
-        subprocess.Popen(
-            [*LAUNCH, *argv],
-            cwd=tmp_path,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for _ in range(2)
-    ]
-    outputs = [node.communicate(timeout=BOUND) for node in nodes]
+    nodes, outputs = two_loopback_nodes(argv, tmp_path)
     for node, (_, err) in zip(nodes, outputs, strict=True):
         assert node.returncode == 0, err
     joined = "".join(out for out, _ in outputs)
@@ -248,17 +256,7 @@ def test_c10d_restart_budget_is_job_wide(tmp_path: Path) -> None:
         "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "budget", "--grace-period", "2",
         str(script),
     ]  # fmt: skip
-    nodes = [
-        subprocess.Popen(
-            [*LAUNCH, *argv],
-            cwd=tmp_path,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for _ in range(2)
-    ]
-    outputs = [node.communicate(timeout=BOUND) for node in nodes]
+    nodes, outputs = two_loopback_nodes(argv, tmp_path)
     for node, (_, err) in zip(nodes, outputs, strict=True):
         assert node.returncode != 0, err
     out = "".join(out for out, _ in outputs)

@@ -12,7 +12,6 @@ import contextlib
 import os
 import selectors
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -24,12 +23,12 @@ from dist_core.log import LAUNCHER_PREFIXES_VARIABLE
 from dist_launch._bootstrap import PARENT_PID_VARIABLE, RUN_DIR_VARIABLE
 from dist_launch.log_layout import LogLayout, write_torch_error_file
 from dist_launch.output import LineRelay
-from dist_launch.plan import LaunchPlan, WorkerTarget
+from dist_launch.plan import LaunchPlan
 from dist_launch.records import RankFiles
 from dist_launch.rendezvous import Assignment
 from dist_launch.routing import OutputRouting, Stream
 from dist_launch.supervisor import GroupOutcome, Supervisor, Worker
-from dist_launch.workers import PopenWorker, start_subprocess_worker
+from dist_launch.workers import start_subprocess_worker
 from dist_launch.zygote import Zygote
 
 # After the workers ended, how long a grandchild holding their pipes may delay us.
@@ -97,31 +96,6 @@ def rank_environment(
         rank_env["CUDA_VISIBLE_DEVICES"] = device
         rank_env["LOCAL_RANK"] = "0"
     return rank_env
-
-
-def start_program_worker(
-    target: WorkerTarget, env: dict[str, str], rank: int, local_rank: int, node_rank: int
-) -> tuple[PopenWorker, int, int]:
-    """Starts ``--no-python`` target as a program; returns it and its output pipes."""
-    out_read, out_write = os.pipe()
-    err_read, err_write = os.pipe()
-    try:
-        popen = subprocess.Popen(
-            [target.name, *target.args],
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=out_write,
-            stderr=err_write,
-            process_group=0,
-        )
-    except BaseException:
-        for fd in (out_read, err_read):
-            os.close(fd)
-        raise
-    finally:
-        os.close(out_write)
-        os.close(err_write)
-    return PopenWorker(popen, rank, local_rank, node_rank), out_read, err_read
 
 
 def _flush_partial_lines(relays: list[LineRelay], now: float) -> float | None:
@@ -259,9 +233,7 @@ class LocalGroup:
         rank_env = rank_environment(plan, env, rank, local_rank)
         self.files[rank] = RankFiles.for_rank(self.run_dir, rank)
         rank_env["TORCHELASTIC_ERROR_FILE"] = str(self.files[rank].torchelastic_error)
-        if plan.target.no_python:
-            return start_program_worker(plan.target, rank_env, rank, local_rank, node)
-        if self.zygote is not None:
+        if self.zygote is not None and not plan.target.no_python:
             return self.zygote.start(plan.target, rank_env, rank, local_rank, node)
         return start_subprocess_worker(plan.target, rank_env, rank, local_rank, node)
 

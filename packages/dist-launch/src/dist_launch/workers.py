@@ -25,14 +25,20 @@ def start_subprocess_worker(
 ) -> tuple[PopenWorker, int, int]:
     """Starts one worker interpreter; returns it and the read ends of its stdout and stderr.
 
-    The worker gets its own process group, so that a terminal's Ctrl-C reaches it once,
-    through the launcher, and not twice.
+    A ``--no-python`` target runs as the program it names, without the bootstrap (and
+    so without an error record: the report has its exit status). The worker gets its
+    own process group, so that a terminal's Ctrl-C reaches it once, through the
+    launcher, and not twice.
     """
+    if target.no_python:
+        argv = [target.name, *target.args]
+    else:
+        argv = [sys.executable, "-m", "dist_launch._bootstrap", *target.bootstrap_argv()]
     out_read, out_write = os.pipe()
     err_read, err_write = os.pipe()
     try:
         popen = subprocess.Popen(
-            [sys.executable, "-m", "dist_launch._bootstrap", *target.bootstrap_argv()],
+            argv,
             env=env,
             cwd=cwd,
             stdin=subprocess.DEVNULL,
