@@ -269,11 +269,20 @@ class Agent:
         rdzv: StaticRendezvous | ElasticRendezvous | None = None
         try:
             if plan.elastic:
-                try:
-                    rdzv = ElasticRendezvous(plan)
-                except Exception as error:
-                    _say(f"error: cannot reach the rendezvous at {plan.rdzv_endpoint}: {error}")
+                # Connecting may wait for the endpoint's node (torch's read_timeout):
+                # on a thread, so that Ctrl-C is served meanwhile.
+                connecting = _Background(self.selector, lambda: ElasticRendezvous(plan))
+                if not self._wait_for(connecting):
+                    assert self._interrupted is not None
+                    _say(f"interrupted by {signal.Signals(self._interrupted).name}")
+                    return 128 + self._interrupted
+                if connecting.error is not None:
+                    _say(
+                        f"error: cannot reach the rendezvous at {plan.rdzv_endpoint}: "
+                        f"{connecting.error}"
+                    )
                     return 1
+                rdzv = connecting.result
             else:
                 rdzv = StaticRendezvous(plan)
                 if plan.node_rank == 0 and not port_is_free(rdzv.port):
