@@ -339,7 +339,7 @@ def draw_ft(data: Data) -> Figure:
     step.set(
         ylabel="ms per step, median",
         ylim=(0, max([limit, *steps.values()]) * 1.25),
-        title="Training step, small MLP, 4 ranks",
+        title=f"Training step, {data.get('step_model', 'small MLP')}, 4 ranks",
     )
     step.legend(loc="upper left")
     _footer(figure, data)

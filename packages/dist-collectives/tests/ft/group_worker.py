@@ -1,10 +1,19 @@
 """One rank of a replica group, run as a script by test_replica_groups.py.
 
-Each replica group holds one model sharded across its ranks: rank ``r`` owns the rows
-``r`` of every layer (a column-parallel split) and trains its shard on its own slice
-of the loss. Rank ``r`` of each group averages its shard's gradients with rank ``r``
-of the other groups through its Manager. At the end it writes a JSON report with a
-hash of its shard and optimizer state.
+Each replica group trains one small MLP with torch's FSDP (``fully_shard``, FSDP2) on
+the group's own gloo process group: rank ``r`` of the group owns the ``r``-th half of
+every parameter (and of its Adam state); the forward all-gathers the full parameters
+inside the group, the backward reduce-scatters the gradients inside the group (each
+rank of the group trains on its own batch), so the loss depends on the whole model and
+on both ranks of the group. Rank ``r`` of each group then averages its shard's
+gradients with rank ``r`` of the other groups through its Manager, and steps its
+shard's optimizer only when the step commits. A healing rank receives its shard's
+parameters and optimizer state, as local tensors, from rank ``r`` of a healthy group.
+At the end it writes a JSON report with a hash of its shard and optimizer state.
+
+The group's process group comes from the launcher's variables (``MASTER_ADDR``,
+``MASTER_PORT``: one dist-launch per group) or, without a launcher, from the quorum
+store under a prefix of its own per group and start.
 """
 
 from __future__ import annotations
@@ -22,25 +31,104 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 
 from dist_collectives.ft import Manager, ProcessGroupGloo
 
-FULL_WIDTH = 16
+WIDTH = 16
+# How long a collective inside a group may wait for its peer: a rank whose peer died
+# is stopped by the test (or the group's launcher) long before this runs out.
+GROUP_TIMEOUT = timedelta(seconds=60)
+
+
+def _as_bytes(tensor: torch.Tensor) -> bytes:
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return bytes(local.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
 
 
 def _digest(model: nn.Module, optimizer: torch.optim.Optimizer) -> str:
+    """A hash of this rank's shard: its parameters and its optimizer state."""
     h = hashlib.sha256()
     for name, tensor in sorted(model.state_dict().items()):
         h.update(name.encode())
-        h.update(tensor.detach().contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(_as_bytes(tensor))
     for index, state in sorted(optimizer.state_dict()["state"].items()):
         for key, value in sorted(state.items()):
             h.update(f"{index}.{key}".encode())
             if isinstance(value, torch.Tensor):
-                h.update(
-                    value.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-                )
+                h.update(_as_bytes(value))
     return h.hexdigest()
+
+
+def _local(value: Any) -> Any:
+    return value.to_local() if isinstance(value, DTensor) else value
+
+
+def shard_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """This rank's shard as plain tensors (what the Manager sends to a healing rank)."""
+    optim = optimizer.state_dict()
+    return {
+        "model": {name: _local(p.detach()) for name, p in model.named_parameters()},
+        "optim": {
+            "state": {i: {k: _local(v) for k, v in s.items()} for i, s in optim["state"].items()},
+            "param_groups": optim["param_groups"],
+        },
+    }
+
+
+def load_shard_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+) -> None:
+    """Writes a healthy peer's shard into this rank's sharded parameters and optimizer.
+
+    The optimizer of a restarted rank has no state yet, so its sharded tensors are
+    built from the received local ones with the placements of their parameters.
+    """
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            _local(param).copy_(state["model"][name])
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+
+    def sharded(index: int, value: torch.Tensor) -> torch.Tensor:
+        param = params[index]
+        if value.dim() == 0 or not isinstance(param, DTensor):
+            return value  # Adam's step counter is a plain scalar
+        return DTensor.from_local(
+            value,
+            param.device_mesh,
+            param.placements,
+            run_check=False,
+            shape=param.shape,
+            stride=param.stride(),
+        )
+
+    optim = state["optim"]
+    optimizer.load_state_dict(
+        {
+            "state": {
+                int(i): {k: sharded(int(i), v) for k, v in s.items()}
+                for i, s in optim["state"].items()
+            },
+            "param_groups": optim["param_groups"],
+        }
+    )
+
+
+def _init_group(args: argparse.Namespace, attempt: int) -> None:
+    """The group's own process group: the launcher's store, else a prefix of ours."""
+    if "MASTER_ADDR" in os.environ:
+        dist.init_process_group("gloo", timeout=GROUP_TIMEOUT)
+        return
+    client = dist.TCPStore("127.0.0.1", args.port, is_master=False, wait_for_workers=False)
+    dist.init_process_group(
+        "gloo",
+        store=dist.PrefixStore(f"test/intra/{args.group}/{attempt}", client),
+        rank=args.group_rank,
+        world_size=args.group_size,
+        timeout=GROUP_TIMEOUT,
+    )
 
 
 def main() -> None:
@@ -73,24 +161,20 @@ def main() -> None:
         waiter.wait(["test/restart_ok"], timedelta(seconds=120))
         del waiter
 
-    # Every group starts from the same full model; this rank keeps its shard of it.
+    _init_group(args, attempt if attempt > 0 else int(args.restarted))
+    mesh = init_device_mesh("cpu", (args.group_size,))
+    # Every group starts from the same full model; FSDP keeps this rank's shard of it.
     torch.manual_seed(0)
     torch.set_num_threads(1)
-    full = nn.Linear(8, FULL_WIDTH)
-    rows = FULL_WIDTH // args.group_size
-    shard = nn.Linear(8, rows)
-    with torch.no_grad():
-        window = slice(args.group_rank * rows, (args.group_rank + 1) * rows)
-        shard.weight.copy_(full.weight[window])
-        shard.bias.copy_(full.bias[window])
-    optimizer = torch.optim.Adam(shard.parameters(), lr=0.01)
+    model = nn.Sequential(nn.Linear(8, WIDTH), nn.Tanh(), nn.Linear(WIDTH, 2))
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
 
     def state_dict() -> dict[str, Any]:
-        return {"model": shard.state_dict(), "optim": optimizer.state_dict()}
+        return shard_state(model, optimizer)
 
     def load_state_dict(state: dict[str, Any]) -> None:
-        shard.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optim"])
+        load_shard_state(model, optimizer, state)
 
     manager = Manager(
         ProcessGroupGloo(timeout=timedelta(seconds=10)),
@@ -116,10 +200,12 @@ def main() -> None:
             break
         manager.start_quorum()
         x = torch.randn(32, 8, generator=generator)
-        y = x.sum(dim=1, keepdim=True).expand(32, rows)
+        y = torch.stack([x.sum(dim=1), x[:, 0] * x[:, 1]], dim=1)
         optimizer.zero_grad()
-        nn.functional.mse_loss(shard(x), y).backward()
-        futures = [manager.allreduce(p.grad) for p in shard.parameters() if p.grad is not None]
+        # FSDP: all-gather the parameters in the group, reduce-scatter the gradients.
+        nn.functional.mse_loss(model(x), y).backward()
+        grads = [_local(p.grad) for p in model.parameters() if p.grad is not None]
+        futures = [manager.allreduce(grad) for grad in grads]
         if (
             args.kill_at_step >= 0
             and manager.current_step() >= args.kill_at_step
@@ -157,10 +243,11 @@ def main() -> None:
     report = {
         "me": me,
         "step": manager.current_step(),
-        "digest": _digest(shard, optimizer),
+        "digest": _digest(model, optimizer),
         "log": log,
     }
     manager.shutdown()
+    dist.destroy_process_group()
     with open(args.out, "w") as handle:
         json.dump(report, handle)
 

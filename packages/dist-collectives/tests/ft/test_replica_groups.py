@@ -1,6 +1,15 @@
 """Replica groups of two ranks as real processes: one rank of one group is SIGKILLed
 mid-step, the other groups discard the step and go on without that group, the group
-restarts as a whole (as its own launcher would restart it) and heals rank by rank."""
+restarts as a whole (as its own launcher would restart it) and heals rank by rank.
+
+Each group trains one MLP sharded across its two ranks with torch's own FSDP
+(``torch.distributed.fsdp.fully_shard`` on the group's gloo process group, CPU): the
+forward all-gathers the parameters inside the group, the backward reduce-scatters the
+gradients inside the group, and each rank's Manager averages its shard's gradients
+with the same rank of the other groups (see ``group_worker.py``). The loss depends on
+the whole sharded model, so a shard healed from the wrong peer, or exchanged with the
+wrong rank, leaves the groups' shards different at the end.
+"""
 
 from __future__ import annotations
 

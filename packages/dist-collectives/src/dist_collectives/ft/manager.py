@@ -306,6 +306,10 @@ class Manager:
         # publishes each decision under), and why the group broke, once it has.
         self._quorum_requests = 0
         self._group_broken: str | None = None
+        # The registry version (bumped by every Manager that announces itself) as the
+        # watcher last read it: the commit vote compares it with its quorum's instead
+        # of reading it, which took one store round trip off every step's vote.
+        self._registry_version = 0
         self._incarnation = 0
         self._arrival_key: str | None = None
         self._awaited_key: str | None = None
@@ -834,18 +838,23 @@ class Manager:
     def _vote(self, quorum: Quorum, deadline: float) -> bool:
         """Votes; True when the step is committed everywhere.
 
-        The last voter writes ``ok:same`` when no replica announced itself since the
-        quorum was decided (the next step reuses the quorum without a round), else
-        ``ok:full``; an error writes ``fail``. The first write wins. A replica that
-        announced itself before the last vote is thus taken in at the next step.
+        Three store round trips on the way of the step's last voter: its ``add``, its
+        ``compare_set`` of the decision, and the others' read of it once their ``wait``
+        ends. The last voter writes ``ok:same`` when no replica announced itself since
+        the quorum was decided, as far as its watcher has read the registry version
+        (every ``_HEARTBEAT_CHECK_TICKS`` heartbeat intervals): the next step then
+        reuses the quorum without a round; else it writes ``ok:full``. An error writes
+        ``fail``. The first write wins. A replica that announced itself is thus taken
+        in at the first commit after the voters' watchers saw it, a fraction of a
+        second later (well within ``join_timeout``, which the new replica's round
+        waits for the others).
         """
         key = self._commit_key(quorum)
         decision: bytes | None = None
         if self._error is None:
             votes = self._store.add(f"votes/{quorum.quorum_id}/{quorum.max_step}", 1)
             if votes >= len(quorum.members) * self._group_world_size:
-                version = int(self._store.add(REGISTRY_VERSION_KEY, 0))
-                same = version == quorum.registry_version
+                same = self._registry_version <= quorum.registry_version
                 decision = self._store.compare_set(key, "", "ok:same" if same else "ok:full")
         if decision is None:
             decision = self._await_decision(key, deadline)
@@ -905,10 +914,15 @@ class Manager:
             ticks += 1
             try:
                 self._expire_wrapped()
-                self._beat(check_group=ticks % _HEARTBEAT_CHECK_TICKS == 0)
+                slow_tick = ticks % _HEARTBEAT_CHECK_TICKS == 0
+                self._beat(check_group=slow_tick)
                 # Errors are polled every tick; heartbeats, which only back up the error
-                # path, every few ticks, to keep the store traffic small.
-                self._watch_step(check_heartbeats=ticks % _HEARTBEAT_CHECK_TICKS == 0)
+                # path, and newcomers, which only wait a little longer, every few ticks,
+                # to keep the store traffic small.
+                if slow_tick:
+                    version = int(self._monitor_store.add(REGISTRY_VERSION_KEY, 0))
+                    self._registry_version = max(self._registry_version, version)
+                self._watch_step(check_heartbeats=slow_tick)
             except Exception:
                 if not self._stop.is_set():
                     logger.warning("ft monitor: store call failed", exc_info=True)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from typing import Any
 
 import torch
@@ -171,6 +172,7 @@ def recv_state(pg: ProcessGroup, src: int) -> tuple[Any, int]:
     device = transport_device(pg)
     length = torch.zeros(1, dtype=torch.int64, device=device)
     pg.recv([length], src, 0).wait()
+    started = time.perf_counter()  # the sender is sending now: time the transfer alone
     header_tensor = torch.empty(int(length.item()), dtype=torch.uint8, device=device)
     pg.recv([header_tensor], src, 1).wait()
     try:
@@ -196,5 +198,18 @@ def recv_state(pg: ProcessGroup, src: int) -> tuple[Any, int]:
     if device.type == "cuda":
         # What was on the CPU goes back to the CPU (an optimizer's step counters must).
         tensors = [t if specs[i][2] else t.cpu() for i, t in enumerate(tensors)]
-    logger.info("received step %d (%d tensors) from rank %d", step, len(tensors), src)
+    seconds = time.perf_counter() - started
+    size = sum(t.numel() * t.element_size() for t in tensors)
+    # The size and time also go on the record (``record.state_bytes``,
+    # ``record.state_seconds``), for a handler that measures recoveries.
+    logger.info(
+        "received step %d (%d tensors, %d bytes) from rank %d in %.3f s (%.2f GB/s)",
+        step,
+        len(tensors),
+        size,
+        src,
+        seconds,
+        size / seconds / 1e9 if seconds > 0 else float("inf"),
+        extra={"state_bytes": size, "state_seconds": seconds},
+    )
     return _decode(description, tensors), step
