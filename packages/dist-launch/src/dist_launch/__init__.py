@@ -7,7 +7,6 @@ Library: :func:`launch_subprocesses` and :func:`init_and_run`. Command line:
 from __future__ import annotations
 
 from importlib import import_module
-from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
 from dist_launch.errors import LaunchError
@@ -19,7 +18,21 @@ if TYPE_CHECKING:
 _LAZY = {"init_and_run": "dist_launch.spawn", "launch_subprocesses": "dist_launch.spawn"}
 
 
+def _version() -> str:
+    # importlib.metadata costs tens of milliseconds: only a caller who asks pays it.
+    from importlib.metadata import PackageNotFoundError, version  # noqa: PLC0415
+
+    try:
+        return version("dist-launch")
+    except PackageNotFoundError:  # running from a source tree that is not installed
+        return "0+unknown"
+
+
 def __getattr__(name: str) -> Any:
+    if name == "__version__":
+        value = _version()
+        globals()[name] = value
+        return value
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'dist_launch' has no attribute {name!r}")
@@ -29,12 +42,7 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted([*globals(), *_LAZY])
+    return sorted({*globals(), *_LAZY, "__version__"})
 
-
-try:
-    __version__ = version("dist-launch")
-except PackageNotFoundError:  # running from a source tree that is not installed
-    __version__ = "0+unknown"
 
 __all__ = ["LaunchError", "__version__", "init_and_run", "launch_subprocesses"]
