@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from dist_launch.local_group import LocalGroup, node_environment
+from dist_launch.local_group import LocalGroup
 from dist_launch.log_layout import LogLayout
 from dist_launch.plan import LaunchPlan, describe_sources
 from dist_launch.rendezvous import (
@@ -48,7 +48,8 @@ from dist_launch.report import describe_returncode, format_report, group_exit_st
 from dist_launch.routing import OutputRouting
 from dist_launch.signals import DUMP_SIGNAL, SignalInbox
 from dist_launch.supervisor import GroupOutcome, Supervisor
-from dist_launch.zygote import Zygote
+from dist_launch.worker_env import node_environment
+from dist_launch.zygote import Zygote, start_fork_server
 
 logger = logging.getLogger(__name__)
 
@@ -173,9 +174,18 @@ class _RendezvousWatcher:
 class Agent:
     """Runs a :class:`LaunchPlan` on this node; see the module docstring."""
 
-    def __init__(self, plan: LaunchPlan) -> None:
+    def __init__(
+        self,
+        plan: LaunchPlan,
+        *,
+        selector: selectors.BaseSelector | None = None,
+        zygote: Zygote | None = None,
+    ) -> None:
         self.plan = plan
-        self.selector = selectors.DefaultSelector()
+        self.selector = selector if selector is not None else selectors.DefaultSelector()
+        # Started by the caller before it imported this module, when it could: the fork
+        # server's import of torch is the longest step of a start.
+        self._early_zygote = zygote
         self.inbox: SignalInbox | None = None
         self._supervisor: Supervisor | None = None
         self._interrupted: int | None = None  # the first stopping signal received
@@ -254,7 +264,7 @@ class Agent:
         self.inbox = SignalInbox((*plan.signals_to_handle, DUMP_SIGNAL))
         self.selector.register(self.inbox.read_fd, selectors.EVENT_READ, self._on_signal)
         self.selector.register(self._change_read, selectors.EVENT_READ, self._on_change_readable)
-        node_env = node_environment(plan, dict(os.environ))
+        node_env = node_environment(plan, os.environ)
         self.routing = OutputRouting.for_flags(
             plan.redirects,
             plan.tee,
@@ -265,7 +275,7 @@ class Agent:
         if self.routing.needs_files(range(plan.nproc)):
             self.layout = LogLayout.create(plan.log_dir, plan.run_id)
             logger.info("logs of this run: %s", self.layout.run_dir)
-        zygote: Zygote | None = None
+        zygote: Zygote | None = self._early_zygote
         rdzv: StaticRendezvous | ElasticRendezvous | None = None
         try:
             if plan.elastic:
@@ -296,8 +306,8 @@ class Agent:
                         "port or leave --master-port out to get one"
                     )
                     return USAGE_EXIT_STATUS
-            if plan.start_method == "forkserver" and not plan.target.no_python:
-                zygote = Zygote(node_env, self.selector)
+            if zygote is None:
+                zygote = start_fork_server(plan, self.selector)
             return self._rounds(rdzv, node_env, zygote)
         finally:
             if zygote is not None:

@@ -228,6 +228,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as error:
         print(f"{PROG}: error: {error}", file=sys.stderr)
         return USAGE_EXIT_STATUS
-    from dist_launch.agent import Agent  # noqa: PLC0415 - after a cheap parse
+    # The fork server first: its import of torch is the longest step of a start, and
+    # it runs while this process imports the rest of the launcher.
+    import selectors  # noqa: PLC0415
 
-    return Agent(plan).run()
+    from dist_launch.zygote import start_fork_server  # noqa: PLC0415
+
+    selector = selectors.DefaultSelector()
+    try:
+        zygote = start_fork_server(plan, selector)
+    except OSError as error:
+        print(f"{PROG}: error: could not start the fork server: {error}", file=sys.stderr)
+        return 1
+    from dist_launch.agent import Agent  # noqa: PLC0415 - after the fork server started
+
+    return Agent(plan, selector=selector, zygote=zygote).run()

@@ -17,6 +17,7 @@ import subprocess
 import sys
 from typing import Any
 
+from dist_launch.plan import LaunchPlan
 from dist_launch.proctitle import TITLE_ROOM
 from dist_launch.workers import WorkerTarget
 
@@ -166,3 +167,17 @@ class Zygote:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait(5.0)
+
+
+def start_fork_server(plan: LaunchPlan, selector: selectors.BaseSelector) -> Zygote | None:
+    """The fork server of a run, started now; None when the plan starts no Python.
+
+    Its environment is :func:`dist_launch.worker_env.node_environment` of the
+    launcher's own (read now: variables read when torch is imported, such as
+    ``OMP_NUM_THREADS``, are the ones every worker shares).
+    """
+    if plan.start_method != "forkserver" or plan.target.no_python:
+        return None
+    from dist_launch.worker_env import node_environment  # noqa: PLC0415 - light
+
+    return Zygote(node_environment(plan, os.environ), selector)
