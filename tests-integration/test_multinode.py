@@ -294,8 +294,9 @@ def test_killed_node_leaves_the_rest_to_restart_and_finish(
     assert sorted(e.rank for e in done) == [0, 1], job.outputs()
     assert {e.world for e in done} == {2}, job.outputs()
     assert {e.host for e in done} == {endpoint.name, survivor.name}, job.outputs()
-    # The survivors restarted once, on a failure (a membership change does not count).
-    assert all(e.attempt >= 1 for e in done), job.outputs()
+    # Whether the survivors count the death as a failure (their collectives broke
+    # first) or as a membership change (the rendezvous saw the node gone first) is a
+    # race, under either launcher: the test asks only that they go on without it.
 
 
 def test_cut_node_is_left_out_and_the_rest_finish(
