@@ -71,6 +71,14 @@ print("done", flush=True)
 """
 
 
+# Each rank prints its pid and blocks opening the FIFO argv[1] on the same line: wherever
+# a stack dump finds it after "ready", its innermost Python frame is that one line.
+HUNG_SCRIPT = """\
+import os, sys
+print("ready", os.getpid(), flush=True); open(sys.argv[1]).read(); print("done", flush=True)
+"""
+
+
 def _script(tmp_path: Path, name: str, text: str) -> str:
     path = tmp_path / name
     path.write_text(text)
@@ -557,10 +565,11 @@ def test_explicit_port_is_never_replaced(tmp_path: Path) -> None:
 
 
 def test_sigquit_dumps_grouped_stacks_and_stops_nothing(tmp_path: Path) -> None:
-    script = _script(tmp_path, "wait.py", WAITING_SCRIPT)
-    go = tmp_path / "go"
+    script = _script(tmp_path, "hung.py", HUNG_SCRIPT)
+    fifo = tmp_path / "go"
+    os.mkfifo(fifo)
     launcher = subprocess.Popen(
-        [*LAUNCH, "-n", "3", script, str(go)],
+        [*LAUNCH, "-n", "3", script, str(fifo)],
         cwd=tmp_path,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -571,20 +580,20 @@ def test_sigquit_dumps_grouped_stacks_and_stops_nothing(tmp_path: Path) -> None:
         assert launcher.stderr is not None
         seen = b""
         deadline = time.monotonic() + 60
-        while b"wait.py" not in seen:
+        while b"hung.py" not in seen:
             assert time.monotonic() < deadline, seen
             if select.select([launcher.stderr], [], [], 1.0)[0]:
                 chunk = os.read(launcher.stderr.fileno(), 65536)
                 assert chunk, seen
                 seen += chunk
         assert all(_alive(pid) for pid in pids), "SIGQUIT stopped a rank"
-        go.write_text("")
+        # Releases every rank blocked in open(): a writer appears, then closes.
+        os.close(os.open(fifo, os.O_WRONLY))
         out, err = launcher.communicate(timeout=60)
         text = (seen + err).decode()
         assert launcher.returncode == 0, text
         assert "stacks of 3 ranks (SIGQUIT; nothing stopped)" in text, text
-        # A rank may still be between its "ready" line and the wait: at least two agree.
-        assert re.search(r"ranks \d-\d: same stack", text), text
+        assert "ranks 0-2: same stack" in text, text
         assert out.count(b"done") == 3
     finally:
         launcher.kill()
@@ -592,9 +601,11 @@ def test_sigquit_dumps_grouped_stacks_and_stops_nothing(tmp_path: Path) -> None:
 
 
 def test_ctrl_c_on_a_hung_job_shows_where_every_rank_was(tmp_path: Path) -> None:
-    script = _script(tmp_path, "wait.py", WAITING_SCRIPT)
+    script = _script(tmp_path, "hung.py", HUNG_SCRIPT)
+    fifo = tmp_path / "never"
+    os.mkfifo(fifo)
     launcher = subprocess.Popen(
-        [*LAUNCH, "-n", "2", script, str(tmp_path / "never")],
+        [*LAUNCH, "-n", "2", script, str(fifo)],
         cwd=tmp_path,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -606,7 +617,7 @@ def test_ctrl_c_on_a_hung_job_shows_where_every_rank_was(tmp_path: Path) -> None
         stderr = raw.decode()
         assert launcher.returncode == 130, stderr
         assert "ranks 0-1: same stack" in stderr, stderr
-        assert "wait.py" in stderr, stderr
+        assert "hung.py" in stderr, stderr
     finally:
         launcher.kill()
         launcher.wait(30)
