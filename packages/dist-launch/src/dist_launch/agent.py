@@ -45,7 +45,6 @@ from dist_launch.rendezvous import (
     StaticRendezvous,
 )
 from dist_launch.report import describe_returncode, format_report, group_exit_status
-from dist_launch.routing import OutputRouting
 from dist_launch.signals import DUMP_SIGNAL, SignalInbox
 from dist_launch.supervisor import GroupOutcome, Supervisor
 from dist_launch.worker_env import node_environment
@@ -265,14 +264,8 @@ class Agent:
         self.selector.register(self.inbox.read_fd, selectors.EVENT_READ, self._on_signal)
         self.selector.register(self._change_read, selectors.EVENT_READ, self._on_change_readable)
         node_env = node_environment(plan, os.environ)
-        self.routing = OutputRouting.for_flags(
-            plan.redirects,
-            plan.tee,
-            None if plan.local_ranks_filter is None else set(plan.local_ranks_filter),
-            has_log_dir=plan.log_dir is not None,
-        )
         self.layout: LogLayout | None = None
-        if self.routing.needs_files(range(plan.nproc)):
+        if plan.routing.needs_files(range(plan.nproc)):
             self.layout = LogLayout.create(plan.log_dir, plan.run_id)
             logger.info("logs of this run: %s", self.layout.run_dir)
         zygote: Zygote | None = self._early_zygote
@@ -296,11 +289,8 @@ class Agent:
             else:
                 rdzv = StaticRendezvous(plan)
                 if plan.node_rank == 0 and not port_is_free(rdzv.port):
-                    how = (
-                        "--master-port"
-                        if plan.master_port is not None
-                        else ("the default master port")
-                    )
+                    explicit = plan.master_port is not None
+                    how = "--master-port" if explicit else "the default master port"
                     _say(
                         f"{how} {rdzv.port} is already in use on this host; choose a free "
                         "port or leave --master-port out to get one"
@@ -397,7 +387,6 @@ class Agent:
                 self.selector,
                 zygote,
                 self._set_supervisor,
-                self.routing,
                 self.layout,
             )
             remaining = None if deadline is None else max(0.01, deadline - time.monotonic())

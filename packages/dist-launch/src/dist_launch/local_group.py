@@ -25,7 +25,7 @@ from dist_launch.output import LineRelay
 from dist_launch.plan import LaunchPlan
 from dist_launch.records import RankFiles
 from dist_launch.rendezvous import Assignment
-from dist_launch.routing import OutputRouting, Stream
+from dist_launch.routing import Stream
 from dist_launch.supervisor import GroupOutcome, Supervisor, Worker
 from dist_launch.worker_env import rank_environment, worker_environment
 from dist_launch.workers import start_subprocess_worker
@@ -66,7 +66,6 @@ class LocalGroup:
             watcher are registered on it).
         zygote: The warm fork server, or None to start fresh interpreters.
         on_supervisor: Called with the supervisor once it exists (signals reach it).
-        routing: Where each local rank's streams go (console, file).
         layout: The run's log directory, when some stream goes to a file.
     """
 
@@ -78,7 +77,6 @@ class LocalGroup:
         selector: selectors.BaseSelector,
         zygote: Zygote | None,
         on_supervisor: Callable[[Supervisor | None], None],
-        routing: OutputRouting,
         layout: LogLayout | None,
     ) -> None:
         self.plan = plan
@@ -87,7 +85,7 @@ class LocalGroup:
         self.selector = selector
         self.zygote = zygote
         self.on_supervisor = on_supervisor
-        self.routing = routing
+        self.routing = plan.routing
         self.layout = layout
         self.run_dir = tempfile.mkdtemp(prefix="dist-launch-")
         self.files: dict[int, RankFiles] = {}
@@ -170,7 +168,7 @@ class LocalGroup:
         rank_env = rank_environment(plan, env, rank, local_rank)
         self.files[rank] = RankFiles.for_rank(self.run_dir, rank)
         rank_env["TORCHELASTIC_ERROR_FILE"] = str(self.files[rank].torchelastic_error)
-        if self.zygote is not None and not plan.target.no_python:
+        if self.zygote is not None:  # none is started for a --no-python target
             return self.zygote.start(plan.target, rank_env, rank, local_rank, node)
         return start_subprocess_worker(plan.target, rank_env, rank, local_rank, node)
 

@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from dist_core.slurm import expand_hostlist
-from dist_launch.routing import OutputRouting
+from dist_launch.routing import OutputRouting, parse_local_ranks_filter
 
 SLURM_PORT_BASE = 15000
 SLURM_PORT_SPAN = 20000
@@ -82,9 +82,7 @@ class LaunchPlan:
     start_method: str
     role: str
     log_dir: str | None
-    redirects: str
-    tee: str
-    local_ranks_filter: frozenset[int] | None
+    routing: OutputRouting  # -r/--redirects, -t/--tee, --local-ranks-filter, --log-dir
     signals_to_handle: tuple[int, ...]
     grace_period: float
     timeout: float | None
@@ -235,16 +233,6 @@ def parse_signals(value: str) -> tuple[int, ...]:
         except KeyError:
             raise UsageError(f"--signals-to-handle: {name!r} is not a signal name") from None
     return tuple(numbers)
-
-
-def parse_ranks_filter(value: str) -> frozenset[int] | None:
-    """``0,2`` as a set of local ranks; empty means no filter."""
-    if not value.strip():
-        return None
-    ranks = {
-        _int(part, "--local-ranks-filter", minimum=0) for part in value.split(",") if part.strip()
-    }
-    return frozenset(ranks)
 
 
 def _refuse(flag: str, reason: str) -> UsageError:
@@ -408,11 +396,14 @@ def build_plan(
         run_id = uuid.uuid4().hex if max_nodes == 1 and not rdzv_endpoint else "none"
     if rdzv_backend == "c10d" and rdzv_id == "none":
         rdzv_id = run_id
-    local_ranks_filter = parse_ranks_filter(get("local_ranks_filter", "") or "")
-    redirects = get("redirects", "0") or "0"
-    tee = get("tee", "0") or "0"
+    log_dir = get("log_dir")
     try:
-        OutputRouting.for_flags(redirects, tee)
+        routing = OutputRouting.for_flags(
+            get("redirects", "0") or "0",
+            get("tee", "0") or "0",
+            parse_local_ranks_filter(get("local_ranks_filter", "") or ""),
+            has_log_dir=log_dir is not None,
+        )
     except ValueError as error:
         raise UsageError(str(error)) from None
     return LaunchPlan(
@@ -432,10 +423,8 @@ def build_plan(
         monitor_interval=monitor_interval,
         start_method=start_method,
         role=get("role", "default") or "default",
-        log_dir=get("log_dir"),
-        redirects=redirects,
-        tee=tee,
-        local_ranks_filter=local_ranks_filter,
+        log_dir=log_dir,
+        routing=routing,
         signals_to_handle=parse_signals(get("signals_to_handle", DEFAULT_SIGNALS) or ""),
         grace_period=grace_period,
         timeout=timeout,
