@@ -121,13 +121,6 @@ class StaticRendezvous:
             release_port(self._port)
 
 
-def _endpoint(endpoint: str) -> tuple[str, int]:
-    host, sep, port = endpoint.strip().rpartition(":")
-    if not sep:
-        return endpoint.strip(), DEFAULT_PORT
-    return host.strip("[]"), int(port)
-
-
 def is_local_address(host: str) -> bool:
     """True when ``host`` names an address of this network namespace (bindable here)."""
     try:
@@ -178,9 +171,12 @@ class ElasticRendezvous:
         from torch.distributed.elastic.rendezvous.registry import (  # noqa: PLC0415
             get_rendezvous_handler,
         )
+        from torch.distributed.elastic.rendezvous.utils import (  # noqa: PLC0415
+            parse_rendezvous_endpoint,
+        )
 
         self.plan = plan
-        host, port = _endpoint(plan.rdzv_endpoint)
+        host, port = parse_rendezvous_endpoint(plan.rdzv_endpoint, default_port=DEFAULT_PORT)
         conf: dict[str, Any] = dict(plan.rdzv_conf)
         # torch decides who serves the store by host name; inside network namespaces
         # and on multi-homed hosts an address bound here is the better test.
