@@ -191,9 +191,14 @@ def set_dist(
         master_port=master_port,
         source="torchrun",
     )
+    _write_environ(env, init_method)
+    return env
+
+
+def _write_environ(env: DistEnv, init_method: str) -> None:
+    """Writes ``env`` under torchrun's names, and ``INIT_METHOD``, to ``os.environ``."""
     os.environ.update(env.to_environ())
     os.environ[INIT_METHOD_VARIABLE] = init_method
-    return env
 
 
 def _bind_device(local_rank: int) -> torch.device:
@@ -356,8 +361,7 @@ def init_dist_env(
     Writes ``env`` to ``os.environ`` under torchrun's names (and ``INIT_METHOD``), then
     initializes the process group as :func:`init_process_group_from_backend` does.
     """
-    os.environ.update(env.to_environ())
-    os.environ[INIT_METHOD_VARIABLE] = init_method
+    _write_environ(env, init_method)
     init_process_group_from_backend(backend, timeout=timeout)
 
 
