@@ -12,6 +12,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import IO
 
 import pytest
 
@@ -112,16 +113,22 @@ def _read_ready_pids(
             seen += chunk
 
 
-def _wait_for_output(process: subprocess.Popen[bytes], text: bytes, count: int) -> None:
-    assert process.stdout is not None
+def _read_until(stream: IO[bytes] | None, text: bytes, count: int = 1) -> bytes:
+    """Reads ``stream`` until ``text`` appeared ``count`` times (bounded); what was read."""
+    assert stream is not None
     seen = b""
     deadline = time.monotonic() + 60
     while seen.count(text) < count:
         assert time.monotonic() < deadline, seen
-        if select.select([process.stdout], [], [], 1.0)[0]:
-            chunk = os.read(process.stdout.fileno(), 65536)
+        if select.select([stream], [], [], 1.0)[0]:
+            chunk = os.read(stream.fileno(), 65536)
             assert chunk, seen
             seen += chunk
+    return seen
+
+
+def _wait_for_output(process: subprocess.Popen[bytes], text: bytes, count: int) -> None:
+    _read_until(process.stdout, text, count)
 
 
 def _alive(pid: int) -> bool:
@@ -564,28 +571,26 @@ def test_explicit_port_is_never_replaced(tmp_path: Path) -> None:
     assert "retrying" not in result.stderr
 
 
-def test_sigquit_dumps_grouped_stacks_and_stops_nothing(tmp_path: Path) -> None:
+def _hung_launcher(tmp_path: Path, ranks: int) -> tuple[subprocess.Popen[bytes], Path]:
+    """``ranks`` ranks of HUNG_SCRIPT, each blocked opening the FIFO it returns."""
     script = _script(tmp_path, "hung.py", HUNG_SCRIPT)
-    fifo = tmp_path / "go"
+    fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
     launcher = subprocess.Popen(
-        [*LAUNCH, "-n", "3", script, str(fifo)],
+        [*LAUNCH, "-n", str(ranks), script, str(fifo)],
         cwd=tmp_path,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
     )
+    return launcher, fifo
+
+
+def test_sigquit_dumps_grouped_stacks_and_stops_nothing(tmp_path: Path) -> None:
+    launcher, fifo = _hung_launcher(tmp_path, 3)
     try:
         pids = _read_ready_pids(launcher, 3)
         launcher.send_signal(signal.SIGQUIT)
-        assert launcher.stderr is not None
-        seen = b""
-        deadline = time.monotonic() + 60
-        while b"hung.py" not in seen:
-            assert time.monotonic() < deadline, seen
-            if select.select([launcher.stderr], [], [], 1.0)[0]:
-                chunk = os.read(launcher.stderr.fileno(), 65536)
-                assert chunk, seen
-                seen += chunk
+        seen = _read_until(launcher.stderr, b"hung.py")
         assert all(_alive(pid) for pid in pids), "SIGQUIT stopped a rank"
         # Releases every rank blocked in open(): a writer appears, then closes.
         os.close(os.open(fifo, os.O_WRONLY))
@@ -601,15 +606,7 @@ def test_sigquit_dumps_grouped_stacks_and_stops_nothing(tmp_path: Path) -> None:
 
 
 def test_ctrl_c_on_a_hung_job_shows_where_every_rank_was(tmp_path: Path) -> None:
-    script = _script(tmp_path, "hung.py", HUNG_SCRIPT)
-    fifo = tmp_path / "never"
-    os.mkfifo(fifo)
-    launcher = subprocess.Popen(
-        [*LAUNCH, "-n", "2", script, str(fifo)],
-        cwd=tmp_path,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )
+    launcher, _ = _hung_launcher(tmp_path, 2)
     try:
         _read_ready_pids(launcher, 2)
         launcher.send_signal(signal.SIGINT)
