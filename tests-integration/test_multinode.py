@@ -268,15 +268,15 @@ def test_c10d_configured_by_pet_variables_alone(two_hosts: tuple[Host, Host], jo
     assert_one_group(job, world=4, per_host=2)
 
 
-def test_killed_node_leaves_the_rest_to_restart_and_finish(
-    hosts: Callable[[int], Network], job: Job, tmp_path: Path
-) -> None:
-    net = hosts(3)
-    endpoint, survivor, doomed = net.hosts
-    flags = c10d_flags(endpoint, "2:3", 1, max_restarts=1, conf=FAST_EVICTION)
-    # Steps go on until the group breaks; workers started once the node is gone finish.
-    finish = tmp_path / "node-gone"
-    env = {"FINISH_FILE": str(finish), "STEPS": "5", "COLLECTIVE_TIMEOUT": "30"}
+def start_three_stepping(
+    job: Job, net: Network, conf: str, finish: Path, collective_timeout: int
+) -> list[Node]:
+    """Three nodes of one c10d job under ``2:3``, once each has stepped in a group of 3.
+
+    Steps go on until the group breaks; workers started once ``finish`` exists finish.
+    """
+    flags = c10d_flags(net.hosts[0], "2:3", 1, max_restarts=1, conf=conf)
+    env = {"FINISH_FILE": str(finish), "STEPS": "5", "COLLECTIVE_TIMEOUT": str(collective_timeout)}
     nodes = [job.start(host, flags, env) for host in net.hosts]
     job.wait_for(
         "every node stepping in one group of 3",
@@ -285,15 +285,29 @@ def test_killed_node_leaves_the_rest_to_restart_and_finish(
             == {h.name for h in net.hosts}
         ),
     )
-    os.kill(nodes[2].process.pid, signal.SIGKILL)  # the launcher first, as a crash would
-    doomed.kill_everything()  # then whatever it left: a dead node runs nothing
-    finish.touch()
+    return nodes
+
+
+def assert_the_first_two_finish_alone(job: Job, nodes: list[Node], net: Network) -> None:
+    """The first two nodes exit 0, their last attempt a world of 2 on their hosts."""
     codes = job.wait_exits(nodes[:2])
     assert codes == [0, 0], job.outputs()
     done = job.events("done")
-    assert sorted(e.rank for e in done) == [0, 1], job.outputs()
     assert {e.world for e in done} == {2}, job.outputs()
-    assert {e.host for e in done} == {endpoint.name, survivor.name}, job.outputs()
+    assert {e.host for e in done} == {h.name for h in net.hosts[:2]}, job.outputs()
+
+
+def test_killed_node_leaves_the_rest_to_restart_and_finish(
+    hosts: Callable[[int], Network], job: Job, tmp_path: Path
+) -> None:
+    net = hosts(3)
+    finish = tmp_path / "node-gone"
+    nodes = start_three_stepping(job, net, FAST_EVICTION, finish, collective_timeout=30)
+    os.kill(nodes[2].process.pid, signal.SIGKILL)  # the launcher first, as a crash would
+    net.hosts[2].kill_everything()  # then whatever it left: a dead node runs nothing
+    finish.touch()
+    assert_the_first_two_finish_alone(job, nodes, net)
+    assert sorted(e.rank for e in job.events("done")) == [0, 1], job.outputs()
     # Whether the survivors count the death as a failure (their collectives broke
     # first) or as a membership change (the rendezvous saw the node gone first) is a
     # race, under either launcher: the test asks only that they go on without it.
@@ -309,28 +323,14 @@ def test_cut_node_is_left_out_and_the_rest_finish(
     """
     job = dist_launch_job
     net = hosts(3)
-    endpoint, survivor, cut = net.hosts
+    finish = tmp_path / "node-cut"
     # Three heartbeats: with two, torch's keep-alive can drop a live node whose first
     # heartbeat after the round formed comes a little late.
     conf = "last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3"
-    flags = c10d_flags(endpoint, "2:3", 1, max_restarts=1, conf=conf)
-    finish = tmp_path / "node-cut"
-    env = {"FINISH_FILE": str(finish), "STEPS": "5", "COLLECTIVE_TIMEOUT": "120"}
-    nodes = [job.start(host, flags, env) for host in net.hosts]
-    job.wait_for(
-        "every node stepping in one group of 3",
-        lambda: (
-            {e.host for e in job.events("step") if e.world == 3 and e.step == 2}
-            == {h.name for h in net.hosts}
-        ),
-    )
-    net.cut(cut)
+    nodes = start_three_stepping(job, net, conf, finish, collective_timeout=120)
+    net.cut(net.hosts[2])
     finish.touch()
-    codes = job.wait_exits(nodes[:2])
-    assert codes == [0, 0], job.outputs()
-    done = job.events("done")
-    assert {e.world for e in done} == {2}, job.outputs()
-    assert {e.host for e in done} == {endpoint.name, survivor.name}, job.outputs()
+    assert_the_first_two_finish_alone(job, nodes, net)
     # Not a failure: the survivors re-formed the job on a membership change.
     assert "stopped sending heartbeats" in job.outputs(), job.outputs()
 
