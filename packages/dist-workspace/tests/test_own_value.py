@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import gc
+import mmap
+
 import pytest
 import torch
 
-from dist_workspace.own_value import copy_to_host, own_config, own_tensor
+from dist_workspace.own_value import copy_to_host, host_buffer, own_config, own_tensor
+
+MIB = 1024 * 1024
 
 
 def _bits(tensor: torch.Tensor) -> list[int]:
@@ -30,6 +35,32 @@ def test_large_values_are_copied_whole() -> None:
     assert torch.equal(copy, big)
     copy.zero_()
     assert big.abs().sum() > 0
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS in /proc/self/status")
+
+
+@pytest.mark.skipif(
+    not hasattr(mmap, "MAP_POPULATE"), reason="MAP_POPULATE is Linux's (Python 3.10+)"
+)
+def test_large_buffers_have_their_pages_before_the_copy_and_free_them_with_the_tensor() -> None:
+    before = _rss_bytes()
+    buffer = host_buffer(64 * MIB)
+    populated = _rss_bytes()
+    assert populated - before >= 60 * MIB  # allocated by mmap, before anything is written
+    view = buffer[MIB : 2 * MIB]
+    del buffer
+    gc.collect()
+    assert _rss_bytes() >= populated - MIB  # a view keeps the mapping
+    view.fill_(7)
+    del view
+    gc.collect()
+    assert _rss_bytes() <= populated - 60 * MIB
 
 
 def test_shared_storage_stays_shared_and_spans_are_copied_once() -> None:
