@@ -22,6 +22,15 @@ Limits of this machine, in the same run:
   through new shared memory pays this: the kernel hands out (and, on a VM with free
   page reporting, the host backs) a fresh page for every byte. It is the limit the
   shared-memory target is measured against: same bytes, same processes, same cores.
+- ``fresh tmpfs/3+own`` (method ``fresh-shm-own``): the same, while rank 0 copies its
+  own value into new private memory (one anonymous mapping, its pages allocated by
+  ``MAP_POPULATE``, then ``memmove``: on this VM the cheapest way found, cheaper under
+  load than ``pwrite`` into /dev/shm or faulting pages in one by one). An exchange
+  that gives the receiver a copy of its own value (dist-workspace's contract: it
+  never aliases the caller's tensor) needs fresh pages for that copy as well; where
+  the senders already hold every core (4 ranks on 2 cores), that copy costs time the
+  3-writer limit does not count, and ``fresh tmpfs/3`` over this line is what it
+  leaves of the target on this machine.
 - ``fresh tmpfs/1``: one process writing 3x the size into new /dev/shm files: what one
   core can do (the previous releases' "limit").
 - ``write+fsync``: writing 3x the size to the local directory and fsyncing it. A
@@ -49,7 +58,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import gc
+import mmap
 import os
 import shutil
 import statistics
@@ -162,6 +173,33 @@ def _write_fresh_shm(tensors: dict[str, torch.Tensor], path: str) -> None:
         os.close(fd)
 
 
+def _copy_fresh_private(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Copies every tensor's bytes, in order, into one new populated private mapping."""
+    total = _nbytes(tensors)
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE
+    target = torch.frombuffer(mmap.mmap(-1, max(total, 1), flags=flags), dtype=torch.uint8)
+    position = 0
+    for tensor in tensors.values():
+        nbytes = tensor.numel() * tensor.element_size()
+        ctypes.memmove(target.data_ptr() + position, tensor.data_ptr(), nbytes)
+        position += nbytes
+    return target
+
+
+def _warm_pages(nbytes: int) -> None:
+    """Touches ``nbytes`` of new memory and frees it, so the next allocations find warm pages.
+
+    On a VM whose host takes free guest memory back (virtio-balloon free page
+    reporting, as on the development VM) the first touch of such a page costs several
+    times a warm one, and which method found warm pages depended on how much the one
+    before it had freed: measured in the benchmark's order, ``fresh tmpfs/3+own`` took
+    1.6-2.1 s at 1 GiB right after ``fresh tmpfs/3``, and the shared-memory exchange,
+    doing the same work and more, 0.9-1.6 s. Each measurement now starts alike.
+    """
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE
+    mmap.mmap(-1, max(nbytes, 1), flags=flags).close()
+
+
 def _read_once(values: list[dict[str, torch.Tensor]]) -> None:
     """Reads every byte the receiver got once (faulting in whatever is still unmapped)."""
     for value in values:
@@ -179,6 +217,7 @@ def _measure(method: str, shape: str, size: int, directory: str) -> dict[str, fl
     rank = dist.get_rank()
     value = _value(shape, size, rank)
     tensor = value.get("tensor")
+    _warm_pages(2 * _nbytes(value))  # the most any method allocates per rank, and slack
     start_rss = _reset_peak()
     fresh_path = f"/dev/shm/dist-workspace-bench-{os.getpid()}-{rank}"
     dist.barrier()
@@ -199,6 +238,12 @@ def _measure(method: str, shape: str, size: int, directory: str) -> dict[str, fl
         elif method == "fresh-shm":  # the limit: every sender writes fresh tmpfs pages
             if rank:
                 _write_fresh_shm(value, fresh_path)
+            dist.barrier()
+        elif method == "fresh-shm-own":  # the same, and rank 0 copies its own value
+            if rank:
+                _write_fresh_shm(value, fresh_path)
+            else:
+                own = [{"copy": _copy_fresh_private(value)}]
             dist.barrier()
         elif method in ("nfsworkspace", "nfsws-nofsync"):
             workspace = NFSWorkspace(directory, durable=method == "nfsworkspace")
@@ -362,10 +407,19 @@ def _choose_sizes(requested: list[int]) -> tuple[list[int], list[str]]:
     return chosen, notes
 
 
-ALL_METHODS = ["shm", "fresh-shm", "nfsworkspace", "nfsws-nofsync", "torch.save", "gloo-gather"]
+ALL_METHODS = [
+    "shm",
+    "fresh-shm",
+    "fresh-shm-own",
+    "nfsworkspace",
+    "nfsws-nofsync",
+    "torch.save",
+    "gloo-gather",
+]
 # A checkpoint goes through get_configs_parallel (a state dict is a config of tensors);
 # gloo's gather takes one tensor, so it has no checkpoint line.
-CHECKPOINT_METHODS = ["shm", "fresh-shm", "nfsworkspace", "torch.save"]
+CHECKPOINT_METHODS = ["shm", "fresh-shm", "fresh-shm-own", "nfsworkspace", "torch.save"]
+LIMIT_METHODS = {"shm", "fresh-shm", "fresh-shm-own"}  # always run: the targets are ratios
 
 
 def main() -> int:
@@ -380,15 +434,15 @@ def main() -> int:
     parser.add_argument(
         "--methods",
         default=",".join(ALL_METHODS),
-        help="comma separated subset of " + ",".join(ALL_METHODS) + " (shm and fresh-shm "
-        "are always run: the targets are their ratio)",
+        help="comma separated subset of " + ",".join(ALL_METHODS) + " (shm and the fresh-shm "
+        "limits are always run: the targets are their ratios)",
     )
     parser.add_argument("--repeats", type=int, default=3)
     from _lib.results import add_json_argument, write_results
 
     add_json_argument(parser, "workspace")
     args = parser.parse_args()
-    chosen = {"shm", "fresh-shm", *args.methods.split(",")}
+    chosen = {*LIMIT_METHODS, *args.methods.split(",")}
     unknown = chosen - set(ALL_METHODS)
     if unknown:
         parser.error(f"unknown methods {sorted(unknown)}; known: {ALL_METHODS}")
@@ -476,6 +530,8 @@ def _report(
             "shm_vs_copy",
             "shm_vs_fresh1",
             "shm_vs_fresh3",
+            "shm_vs_fresh_own",
+            "own_copy_bound",
             "fresh1_vs_copy",
             "fresh3_vs_copy",
             "nfs_vs_save",
@@ -496,17 +552,29 @@ def _report(
         fresh1 = _fresh_tmpfs_bandwidth(size, args.repeats)
         fresh3_item = results[f"fresh-shm/{shape}/{size}"]
         fresh3 = fresh3_item["bytes"] / fresh3_item["seconds"]
+        fresh_own_item = results[f"fresh-shm-own/{shape}/{size}"]
+        # The same bytes crossing (3x size), in the time it takes with rank 0's copy.
+        fresh_own = fresh_own_item["bytes"] / fresh_own_item["seconds"]
         label = f"{size // MIB}" if shape == "tensor" else f"{size // MIB}*"
 
         limits = (ceiling, fresh1, fresh3)
         _row(label, limits, "memcpy", SENDERS * size / ceiling, SENDERS * size, "-", "-")
         _row(label, limits, "fresh tmpfs/1", SENDERS * size / fresh1, SENDERS * size, "-", "-")
         _row(label, limits, "fresh tmpfs/3", fresh3_item["seconds"], fresh3_item["bytes"], "-", "-")
+        _row(
+            label,
+            limits,
+            "fresh tmpfs/3+own",
+            fresh_own_item["seconds"],
+            fresh_own_item["bytes"],
+            "-",
+            "-",
+        )
         fsync_seconds = _fsync_seconds(size, root_for_limits)
         _row(label, limits, "write+fsync", fsync_seconds, SENDERS * size, "-", "-")
         ratios: dict[str, float] = {}
         for method in by_shape[shape]:
-            if method == "fresh-shm":
+            if method in ("fresh-shm", "fresh-shm-own"):
                 continue
             item = results[f"{method}/{shape}/{size}"]
             bandwidth = _row(
@@ -532,6 +600,8 @@ def _report(
                     **{method: round(value, 4) for method, value in ratios.items()},
                 },
                 "shm_x_fresh": round(shm_bandwidth / fresh3, 3),
+                "shm_x_fresh_with_own_copy": round(shm_bandwidth / fresh_own, 3),
+                "own_copy_bound": round(fresh_own / fresh3, 3),
                 "shm_x_fresh_one_core": round(shm_bandwidth / fresh1, 3),
                 "reader_peak_per_data": round(shm["peak"] / shm["held"], 3),
             }
@@ -544,6 +614,9 @@ def _report(
         copy_gbps.append(round(ceiling / 1e9, 3))
         x_copy.setdefault("fresh tmpfs", []).append(round(fresh1 / ceiling, 4))
         x_copy.setdefault("fresh tmpfs, 3 writers", []).append(round(fresh3 / ceiling, 4))
+        x_copy.setdefault("fresh tmpfs, 3 writers + own copy", []).append(
+            round(fresh_own / ceiling, 4)
+        )
         x_copy.setdefault("write+fsync", []).append(
             round(SENDERS * size / fsync_seconds / ceiling, 4)
         )
@@ -552,6 +625,8 @@ def _report(
         summary["shm_vs_copy"].append(shm_bandwidth / ceiling)
         summary["shm_vs_fresh1"].append(shm_bandwidth / fresh1)
         summary["shm_vs_fresh3"].append(shm_bandwidth / fresh3)
+        summary["shm_vs_fresh_own"].append(shm_bandwidth / fresh_own)
+        summary["own_copy_bound"].append(fresh_own / fresh3)
         summary["fresh1_vs_copy"].append(fresh1 / ceiling)
         summary["fresh3_vs_copy"].append(fresh3 / ceiling)
         summary["shm_peak"].append(shm["peak"] / shm["held"])
@@ -573,6 +648,13 @@ def _report(
         "  target >= 0.80 (the limit: the senders writing the same bytes into new"
     )
     print("      shared memory at once, nothing else; every exchange through new segments pays it)")
+    print(
+        f"  limit: fresh tmpfs, 3 writers + own / 3: {_fmt(summary['own_copy_bound'])}"
+        "  (what the receiver's copy of its own value leaves"
+    )
+    print("      of the line above on this machine: the most shm can reach against it; 1.00 where")
+    print("      a core is free for the copy)")
+    print(f"  shm bandwidth / fresh tmpfs, 3 + own:   {_fmt(summary['shm_vs_fresh_own'])}")
     print(f"  shm bandwidth / fresh tmpfs, 1 writer:  {_fmt(summary['shm_vs_fresh1'])}")
     print(f"  shm reader peak / data it holds:        {_fmt(summary['shm_peak'])}  target <= 1.1")
     print(f"  shm bandwidth / memcpy:                 {_fmt(summary['shm_vs_copy'])}")
@@ -582,7 +664,9 @@ def _report(
         print(
             f"  checkpoint ({checkpoint['tensors_per_rank']} tensors, "
             f"{checkpoint['mib_per_rank']} MiB per rank): shm / fresh tmpfs, 3 writers "
-            f"{checkpoint['shm_x_fresh']:.2f}, / 1 writer {checkpoint['shm_x_fresh_one_core']:.2f}"
+            f"{checkpoint['shm_x_fresh']:.2f} (limit {checkpoint['own_copy_bound']:.2f}), "
+            f"/ 3 writers + own {checkpoint['shm_x_fresh_with_own_copy']:.2f}, "
+            f"/ 1 writer {checkpoint['shm_x_fresh_one_core']:.2f}"
             f", reader peak / data {checkpoint['reader_peak_per_data']:.2f}"
         )
     if summary["nfs_vs_save"]:
@@ -618,6 +702,7 @@ def _report(
             "x_copy": x_copy,
             "shm_x_fresh": {
                 "3 writers": per_size("shm_vs_fresh3"),
+                "3 writers + own copy": per_size("shm_vs_fresh_own"),
                 "1 writer": per_size("shm_vs_fresh1"),
             },
             "speedup_over_torch_save": {
@@ -630,6 +715,7 @@ def _report(
                 "nfsworkspace": per_size("nfs_peak"),
                 "torch.save": per_size("save_peak"),
             },
+            "own_copy_bound": per_size("own_copy_bound"),
             "checkpoint": checkpoint or None,
             "targets": {
                 "shm_x_copy": 0.5,

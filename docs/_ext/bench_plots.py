@@ -204,6 +204,17 @@ def draw_workspace(data: Data) -> Figure:
             if measured
             else "fresh shm pages, both cores (2x)",
         )
+        # Runs since 0.3.2 also measure the senders beside the receiver's copy of its
+        # own value: the fresh pages the exchange's contract needs in all.
+        with_own = x_copy.get("fresh tmpfs, 3 writers + own copy")
+        if with_own:
+            bandwidth.plot(
+                *_present(sizes, scaled(with_own)),
+                "-.",
+                color=LIMIT,
+                lw=1,
+                label="fresh shm pages, 3 writers + receiver's own copy",
+            )
     target = data["targets"]["shm_x_copy"]
     bandwidth.plot(
         sizes,
