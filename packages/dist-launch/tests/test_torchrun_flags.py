@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -238,6 +239,31 @@ def test_c10d_on_loopback_two_nodes(tmp_path: Path, allreduce: Path) -> None:
     joined = "".join(out for out, _ in outputs)
     for rank in range(4):
         assert f"rank={rank} world=4 sum=10" in joined, joined
+
+
+def test_c10d_endpoint_without_port_is_torchruns_29400(tmp_path: Path) -> None:
+    """``--rdzv-endpoint HOST`` means HOST:29400, as torchrun documents (not 29500)."""
+    from dist_launch.rendezvous import c10d_host_and_port
+
+    assert c10d_host_and_port("node0") == ("node0", 29400)
+    assert c10d_host_and_port("[::1]:1234") == ("::1", 1234)
+    probe = socket.socket()
+    try:
+        probe.bind(("127.0.0.1", 29400))
+    except OSError:
+        pytest.skip("127.0.0.1:29400 is taken on this machine")
+    finally:
+        probe.close()
+    script = tmp_path / "peek.py"
+    script.write_text(
+        "import socket\n"
+        "socket.create_connection(('127.0.0.1', 29400), timeout=10).close()\n"
+        "print('rendezvous store on 29400', flush=True)\n"
+    )
+    argv = ["--nnodes", "1", "-n", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1"]
+    result = run([*argv, "--rdzv-id", "portless", str(script)], tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "rendezvous store on 29400" in result.stdout
 
 
 def test_c10d_restart_budget_is_job_wide(tmp_path: Path) -> None:

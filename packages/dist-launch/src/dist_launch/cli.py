@@ -80,8 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     value(
         "rdzv_endpoint",
-        "HOST:PORT of the c10d rendezvous store (under srun: first host of SLURM_JOB_NODELIST)",
-        metavar="HOST:PORT",
+        "HOST[:PORT] of the c10d rendezvous store (port 29400 when left out, as with "
+        "torchrun; under srun: first host of SLURM_JOB_NODELIST)",
+        metavar="HOST[:PORT]",
     )
     value("rdzv_id", "job id shared by every node of the job", metavar="ID")
     value(

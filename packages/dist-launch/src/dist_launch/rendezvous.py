@@ -154,6 +154,23 @@ def route_address(host: str, port: int) -> str | None:
     return None
 
 
+def c10d_host_and_port(endpoint: str) -> tuple[str, int]:
+    """``HOST[:PORT]`` (``[IPv6]:PORT`` too) of a c10d rendezvous, split by torch itself.
+
+    A missing port is torch's c10d default, 29400, as with torchrun (``--master-port``'s
+    29500 is static rendezvous's, not c10d's).
+    """
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (  # noqa: PLC0415
+        DEFAULT_PORT as C10D_DEFAULT_PORT,
+    )
+    from torch.distributed.elastic.rendezvous.utils import (  # noqa: PLC0415
+        parse_rendezvous_endpoint,
+    )
+
+    host, port = parse_rendezvous_endpoint(endpoint, default_port=C10D_DEFAULT_PORT)
+    return host, port
+
+
 class ElasticRendezvous:
     """torch elastic's c10d rendezvous, with a job-wide restart budget on its store.
 
@@ -171,12 +188,9 @@ class ElasticRendezvous:
         from torch.distributed.elastic.rendezvous.registry import (  # noqa: PLC0415
             get_rendezvous_handler,
         )
-        from torch.distributed.elastic.rendezvous.utils import (  # noqa: PLC0415
-            parse_rendezvous_endpoint,
-        )
 
         self.plan = plan
-        host, port = parse_rendezvous_endpoint(plan.rdzv_endpoint, default_port=DEFAULT_PORT)
+        host, port = c10d_host_and_port(plan.rdzv_endpoint)
         conf: dict[str, Any] = dict(plan.rdzv_conf)
         # torch decides who serves the store by host name; inside network namespaces
         # and on multi-homed hosts an address bound here is the better test.
