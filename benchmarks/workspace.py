@@ -162,7 +162,7 @@ def _write_fresh_shm(tensors: dict[str, torch.Tensor], path: str) -> None:
     try:
         position = 0
         for tensor in tensors.values():
-            view = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+            view = tensor.reshape(-1).view(torch.uint8).numpy().data
             for begin in range(0, len(view), 16 * MIB):
                 chunk = view[begin : begin + 16 * MIB]
                 done = 0
@@ -350,7 +350,7 @@ def _memcpy_bandwidth(size: int, repeats: int) -> float:
 
 def _fresh_tmpfs_bandwidth(size: int, repeats: int) -> float:
     """Bytes per second one process writes into new /dev/shm files (3x ``size``)."""
-    source = memoryview(torch.ones(size, dtype=torch.uint8).numpy()).cast("B")
+    source = torch.ones(size, dtype=torch.uint8).numpy().data
     best = float("inf")
     for _ in range(max(repeats, 2)):
         paths = [f"/dev/shm/dist-workspace-bench-{os.getpid()}-{i}" for i in range(SENDERS)]
@@ -369,7 +369,7 @@ def _fresh_tmpfs_bandwidth(size: int, repeats: int) -> float:
 
 def _fsync_seconds(size: int, root: str) -> float:
     """Seconds to write 3x ``size`` to files under ``root`` and fsync them."""
-    source = memoryview(torch.ones(size, dtype=torch.uint8).numpy()).cast("B")
+    source = torch.ones(size, dtype=torch.uint8).numpy().data
     paths = [os.path.join(root, f"fsync-floor-{i}") for i in range(SENDERS)]
     began = time.perf_counter()
     descriptors = [os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600) for path in paths]
