@@ -21,7 +21,11 @@ Transparent huge pages (``MADV_HUGEPAGE``) would be faster while warm (1 GiB in 
 ms) but are not asked for: on a VM with free page reporting (virtio-balloon, as on the
 development VM) a huge page freed for more than about two seconds has been handed back
 to the host, and faulting it in again cost 0.9 to 2.7 s per GiB, which is the usual
-case for exchanges seconds or minutes apart.
+case for exchanges seconds or minutes apart. Measured again for 0.3.2 (1 GiB,
+populated, eight copies each, interleaved): back to back, huge pages took 0.11-0.28 s
+in five of eight copies and 1.1-3.2 s in the rest, 4 KiB pages 0.40-0.84 s; three
+seconds apart, huge pages 0.77-2.67 s, 4 KiB pages 0.42-2.53 s (median 0.66 against
+1.30). On hosts that do not take memory back, huge pages would be the faster choice.
 
 Sharing is found as the record writer finds it (same device, same storage address,
 see :func:`~dist_workspace.writer.shared_groups`) and each shared span is copied once.
