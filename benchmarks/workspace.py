@@ -173,11 +173,15 @@ def _write_fresh_shm(tensors: dict[str, torch.Tensor], path: str) -> None:
         os.close(fd)
 
 
+def _populated_mapping(nbytes: int) -> mmap.mmap:
+    """A new private anonymous mapping of ``nbytes`` (at least 1), every page allocated."""
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE
+    return mmap.mmap(-1, max(nbytes, 1), flags=flags)
+
+
 def _copy_fresh_private(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
     """Copies every tensor's bytes, in order, into one new populated private mapping."""
-    total = _nbytes(tensors)
-    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE
-    target = torch.frombuffer(mmap.mmap(-1, max(total, 1), flags=flags), dtype=torch.uint8)
+    target = torch.frombuffer(_populated_mapping(_nbytes(tensors)), dtype=torch.uint8)
     position = 0
     for tensor in tensors.values():
         nbytes = tensor.numel() * tensor.element_size()
@@ -196,8 +200,7 @@ def _warm_pages(nbytes: int) -> None:
     1.6-2.1 s at 1 GiB right after ``fresh tmpfs/3``, and the shared-memory exchange,
     doing the same work and more, 0.9-1.6 s. Each measurement now starts alike.
     """
-    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE
-    mmap.mmap(-1, max(nbytes, 1), flags=flags).close()
+    _populated_mapping(nbytes).close()
 
 
 def _read_once(values: list[dict[str, torch.Tensor]]) -> None:

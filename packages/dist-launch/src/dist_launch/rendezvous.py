@@ -167,8 +167,7 @@ def c10d_host_and_port(endpoint: str) -> tuple[str, int]:
         parse_rendezvous_endpoint,
     )
 
-    host, port = parse_rendezvous_endpoint(endpoint, default_port=C10D_DEFAULT_PORT)
-    return host, port
+    return parse_rendezvous_endpoint(endpoint, default_port=C10D_DEFAULT_PORT)
 
 
 class ElasticRendezvous:
