@@ -63,6 +63,14 @@ def test_large_buffers_have_their_pages_before_the_copy_and_free_them_with_the_t
     assert _rss_bytes() <= populated - 60 * MIB
 
 
+@pytest.mark.skipif(
+    not hasattr(mmap, "MAP_POPULATE"), reason="MAP_POPULATE is Linux's (Python 3.10+)"
+)
+def test_a_buffer_the_system_cannot_map_is_a_memory_error_naming_its_size() -> None:
+    with pytest.raises(MemoryError, match=rf"cannot map {1 << 62} bytes for a CPU copy"):
+        host_buffer(1 << 62)
+
+
 def test_shared_storage_stays_shared_and_spans_are_copied_once() -> None:
     base = torch.arange(64, dtype=torch.float32)
     matrix = base[8:].view(7, 8)
