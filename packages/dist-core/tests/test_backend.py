@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -32,7 +35,21 @@ def test_more_local_ranks_than_devices_gets_gloo() -> None:
     assert choice.shares_devices == (choice.accelerator is not None)
 
 
-def test_default_backend_reads_local_world_size(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("local_world_size", "expected"), [("1", "nccl"), ("2", "gloo")])
+def test_default_backend_reads_local_world_size(
+    monkeypatch: pytest.MonkeyPatch, local_world_size: str, expected: str
+) -> None:
+    # A host with one GPU, on every machine: the answer must come from the variable.
+    monkeypatch.setattr(dist_core.backend, "accelerator", lambda: ("cuda", 1))
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", local_world_size)
+    assert dist_core.default_backend() == expected
+
+
+def test_default_backend_with_more_local_ranks_than_devices_is_gloo(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(accelerator_device_count() + 1))
@@ -210,3 +227,53 @@ def test_one_rank_on_a_gpu_gets_nccl_bound_to_its_device_without_warnings() -> N
     [(backend, device, warned)] = run_ranks(_nccl_group_of_one, 1)
     assert backend == "nccl" and device == "cuda:0"
     assert not [w for w in warned if "device_id" in w], warned
+
+
+_FORK_AFTER_IS_AVAILABLE = """\
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+import dist_core
+from dist_core.ports import get_unused_port
+
+assert torch.cuda.is_available()  # starts the driver; torch.cuda.is_initialized() stays False
+assert not torch.cuda.is_initialized()
+for backend in ("gloo", "nccl"):
+    port = get_unused_port()
+    pid = os.fork()
+    if pid == 0:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        try:
+            dist_core.init_process_group_from_backend(backend)
+        except RuntimeError as error:
+            print(f"{backend} refused: {error}", flush=True)
+            os._exit(3)
+        value = torch.ones(1)
+        dist.all_reduce(value)
+        print(f"{backend} ok {value.item()}", flush=True)
+        dist_core.destroy_dist()
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    print(f"{backend} exit {os.waitstatus_to_exitcode(status)}", flush=True)
+"""
+
+
+@pytest.mark.cuda
+def test_a_child_forked_after_the_parent_asked_for_cuda_runs_gloo_and_names_why_not_nccl(
+    tmp_path: Path,
+) -> None:
+    script = tmp_path / "fork_after_is_available.py"
+    script.write_text(_FORK_AFTER_IS_AVAILABLE)
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_DISTRIBUTED_BACKEND"}
+    done = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "gloo ok 1.0" in done.stdout and "gloo exit 0" in done.stdout, done.stdout
+    assert "nccl exit 3" in done.stdout, done.stdout + done.stderr
+    assert "forked from one that had already initialised CUDA" in done.stdout
+    assert "spawn" in done.stdout and "forkserver" in done.stdout

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from dist_core.backend import default_backend
+from dist_core.backend import choose_backend, default_backend
 from dist_core.collect_env import collect, format_report, main
 from dist_core.devices import accelerator_type, cuda_device_count
 from dist_core.interfaces import Interface, gloo_choice, nccl_choice
@@ -23,7 +23,11 @@ def test_report_names_source_backend_devices_and_versions(monkeypatch: pytest.Mo
     report = collect()
     assert report["environment"]["source"] == "openmpi"
     assert report["environment"]["rank"] == 1
-    assert report["backend"]["default"] == default_backend()  # for this environment's ranks
+    # For this environment's 2 ranks on this node; where they would share a GPU, the
+    # report says so after the name.
+    default, _, reason = report["backend"]["default"].partition(" (")
+    assert default == default_backend()
+    assert ("share" in reason) == choose_backend().shares_devices
     assert report["devices"]["cuda_devices"] == cuda_device_count()
     assert report["devices"]["accelerator"] == (accelerator_type() or "none (CPU only)")
     assert "dist-core" in report["versions"] and "torch" in report["versions"]

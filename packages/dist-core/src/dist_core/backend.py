@@ -94,11 +94,17 @@ def _accelerator_backend(kind: str | None) -> str:
 
 def _local_world_size_from(environ: Mapping[str, str]) -> int:
     """``LOCAL_WORLD_SIZE`` (or what :class:`DistEnv` derives); 1 when unknown or malformed."""
+    raw = environ.get(_LOCAL_WORLD_SIZE_VARIABLE, "").strip()
+    explicit = int(raw) if raw.isdigit() and int(raw) > 0 else None
     try:
-        return DistEnv.from_environ(environ).local_world_size
+        env = DistEnv.from_environ(environ)
     except DistEnvError:
-        raw = environ.get(_LOCAL_WORLD_SIZE_VARIABLE, "")
-        return int(raw) if raw.isdigit() and int(raw) > 0 else 1
+        return explicit or 1
+    # Without a launcher's variables DistEnv describes one process, yet a
+    # LOCAL_WORLD_SIZE set on its own still says how many ranks will share this node.
+    if env.source == "default" and explicit is not None:
+        return explicit
+    return env.local_world_size
 
 
 def choose_backend(
@@ -201,11 +207,40 @@ def _write_environ(env: DistEnv, init_method: str) -> None:
     os.environ[INIT_METHOD_VARIABLE] = init_method
 
 
-def _bind_device(local_rank: int) -> torch.device:
-    """Makes the accelerator of ``local_rank`` current; the CPU when there is none."""
+def _cuda_lost_in_fork() -> bool:
+    """Whether this process was forked from one that had initialised CUDA.
+
+    torch then refuses every CUDA call here ("Cannot re-initialize CUDA in forked
+    subprocess"). A parent that only asked ``torch.cuda.is_available()`` counts: the
+    question starts the driver without ``torch.cuda.is_initialized()`` turning true,
+    so the parent cannot see it (seen on an H100 under pytest).
+    """
+    in_bad_fork = getattr(torch.cuda, "_is_in_bad_fork", None)
+    return bool(in_bad_fork()) if callable(in_bad_fork) else False
+
+
+def _bind_device(local_rank: int, backend: str) -> torch.device:
+    """Makes the accelerator of ``local_rank`` current; the CPU when there is none.
+
+    Also the CPU for a gloo group in a process forked after its parent initialised
+    CUDA, where no device can be made current; an accelerator backend there raises.
+    """
     kind = accelerator_type()
     if kind is None:
         return torch.device("cpu")
+    if kind == "cuda" and _cuda_lost_in_fork():
+        if _backend_names(backend) == {"gloo"}:
+            logger.info(
+                "this process was forked after its parent initialised CUDA: no GPU is bound, "
+                "and CUDA tensors cannot be used here (gloo on CPU tensors works)"
+            )
+            return torch.device("cpu")
+        raise RuntimeError(
+            f"backend {backend!r} needs CUDA, but this process was forked from one that had "
+            "already initialised CUDA (torch.cuda.is_available() does that too), and torch "
+            "cannot use CUDA again in such a child; start the workers with 'spawn' or "
+            "'forkserver' (dist-launch's default), or fork before the parent touches CUDA"
+        )
     index = local_rank % device_count()
     if kind == "cuda":
         torch.cuda.set_device(index)
@@ -299,7 +334,7 @@ def init_process_group_from_backend(
         chosen,
         init_method,
     )
-    device = _bind_device(env.local_rank)
+    device = _bind_device(env.local_rank, chosen)
     uses_accelerator_backend = device.type != "cpu" and _backend_names(chosen) != {"gloo"}
     dist.init_process_group(
         backend=chosen,
