@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -277,21 +279,46 @@ if __name__ == "__main__":
 """
 
 
-@pytest.mark.cuda
-def test_fork_after_the_caller_initialised_cuda_is_refused_by_name(tmp_path: Path) -> None:
-    import subprocess
-    import sys
-
-    script = tmp_path / "fork_after_init.py"
-    script.write_text(
-        _FORK_AFTER_CUDA_INIT.format(tests=str(Path(__file__).parent), out=str(tmp_path))
-    )
-    done = subprocess.run(
+def _run_as_parent(tmp_path: Path, template: str) -> subprocess.CompletedProcess[str]:
+    """Runs ``template`` as a fresh parent process whose workers write into ``tmp_path``."""
+    script = tmp_path / "parent.py"
+    script.write_text(template.format(tests=str(Path(__file__).parent), out=str(tmp_path)))
+    return subprocess.run(
         [sys.executable, str(script)], capture_output=True, text=True, timeout=150
     )
+
+
+@pytest.mark.cuda
+def test_fork_after_the_caller_initialised_cuda_is_refused_by_name(tmp_path: Path) -> None:
+    done = _run_as_parent(tmp_path, _FORK_AFTER_CUDA_INIT)
     assert done.returncode == 3, done.stdout + done.stderr
     assert "initialised CUDA" in done.stdout and "forkserver" in done.stdout
     assert not list(tmp_path.glob("rank*"))
+
+
+_FORK_AFTER_IS_AVAILABLE = """\
+import sys
+sys.path.insert(0, {tests!r})
+import torch
+from dist_core.config import MultiprocessConfig
+from dist_launch import launch_subprocesses
+from dist_launch_test_workers import write_rank_and_sum
+
+if __name__ == "__main__":
+    # What pytest, a notebook or a training script often does before launching: it
+    # starts the driver without torch.cuda.is_initialized() turning true.
+    assert torch.cuda.is_available() and not torch.cuda.is_initialized()
+    cfg = MultiprocessConfig(world_size=2, launch_method="fork", backend="gloo")
+    launch_subprocesses(write_rank_and_sum, cfg, None, 0, {out!r})
+"""
+
+
+@pytest.mark.cuda
+def test_fork_of_a_cpu_job_after_the_caller_asked_for_cuda_runs(tmp_path: Path) -> None:
+    done = _run_as_parent(tmp_path, _FORK_AFTER_IS_AVAILABLE)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = sorted(path.read_text() for path in tmp_path.glob("rank*"))
+    assert lines == ["0 2 1 0", "1 2 1 1"]
 
 
 def test_world_size_alone_starts_every_rank_on_this_node(
