@@ -44,6 +44,44 @@ def test_managed_group_averages_over_live_participants() -> None:
     assert run_ranks(_managed_worker, 2, timeout=120) == [[1.5, 2.0, 1.0, 1.0]] * 2
 
 
+def _differently_initialised_worker(init_sync: bool) -> list[float]:
+    rank = dist.get_rank()
+    weight = torch.full((3,), float(rank))  # an unseeded init: every replica differs
+    manager = Manager(
+        ProcessGroupGloo(timeout=timedelta(seconds=30)),
+        load_state_dict=lambda state: weight.copy_(state["w"]),
+        state_dict=lambda: {"w": weight},
+        min_replica_size=3,
+        replica_id=f"init{rank}",
+        timeout=timedelta(seconds=30),
+        namespace=f"test-init-sync-{init_sync}",
+        init_sync=init_sync,
+    )
+    participants = []
+    for _ in range(3):
+        manager.start_quorum()
+        grad = weight + 1.0  # computed from this replica's weights, after start_quorum
+        manager.allreduce(grad).wait()
+        participants.append(manager.num_participants())
+        if manager.should_commit():
+            weight.sub_(0.5 * grad)
+    manager.shutdown()
+    return [*weight.tolist(), *map(float, participants), float(manager.current_step())]
+
+
+@pytest.mark.parametrize("init_sync", [True, False])
+def test_replicas_initialised_differently_train_identically_under_init_sync(
+    init_sync: bool,
+) -> None:
+    # w <- w - 0.5 (w + 1) from replica init0's 0.0: -0.5, -0.75, -0.875, and every
+    # replica takes part in every step. Without init_sync each goes its own way.
+    results = run_ranks(_differently_initialised_worker, 3, init_sync, timeout=150)
+    if init_sync:
+        assert results == [[-0.875, -0.875, -0.875, 3.0, 3.0, 3.0, 3.0]] * 3
+    else:
+        assert len({tuple(r[:3]) for r in results}) == 3
+
+
 def _tensor_kinds_worker() -> list[list[float]]:
     rank = dist.get_rank()
     manager = Manager(

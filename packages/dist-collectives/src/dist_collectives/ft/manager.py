@@ -215,6 +215,12 @@ class Manager:
             and heals from rank ``i`` of a healthy group. Every group has the same size.
             A group whose rank stops beating is left out as a whole and must restart as
             a whole (see the fault-tolerance guide, "Replica groups").
+        init_sync: Before the job's first step, every replica but one heals from that
+            one (torchft's ``init_sync``, also on by default), so that replicas whose
+            initial weights differ (an unseeded or device-dependent init) do not train
+            on apart with every step committed. ``False`` saves that one state transfer
+            where every replica initialises identically (seeded, same device kind).
+            Every replica of a job passes the same value.
     """
 
     def __init__(
@@ -235,6 +241,7 @@ class Manager:
         first_quorum_window: timedelta = timedelta(seconds=2),
         group_rank: int = 0,
         group_world_size: int = 1,
+        init_sync: bool = True,
     ) -> None:
         if min_replica_size < 1:
             raise ManagerConfigError(f"min_replica_size={min_replica_size} must be at least 1")
@@ -263,6 +270,7 @@ class Manager:
         self._heartbeat_interval = heartbeat_interval
         self._join_timeout = join_timeout
         self._first_quorum_window = first_quorum_window
+        self._init_sync = init_sync
         self._namespace = namespace
         self._host, self._port = _resolve_store(store_addr, store_port)
 
@@ -404,9 +412,9 @@ class Manager:
         return len(self._current_quorum().members)
 
     def is_healing(self) -> bool:
-        """Whether this replica receives a peer's state in this step."""
+        """Whether this replica is behind and heals in this step (its gradients count nothing)."""
         quorum = self._current_quorum()
-        return quorum.step_of(self._replica_id) < quorum.max_step
+        return quorum.is_behind(self._replica_id)
 
     # -- the step -----------------------------------------------------------------------
 
@@ -452,6 +460,27 @@ class Manager:
                 future.set_exception(error)
 
         threading.Thread(target=run, name=f"ft-quorum-{generation}", daemon=True).start()
+        if self._init_sync and self._step == 0:
+            self._load_first_state()
+
+    def _load_first_state(self) -> None:
+        """Before this replica's first step: waits for the quorum, loads the state it sent.
+
+        Runs in :meth:`start_quorum`, before the step's forward pass, so a replica that
+        copies the first member's state (:attr:`Quorum.syncs_first_state`) computes
+        its first gradients from the same weights as the others and takes part in the
+        step (torchft zeroes those replicas' first gradients instead). A replica that
+        joins a job already past step 0 heals as usual.
+        """
+        quorum = self._wait_for_quorum()
+        if quorum is None or not quorum.syncs_first_state or self._healed is None:
+            return
+        state, _ = self._healed
+        self._healed = None
+        try:
+            self._load_state_dict(state)
+        except Exception as error:
+            self.report_error(error)
 
     def _group_quorum(self, request: int) -> Quorum:
         """This group's decision: computed by group rank 0, read by the other ranks."""
@@ -501,6 +530,7 @@ class Manager:
             timeout=self._timeout,
             previous=self._last_quorum,
             first_quorum_window=self._first_quorum_window,
+            init_sync=self._init_sync,
         )
 
     def _form_quorum(self, generation: int, request: int) -> Quorum:
@@ -529,7 +559,7 @@ class Manager:
                 1000 * (time.perf_counter() - started),
             )
             self._configured_members = quorum.members
-        if quorum.step_of(self._replica_id) < quorum.max_step:
+        if self._replica_id in quorum.receivers:
             source = quorum.replica_rank(quorum.heal_source(self._replica_id))
             self._healed = recv_state(self._pg, source)
         else:
@@ -619,7 +649,7 @@ class Manager:
             result.set_result(tensor)
             return result
         participants = len(quorum.participants) if average else 1
-        if quorum.step_of(self._replica_id) < quorum.max_step:
+        if quorum.is_behind(self._replica_id):
             tensor.zero_()  # computed from stale weights: contributes nothing
         in_place = tensor.is_contiguous() and (tensor.is_floating_point() or tensor.is_complex())
         # Dividing first makes the sum the average: the exchange's own result is the

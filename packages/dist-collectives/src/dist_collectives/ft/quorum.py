@@ -69,6 +69,11 @@ class Quorum:
     members: tuple[str, ...]
     steps: tuple[int, ...]
     registry_version: int = 0
+    # Whether members that start a job together copy one state before the first step,
+    # as torchft's ``init_sync`` does: replicas whose weights were initialised
+    # differently (an unseeded init, a different device's kernels) would otherwise
+    # train on apart for ever with every step committed.
+    init_sync: bool = False
 
     @property
     def max_step(self) -> int:
@@ -80,6 +85,30 @@ class Quorum:
         """Members that hold the newest state; the others must heal first."""
         return tuple(m for m, s in zip(self.members, self.steps, strict=True) if s == self.max_step)
 
+    @property
+    def syncs_first_state(self) -> bool:
+        """Whether, before anyone committed a step, every member copies the first one's state.
+
+        They copy it before they compute the first step (the Manager loads it in
+        ``start_quorum``), so all of them still take part in that step.
+        """
+        return self.init_sync and self.max_step == 0 and len(self.members) > 1
+
+    @property
+    def receivers(self) -> tuple[str, ...]:
+        """Members that receive a peer's state in this quorum.
+
+        The members behind the newest step (:meth:`is_behind`), or, when
+        :attr:`syncs_first_state`, every member but the first.
+        """
+        if self.syncs_first_state:
+            return self.members[1:]
+        return tuple(m for m, s in zip(self.members, self.steps, strict=True) if s < self.max_step)
+
+    def is_behind(self, replica_id: str) -> bool:
+        """Whether ``replica_id`` is behind the newest step: it heals and does not take part."""
+        return self.step_of(replica_id) < self.max_step
+
     def replica_rank(self, replica_id: str) -> int:
         """The rank of ``replica_id`` in the group of this quorum."""
         return self.members.index(replica_id)
@@ -89,15 +118,15 @@ class Quorum:
         return self.steps[self.members.index(replica_id)]
 
     def heal_source(self, replica_id: str) -> str:
-        """The participant that sends its state to the healing member ``replica_id``."""
-        behind = [m for m, s in zip(self.members, self.steps, strict=True) if s < self.max_step]
+        """The participant that sends its state to the receiving member ``replica_id``."""
+        if self.syncs_first_state:
+            return self.members[0]
         participants = self.participants
-        return participants[behind.index(replica_id) % len(participants)]
+        return participants[self.receivers.index(replica_id) % len(participants)]
 
     def healers_of(self, source_id: str) -> list[str]:
         """The members that ``source_id`` sends its state to."""
-        behind = [m for m, s in zip(self.members, self.steps, strict=True) if s < self.max_step]
-        return [m for m in behind if self.heal_source(m) == source_id]
+        return [m for m in self.receivers if self.heal_source(m) == source_id]
 
     def to_json(self) -> str:
         """The decision as stored."""
@@ -113,6 +142,7 @@ class Quorum:
             members=tuple(str(m) for m in raw["members"]),
             steps=tuple(int(s) for s in raw["steps"]),
             registry_version=int(raw.get("registry_version", 0)),
+            init_sync=bool(raw.get("init_sync", False)),
         )
 
     def next_step(self) -> Quorum:
@@ -252,8 +282,10 @@ class _Round:
         join_timeout: timedelta,
         first_quorum_window: timedelta,
         previous: Quorum | None,
+        init_sync: bool = False,
     ) -> None:
         self.number = number
+        self._init_sync = init_sync
         self.decision_key = f"r{number}/decision"
         self.joined_at = time.monotonic()
         self._min_replicas = min_replicas
@@ -291,6 +323,7 @@ class _Round:
         proposal = dataclasses.replace(
             _decide(store, self.number, self.members, self._previous),
             registry_version=int(version),
+            init_sync=self._init_sync,
         ).to_json()
         # The first proposal wins; compare_set answers with the one that did.
         return bytes(store.compare_set(self.decision_key, "", proposal))
@@ -341,6 +374,7 @@ def compute_quorum(
     previous: Quorum | None = None,
     first_quorum_window: timedelta = timedelta(0),
     tick: float = ROUND_TICK_SECONDS,
+    init_sync: bool = False,
 ) -> Quorum:
     """Joins the current round and returns its decision (see the module doc).
 
@@ -361,6 +395,9 @@ def compute_quorum(
         first_quorum_window: The job's first round closes only once no replica has
             announced itself for this long (at most ``join_timeout`` after joining).
         tick: How often the ticker checks whether the round is due to close.
+        init_sync: Decide, when no member has committed a step, that every member but
+            the first heals from it (:attr:`Quorum.init_sync`). The replica that closes
+            the round decides, so every replica of a job should pass the same value.
 
     Raises:
         QuorumTimeoutError: no decision that includes this replica within ``timeout``.
@@ -375,6 +412,7 @@ def compute_quorum(
             join_timeout=join_timeout,
             first_quorum_window=first_quorum_window,
             previous=previous,
+            init_sync=init_sync,
         )
         decision = attempt.try_close(store, liveness)
         if decision is None:
