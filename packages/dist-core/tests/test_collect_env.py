@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed as dist
 
 from dist_core.backend import choose_backend, default_backend
 from dist_core.collect_env import collect, format_report, main
@@ -91,3 +94,38 @@ def test_nccl_and_gloo_choices_follow_their_documented_defaults() -> None:
     assert nccl_choice({"NCCL_SOCKET_IFNAME": "eth1"}, [lo, eth]) == "eth1 (NCCL_SOCKET_IFNAME)"
     assert gloo_choice({"GLOO_SOCKET_IFNAME": "eth0"}, [lo]) == "eth0 (GLOO_SOCKET_IFNAME)"
     assert "host name" in gloo_choice({}, [lo, eth])
+
+
+def _torch_at_least(major: int, minor: int) -> bool:
+    found = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+    return found >= (major, minor)
+
+
+def test_report_names_the_torch_version_and_what_differs_between_versions() -> None:
+    section = collect()["torch"]
+    assert section["version"] == torch.__version__
+    # torch 2.14 added ProcessGroup.reconfigure; looked up, not derived from the version.
+    assert section["reconfigurable_groups"] == _torch_at_least(2, 14)
+    if not dist.is_nccl_available():
+        assert section["nccl_means"] == "no NCCL in this torch"
+    elif not _torch_at_least(2, 14):
+        assert section["nccl_means"] == "nccl-legacy"  # nccl2 came with torch 2.14
+    else:
+        assert section["nccl_means"] in ("nccl2", "nccl-legacy")
+    assert "nccl_means:" in format_report(collect())
+
+
+@pytest.mark.skipif(
+    not (dist.is_nccl_available() and hasattr(dist, "ProcessGroupNCCL2")),
+    reason="this torch has no nccl2 backend (torch < 2.14, or built without NCCL)",
+)
+def test_nccl_means_nccl2_when_torch_dist_use_nccl2_says_so() -> None:
+    # torch reads the variable when it registers the backend: a fresh interpreter.
+    completed = subprocess.run(
+        [sys.executable, "-m", "dist_core", "--json"],
+        env={**os.environ, "TORCH_DIST_USE_NCCL2": "1"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert json.loads(completed.stdout)["torch"]["nccl_means"] == "nccl2"

@@ -25,6 +25,7 @@ from dist_core.devices import accelerator_type, cuda_device_count
 from dist_core.env import DistEnv
 from dist_core.errors import DistEnvError
 from dist_core.interfaces import gloo_choice, ipv4_interfaces, nccl_choice
+from dist_core.torch_features import has_reconfigurable_groups, nccl_backend_implementation
 
 HEADER = "Copy and paste everything below into your bug report (python -m dist_core):"
 _VARIABLE_PREFIXES = ("NCCL_", "TORCH_NCCL_", "GLOO_", "TORCH_DISTRIBUTED_", "TORCHELASTIC_")
@@ -33,6 +34,7 @@ _SINGLE_VARIABLES = (
     "OMP_NUM_THREADS",
     "CUDA_LAUNCH_BLOCKING",
     "PYTORCH_NVML_BASED_CUDA_CHECK",
+    "TORCH_DIST_USE_NCCL2",
 )
 _DRIVER_FILE = Path("/proc/driver/nvidia/version")
 _SHM = Path("/dev/shm")
@@ -130,13 +132,26 @@ def _devices() -> dict[str, Any]:
     return devices
 
 
+def _torch_features() -> dict[str, Any]:
+    """The torch version and what changes between the versions (see :mod:`torch_features`)."""
+    if not dist.is_nccl_available():
+        nccl = "no NCCL in this torch"
+    else:
+        nccl = nccl_backend_implementation() or "cannot tell"
+    return {
+        "version": torch.__version__,
+        "reconfigurable_groups": has_reconfigurable_groups(),
+        "nccl_means": nccl,
+    }
+
+
 def collect() -> dict[str, Any]:
     """Gathers the report as a JSON-ready dict.
 
     Reads every variable :meth:`DistEnv.from_environ` reads, ``TORCH_DISTRIBUTED_BACKEND``,
     ``CUDA_VISIBLE_DEVICES``, every ``NCCL_*``, ``TORCH_NCCL_*``, ``GLOO_*``,
-    ``TORCH_DISTRIBUTED_*`` and ``TORCHELASTIC_*`` variable, ``OMP_NUM_THREADS`` and
-    ``TORCH_CPP_LOG_LEVEL``.
+    ``TORCH_DISTRIBUTED_*`` and ``TORCHELASTIC_*`` variable, ``OMP_NUM_THREADS``,
+    ``TORCH_CPP_LOG_LEVEL``, and (through torch) ``TORCH_DIST_USE_NCCL2``.
     """
     report: dict[str, Any] = {}
     local_world_size: int | None = None
@@ -168,6 +183,7 @@ def collect() -> dict[str, Any]:
         "nccl_version": _nccl_version(),
         "mpi": dist.is_mpi_available(),
     }
+    report["torch"] = _torch_features()
     report["devices"] = _devices()
     interfaces = ipv4_interfaces()
     report["network"] = {
