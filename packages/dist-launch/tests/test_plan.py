@@ -23,7 +23,7 @@ def plan_of(argv: list[str], environ: dict[str, str] | None = None) -> LaunchPla
 
 
 def torchrun_options() -> list[str]:
-    """Every option string of torchrun's own parser (torch 2.13)."""
+    """Every option string of the installed torch's torchrun parser (CI: torch 2.11, 2.13, 2.14)."""
     from torch.distributed.run import get_args_parser
 
     strings: list[str] = []
@@ -224,3 +224,15 @@ def test_shutdown_timeout_is_the_grace_period(script: str) -> None:
 
 def test_fork_is_served_by_the_fork_server(script: str) -> None:
     assert plan_of(["--start-method", "fork", script]).start_method == "forkserver"
+
+
+def test_log_line_prefix_template_from_flag_pet_or_torchelastic(script: str) -> None:
+    flag = plan_of(["--log-line-prefix-template", "[${rank}]", script])
+    assert flag.routing.prefix_template == "[${rank}]"
+    pet = plan_of([script], {"PET_LOG_LINE_PREFIX_TEMPLATE": "<${local_rank}>"})
+    assert pet.routing.prefix_template == "<${local_rank}>"
+    elastic = plan_of([script], {"TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": "${hostname}: "})
+    assert elastic.routing.prefix_template == "${hostname}: "
+    assert plan_of([script]).routing.console_prefix(3, 1, "default", "h") == b"[rank3]: "
+    rendered = elastic.routing.console_prefix(3, 1, "trainer", "node7")
+    assert rendered == b"node7: "

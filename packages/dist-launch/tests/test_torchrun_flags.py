@@ -153,6 +153,42 @@ def test_redirects_keep_streams_off_the_console(tmp_path: Path, allreduce: Path)
     assert "sum=3" in (logs / "x" / "attempt_0" / "0" / "stdout.log").read_text()
 
 
+@pytest.mark.parametrize("source", ["flag", "PET_LOG_LINE_PREFIX_TEMPLATE", "TORCHELASTIC"])
+def test_log_line_prefix_template_as_torch_2_14_renders_it(
+    tmp_path: Path, allreduce: Path, source: str
+) -> None:
+    template = "${hostname}:${role_name}${local_rank}/${rank}|${unknown}:"
+    argv = ["--nproc-per-node", "2", "--role", "trainer", str(allreduce)]
+    env: dict[str, str] = {}
+    if source == "flag":
+        argv = ["--log-line-prefix-template", template, *argv]
+    elif source == "TORCHELASTIC":
+        env["TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"] = template
+    else:
+        env[source] = template
+    result = run(argv, tmp_path, env)
+    assert result.returncode == 0, result.stderr
+    host = socket.gethostname()
+    # Nothing added after the template, an unknown macro left as written (torch's
+    # safe_substitute); every console line of both streams carries it.
+    assert f"{host}:trainer1/1|${{unknown}}:rank=1 world=2 sum=3" in result.stdout
+    assert f"{host}:trainer0/0|${{unknown}}:err-of-0" in result.stderr
+    assert "[rank" not in result.stdout + result.stderr
+
+
+def test_print_completion_prints_a_script_or_names_shtab(tmp_path: Path) -> None:
+    import importlib.util
+
+    # No script: the flag acts while the line is parsed, as --help does.
+    result = run(["--print-completion", "bash"], tmp_path)
+    if importlib.util.find_spec("shtab") is None:
+        assert result.returncode == 2
+        assert "--print-completion bash: needs the optional 'shtab' package" in result.stderr
+    else:
+        assert result.returncode == 0, result.stderr
+        assert "dist-launch" in result.stdout and "--log-line-prefix-template" in result.stdout
+
+
 def test_no_python_runs_a_program(tmp_path: Path) -> None:
     result = run(["--no-python", "-n", "2", "sh", "-c", "echo rank $RANK of $WORLD_SIZE"], tmp_path)
     assert result.returncode == 0, result.stderr

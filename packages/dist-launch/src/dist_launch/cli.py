@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from dist_launch.launcher_log import configure_launcher_logging
 from dist_launch.plan import LaunchPlan, UsageError, build_plan
@@ -26,6 +27,33 @@ def _spellings(name: str) -> list[str]:
     dashed = "--" + name.replace("_", "-")
     underscored = "--" + name
     return [dashed] if dashed == underscored else [dashed, underscored]
+
+
+class _PrintCompletion(argparse.Action):
+    """``--print-completion SHELL``: prints the shell's completion script, then exits.
+
+    Acts while the line is parsed, as ``--help`` does, so no script is needed.
+    """
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: str | Sequence[Any] | None,
+        option_string: str | None = None,
+    ) -> None:
+        shell = str(values)
+        try:
+            import shtab  # noqa: PLC0415 - optional, and only this flag needs it
+        except ImportError:
+            parser.error(
+                f"{option_string} {shell}: needs the optional 'shtab' package "
+                "(pip install shtab), as torchrun's does"
+            )
+        if shell not in shtab.SUPPORTED_SHELLS:
+            parser.error(f"{option_string} {shell}: not one of {', '.join(shtab.SUPPORTED_SHELLS)}")
+        print(shtab.complete(parser, shell=shell))
+        parser.exit()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -146,6 +174,12 @@ def build_parser() -> argparse.ArgumentParser:
         "only these local ranks on the console, e.g. 0 or 0,2 (--log-dir still gets every rank)",
         metavar="RANKS",
     )
+    value(
+        "log_line_prefix_template",
+        "prefix of each console line, with ${rank}, ${local_rank}, ${role_name} and "
+        "${hostname} (default '[rank${rank}]: '; also TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE)",
+        metavar="TEMPLATE",
+    )
     value("duplicate_stdout_filters", "refused: use --log-dir and grep", metavar="F,...")
     value("duplicate_stderr_filters", "refused: use --log-dir and grep", metavar="F,...")
     # Static rendezvous (torch.distributed.launch's).
@@ -189,6 +223,13 @@ def build_parser() -> argparse.ArgumentParser:
     switch(
         "virtual_local_rank",
         "LOCAL_RANK=0 in every worker, each seeing only its own GPU through CUDA_VISIBLE_DEVICES",
+    )
+    parser.add_argument(
+        *_spellings("print_completion"),
+        action=_PrintCompletion,
+        metavar="SHELL",
+        help="print a completion script for SHELL (bash, zsh, ...: what shtab knows) and exit; "
+        "needs the optional shtab package, as torchrun's does",
     )
     # dist-launch's own.
     value(

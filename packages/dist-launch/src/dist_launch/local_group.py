@@ -12,6 +12,7 @@ import contextlib
 import os
 import selectors
 import shutil
+import socket
 import sys
 import tempfile
 import time
@@ -89,6 +90,8 @@ class LocalGroup:
         self.layout = layout
         self.run_dir = tempfile.mkdtemp(prefix="dist-launch-")
         self.files: dict[int, RankFiles] = {}
+        # The short name, as torchrun's ${hostname} (r12i0n8, not its FQDN).
+        self._hostname = socket.gethostname()
 
     def _open_logs(self, attempt: int) -> dict[tuple[int, str], BinaryIO]:
         """Each (local rank, stream) that goes to a file, opened in the attempt's directory."""
@@ -181,7 +184,7 @@ class LocalGroup:
         logs: dict[tuple[int, str], BinaryIO],
     ) -> list[LineRelay]:
         """A relay per stream, registered on the selector, routed as the flags say."""
-        prefix = f"[rank{rank}]: ".encode()
+        prefix = self.routing.console_prefix(rank, local_rank, self.plan.role, self._hostname)
         relays = []
         streams: tuple[tuple[int, Stream, BinaryIO], ...] = (
             (out_fd, "stdout", sys.stdout.buffer),

@@ -249,7 +249,8 @@ def build_plan(
             on the command line.
         environ: The environment to read (``os.environ`` by default): ``PET_<FLAG>``
             for every flag, the SLURM variables of :func:`_slurm_defaults`, and
-            ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` as torchrun does.
+            ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` and
+            ``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE`` as torchrun does.
 
     Raises:
         UsageError: A value is malformed or out of range, or a flag cannot be honoured;
@@ -403,6 +404,8 @@ def build_plan(
             get("tee", "0") or "0",
             parse_local_ranks_filter(get("local_ranks_filter", "") or ""),
             has_log_dir=log_dir is not None,
+            prefix_template=get("log_line_prefix_template")
+            or env.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"),
         )
     except ValueError as error:
         raise UsageError(str(error)) from None

@@ -22,12 +22,20 @@ Our choices where torchrun's behaviour is not a contract:
   single digits only, so every value torchrun accepts is accepted with its meaning.
 - ``--local-ranks-filter`` refuses negative ranks (torchrun takes them and shows
   nothing for them).
+- Every console line carries a prefix, ``[rank<global rank>]: `` unless
+  ``--log-line-prefix-template`` (torch 2.14's flag; also read from
+  ``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE``, as torchrun does) says otherwise. torchrun
+  prefixes only tee'd streams, with ``[${role_name}${local_rank}]:``; here the
+  template applies to every console line, rendered as torchrun renders it (macros
+  ``${role_name}``, ``${local_rank}``, ``${rank}``, ``${hostname}``, an unknown one
+  left as written, nothing added after it). Log files never get a prefix.
 """
 
 from __future__ import annotations
 
 import enum
 import re
+import string
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal
@@ -113,6 +121,9 @@ class Destinations:
     file: bool
 
 
+DEFAULT_PREFIX_TEMPLATE = "[rank${rank}]: "
+
+
 @dataclass(frozen=True)
 class OutputRouting:
     """The destinations of every local rank's streams, from torchrun's output flags."""
@@ -121,6 +132,7 @@ class OutputRouting:
     tee: StreamSetting = field(default_factory=StreamSetting)
     local_ranks_filter: frozenset[int] | None = None
     has_log_dir: bool = False
+    prefix_template: str = DEFAULT_PREFIX_TEMPLATE
 
     @classmethod
     def for_flags(
@@ -129,6 +141,7 @@ class OutputRouting:
         tee: str = "0",
         local_ranks_filter: set[int] | None = None,
         has_log_dir: bool = False,
+        prefix_template: str | None = None,
     ) -> OutputRouting:
         """Parses ``-r``/``-t`` as given on the command line (see the module docstring).
 
@@ -138,6 +151,8 @@ class OutputRouting:
             local_ranks_filter: The parsed ``--local-ranks-filter`` (see
                 :func:`parse_local_ranks_filter`), None to show every rank.
             has_log_dir: Whether ``--log-dir`` was given.
+            prefix_template: The ``--log-line-prefix-template`` value, None (or empty)
+                for ``[rank<r>]: ``.
 
         Raises:
             ValueError: A value does not parse; the message names the flag.
@@ -149,7 +164,15 @@ class OutputRouting:
             if local_ranks_filter is None
             else frozenset(local_ranks_filter),
             has_log_dir=has_log_dir,
+            prefix_template=prefix_template or DEFAULT_PREFIX_TEMPLATE,
         )
+
+    def console_prefix(self, rank: int, local_rank: int, role: str, hostname: str) -> bytes:
+        """The prefix of each console line of this rank (see the module docstring)."""
+        rendered = string.Template(self.prefix_template).safe_substitute(
+            role_name=role, local_rank=local_rank, rank=rank, hostname=hostname
+        )
+        return rendered.encode()
 
     def route(self, local_rank: int, stream: Stream) -> Destinations:
         """Where ``stream`` of ``local_rank`` goes."""
