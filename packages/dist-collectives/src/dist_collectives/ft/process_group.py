@@ -248,11 +248,16 @@ KNOWN_COLLECTIVES = (
     "_end_coalescing",
 )
 
+# Operations of torch's ProcessGroup that return a Work but manage the group instead
+# of moving data: torch 2.14's in-place ``reconfigure``. These groups are rebuilt by
+# ``configure``, so it is refused by name rather than forwarded to one configuration.
+GROUP_MANAGEMENT = ("reconfigure",)
+
 _RETURNS_WORK = re.compile(r"->\s*\S*Work\b")
 
 
 def torch_collectives() -> tuple[str, ...]:
-    """The names of the operations of torch's ``ProcessGroup`` that return a Work.
+    """The names of the collectives of torch's ``ProcessGroup`` (operations returning a Work).
 
     Read from the signatures torch's bindings document, so a collective that a newer
     torch adds is forwarded (or refused by name) without a change here; the known ones
@@ -264,7 +269,8 @@ def torch_collectives() -> tuple[str, ...]:
             continue
         if _RETURNS_WORK.search(getattr(member, "__doc__", None) or ""):
             declared.append(name)
-    return KNOWN_COLLECTIVES + tuple(sorted(set(declared) - set(KNOWN_COLLECTIVES)))
+    added = set(declared) - set(KNOWN_COLLECTIVES) - set(GROUP_MANAGEMENT)
+    return KNOWN_COLLECTIVES + tuple(sorted(added))
 
 
 OPERATIONS = torch_collectives()
@@ -288,6 +294,24 @@ def _unsupported(operation: str) -> Any:
 # base, which has no backend ("No backend type associated with device type cpu").
 for _operation in OPERATIONS:
     setattr(ProcessGroup, _operation, _unsupported(_operation))
+
+
+def _reconfigure(self: ProcessGroup, *args: Any, **kwargs: Any) -> dist.Work:
+    """Refused: torch 2.14's in-place reconfiguration; these groups use :meth:`configure`."""
+    raise UnsupportedOperationError(
+        f"{refuse(self, 'reconfigure')}: torch's in-place reconfiguration does not apply; "
+        "call configure(store_addr, rank, world_size) with a new store prefix instead"
+    )
+
+
+def _supports_reconfigure(self: ProcessGroup) -> bool:
+    """False: torch 2.14's ``reconfigure`` is refused (see :meth:`configure`)."""
+    return False
+
+
+# setattr: torch before 2.14 declares neither, so its stubs know neither.
+setattr(ProcessGroup, "reconfigure", _reconfigure)  # noqa: B010
+setattr(ProcessGroup, "supports_reconfigure", property(_supports_reconfigure))  # noqa: B010
 
 
 @dataclasses.dataclass(frozen=True)
