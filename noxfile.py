@@ -1,7 +1,8 @@
 """Every session of the dist-* monorepo.
 
-Plain ``nox`` runs the default sessions (tests of every package, integration, lint,
-typecheck, docs, demo); ``nox -s bench`` runs the benchmarks.
+Plain ``nox`` runs the default sessions (tests of every package, integration, the
+suites again on torch 2.14 and 2.11, lint, typecheck, docs, demo); ``nox -s bench``
+runs the benchmarks.
 
 Every venv is made with pip, and torch is pinned to ``TORCH_SPEC`` before anything
 else is installed: on the project's machines that version is a local CPU build that
@@ -26,10 +27,15 @@ import nox
 ROOT = Path(__file__).resolve().parent
 PACKAGES_DIR = ROOT / "packages"
 TORCH_SPEC = os.environ.get("DIST_TORCH_SPEC", "torch==2.13.0")
+# The other torch versions CI tests, each in one venv holding all four packages: the
+# newest release, and the lowest version every package declares (``torch>=2.11``).
+# Both are CUDA builds that run on the CPU; on the project's machines they install from
+# the package registry (about 4 GB each, a minute or two).
+OTHER_TORCH_SPECS = {"2.14": "torch==2.14.1", "2.11": "torch==2.11.0"}
 
 nox.options.default_venv_backend = "virtualenv"
 nox.options.error_on_missing_interpreters = True
-nox.options.sessions = ["tests", "integration", "lint", "typecheck", "docs", "demo"]
+nox.options.sessions = ["tests", "integration", "torch", "lint", "typecheck", "docs", "demo"]
 
 
 def _discover_packages() -> list[str]:
@@ -72,9 +78,11 @@ def _sibling_closure(package: str) -> list[str]:
     return seen
 
 
-def _install_packages(session: nox.Session, packages: list[str], extras: str = "") -> None:
+def _install_packages(
+    session: nox.Session, packages: list[str], extras: str = "", torch_spec: str = TORCH_SPEC
+) -> None:
     """Installs torch first (pinned), then the packages, non-editable, from this repo."""
-    session.install(TORCH_SPEC)
+    session.install(torch_spec)
     targets = []
     for package in packages:
         closure = _sibling_closure(package)
@@ -151,6 +159,23 @@ def integration(session: nox.Session) -> None:
     _install_packages(session, PACKAGES, extras="")
     session.install("pytest>=8", "pytest-timeout>=2")
     session.run("pytest", str(ROOT / "tests-integration"), *session.posargs)
+
+
+@nox.session(name="torch")
+@nox.parametrize("version", list(OTHER_TORCH_SPECS), ids=list(OTHER_TORCH_SPECS))
+def other_torch(session: nox.Session, version: str) -> None:
+    """Every package's tests and tests-integration on another torch, in one venv.
+
+    ``nox -s "torch(2.14)"`` runs them on the newest torch, ``nox -s "torch(2.11)"`` on
+    the lowest one the packages declare. One venv for all four packages, so that torch
+    installs once per session.
+    """
+    _install_packages(session, PACKAGES, extras="[test]", torch_spec=OTHER_TORCH_SPECS[version])
+    session.run("python", "-m", "dist_core")  # its report names the torch it runs on
+    env = {"PYTHONDONTWRITEBYTECODE": "1"}
+    for package in PACKAGES:
+        session.run("pytest", str(PACKAGES_DIR / package / "tests"), *session.posargs, env=env)
+    session.run("pytest", str(ROOT / "tests-integration"), *session.posargs, env=env)
 
 
 @nox.session
