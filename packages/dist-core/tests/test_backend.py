@@ -98,10 +98,22 @@ def test_set_dist_writes_environment_and_validates(monkeypatch: pytest.MonkeyPat
         dist_core.set_dist(5, 1, 4, 2, "h", 1, "env://")
 
 
+def _next_port() -> int:
+    """A free port chosen by rank 0 and sent to all through the current group.
+
+    Each group gets a port of its own: a rank that connects to the port of the group
+    its peer is tearing down may reach the closing store (torch: "Failed to recv, got
+    0 bytes"), seen once in CI.
+    """
+    chosen = [dist_core.get_unused_port() if dist.get_rank() == 0 else 0]
+    dist.broadcast_object_list(chosen, src=0)
+    return int(chosen[0])
+
+
 def _init_destroy_twice() -> list[int]:
     """Destroys run_ranks' group, then initializes and destroys two more in a row."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    port = int(os.environ["MASTER_PORT"])
+    port = _next_port()
     dist_core.destroy_dist()
     dist_core.destroy_dist()  # harmless without a group
     sums = []
@@ -110,8 +122,10 @@ def _init_destroy_twice() -> list[int]:
         value = torch.tensor([rank + 1.0])
         dist.all_reduce(value)
         sums.append(int(value.item()))
+        port = _next_port()
         dist_core.destroy_dist()
         assert not dist_core.is_initialized()
+    os.environ["MASTER_PORT"] = str(port)
     dist_core.init_process_group_from_backend("gloo")  # leave a group for run_ranks
     return sums
 

@@ -258,48 +258,57 @@ def test_a_model_directory_with_other_files_is_never_replaced(
     assert os.listdir(empty) == ["model.safetensors"]
 
 
-def test_merge_streams_with_bounded_memory(tmp_path: Path) -> None:
-    """Peak RSS of a merge stays far below the data (128 MiB in, 256 MiB out, 2 MiB chunks).
-
-    What it grows by (13-43 MiB here, one thread) is the allocator's and torch's, not the data's: it
-    does not grow with the data (measured at 16 and 128 MiB in).
+_PEAK_GROWTH_OF_A_MERGE = textwrap.dedent(
     """
-    workspace = NFSWorkspace(tmp_path / "ws", durable=False)
+    import sys
+    from pathlib import Path
+    import torch
+    import dist_workspace.merge as merge
+
+    def status(key):
+        for line in open("/proc/self/status"):
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+
+    merge._CHUNK_BYTES = 2 * 2**20
+    torch.set_num_threads(1)
+    with open("/proc/self/clear_refs", "w") as handle:
+        handle.write("5")  # resets the peak (VmHWM) to the current RSS
+    before = status("VmRSS")
+    merge.merge_workspace(Path(sys.argv[1]), Path(sys.argv[2]), dtype=torch.float32,
+                          max_shard_size=80 * 2**20)
+    print(status("VmHWM") - before)
+    """
+)
+
+
+def _peak_growth_of_a_merge(where: Path, elements_per_rank: int) -> int:
+    """Peak RSS growth of merging 4 ranks' bf16 weights into float32, in a fresh process."""
+    workspace = NFSWorkspace(where / "ws", durable=False)
     for rank in range(4):
-        weights = {f"w{rank}": torch.full((16 * 2**20,), float(rank), dtype=torch.bfloat16)}
+        weights = {f"w{rank}": torch.full((elements_per_rank,), float(rank), dtype=torch.bfloat16)}
         workspace.write_configs_and_weights({}, weights, rank=rank)
-    script = textwrap.dedent(
-        """
-        import sys
-        from pathlib import Path
-        import torch
-        import dist_workspace.merge as merge
-
-        def status(key):
-            for line in open("/proc/self/status"):
-                if line.startswith(key + ":"):
-                    return int(line.split()[1]) * 1024
-
-        merge._CHUNK_BYTES = 2 * 2**20
-        torch.set_num_threads(1)
-        with open("/proc/self/clear_refs", "w") as handle:
-            handle.write("5")  # resets the peak (VmHWM) to the current RSS
-        before = status("VmRSS")
-        merge.merge_workspace(Path(sys.argv[1]), Path(sys.argv[2]), dtype=torch.float32,
-                              max_shard_size=80 * 2**20)
-        print(status("VmHWM") - before)
-        """
-    )
     done = subprocess.run(
-        [sys.executable, "-c", script, str(tmp_path / "ws"), str(tmp_path / "out")],
+        [sys.executable, "-c", _PEAK_GROWTH_OF_A_MERGE, str(where / "ws"), str(where / "out")],
         capture_output=True,
         text=True,
         timeout=300,
         check=False,
     )
     assert done.returncode == 0, done.stderr
-    growth = int(done.stdout.strip())
-    assert growth < 64 * 2**20, f"peak RSS grew by {growth} bytes merging 128 MiB into 256 MiB"
+    return int(done.stdout.strip())
+
+
+def test_merge_streams_with_bounded_memory(tmp_path: Path) -> None:
+    """The peak RSS of a merge stays far below the data: 512 MiB in, 1 GiB out.
+
+    What it grows by at all is the allocator's and torch's, 13-75 MiB whatever the data
+    (seen with 128 MiB in, on torch 2.13's CPU build and 2.14's CUDA build), and that
+    noise is why the data is large: a merge that held even a third of its input would
+    fail the bound.
+    """
+    growth = _peak_growth_of_a_merge(tmp_path, 64 * 2**20)
+    assert growth < 160 * 2**20, f"peak RSS grew by {growth} bytes merging 512 MiB into 1 GiB"
     loaded = _load_hf_directory(tmp_path / "out")
     assert loaded["w3"].dtype == torch.float32 and bool((loaded["w3"] == 3).all())
 
