@@ -450,11 +450,27 @@ class ProcessGroupBaby(ProcessGroup):
     def _stop_child(self, reason: BabyProcessError) -> None:
         with self._lock:
             state, self._child_state = self._child_state, None
-        if state is not None:
-            self._retire(state, reason, record=False)
+            reader, self._reader = self._reader, None
+        if state is None:
+            return
+        self._retire(state, reason, record=False, close=False)
+        # The reader ends on the dead child's EOF; its connection is closed only then.
+        # Closed under a reader still polling or reading it, the descriptor could be
+        # reused by the next child's pipe (configure makes one right after) and the old
+        # reader could take that child's bytes.
+        if reader is not None and reader is not threading.current_thread():
+            reader.join(_STOP_SECONDS)
+        with contextlib.suppress(OSError):
+            state.conn.close()
 
-    def _retire(self, state: _Child, reason: BabyProcessError, *, record: bool = True) -> None:
-        """Ends ``state``'s child (once), fails its pending work, releases what it held."""
+    def _retire(
+        self, state: _Child, reason: BabyProcessError, *, record: bool = True, close: bool = True
+    ) -> None:
+        """Ends ``state``'s child (once), fails its pending work, releases what it held.
+
+        Closes its connection too, unless ``close`` is False (the caller closes it once
+        the reader has ended).
+        """
         with self._lock:
             if state.gone is not None:
                 return
@@ -468,8 +484,9 @@ class ProcessGroupBaby(ProcessGroup):
         if state.process.is_alive():
             state.process.kill()
         state.process.join(_STOP_SECONDS)
-        with contextlib.suppress(OSError):
-            state.conn.close()
+        if close:
+            with contextlib.suppress(OSError):
+                state.conn.close()
         for op in pending.values():
             with contextlib.suppress(RuntimeError):  # completed meanwhile
                 op.future.set_exception(reason)
