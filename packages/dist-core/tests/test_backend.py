@@ -105,9 +105,10 @@ def _next_port() -> int:
     its peer is tearing down may reach the closing store (torch: "Failed to recv, got
     0 bytes"), seen once in CI.
     """
-    chosen = [dist_core.get_unused_port() if dist.get_rank() == 0 else 0]
-    dist.broadcast_object_list(chosen, src=0)
-    return int(chosen[0])
+    # A tensor, not broadcast_object_list: that needs numpy, which dist-core does not.
+    chosen = torch.tensor([dist_core.get_unused_port() if dist.get_rank() == 0 else 0])
+    dist.broadcast(chosen, src=0)
+    return int(chosen.item())
 
 
 def _init_destroy_twice() -> list[int]:
