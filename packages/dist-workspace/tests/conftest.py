@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,3 +32,20 @@ def any_dir(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Path]:
         pytest.skip("this machine has no /dev/shm")
     with tempfile.TemporaryDirectory(dir=shm, prefix="dist-workspace-test-") as name:
         yield Path(name)
+
+
+@pytest.fixture
+def private_shm_dir() -> Iterator[None]:
+    """Segments of these tests in a directory of their own on /dev/shm.
+
+    Other jobs of this user (another test run on the machine) may hold segments in
+    /dev/shm at any moment; counting ours there would count theirs.
+    """
+    if not Path("/dev/shm").is_dir():
+        pytest.skip("this machine has no /dev/shm")
+    directory = tempfile.mkdtemp(dir="/dev/shm", prefix="dist-workspace-test-")
+    os.environ["DIST_WORKSPACE_SHM_DIR"] = directory  # the ranks inherit it
+    try:
+        yield
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,22 +12,7 @@ import torch
 from dist_core.testing import run_ranks
 from dist_workspace import WorkspaceError, get_configs_parallel, get_tensors_parallel
 
-
-@pytest.fixture(autouse=True)
-def _private_shm_dir() -> Iterator[None]:
-    """Segments of these tests in a directory of their own on /dev/shm.
-
-    Other jobs of this user (another test run on the machine) may hold segments in
-    /dev/shm at any moment; counting ours there would count theirs.
-    """
-    if not Path("/dev/shm").is_dir():
-        pytest.skip("this machine has no /dev/shm")
-    directory = tempfile.mkdtemp(dir="/dev/shm", prefix="dist-workspace-test-")
-    os.environ["DIST_WORKSPACE_SHM_DIR"] = directory  # the ranks inherit it
-    try:
-        yield
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
+pytestmark = pytest.mark.usefixtures("private_shm_dir")
 
 
 def _own_segments() -> list[str]:
@@ -303,3 +285,57 @@ def test_the_receiver_maps_the_senders_segments_instead_of_copying() -> None:
         assert f"/dist-workspace.{os.getuid()}." in path and f".r{rank}." in path, path
     assert "dist-workspace." not in result["own"]  # its own value is a private copy
     assert _own_segments() == []
+
+
+def _a_sender_late_for_a_call_the_receiver_gave_up() -> list[str]:
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    outcomes = []
+    if rank == 0:  # gives up on call 0 before rank 1 comes
+        outcomes.append(_catch(lambda: _exchange_once(rank, timeout=1)))
+        dist.barrier()
+    else:  # comes to call 0 only after the receiver gave up on it
+        dist.barrier()
+        outcomes.append(_catch(lambda: _exchange_once(rank, timeout=60)))
+    # Call 1: the receiver finds rank 1's status of call 0 first in its queue.
+    outcomes.append(_catch(lambda: _exchange_once(rank, timeout=60)))
+    return outcomes
+
+
+def _exchange_once(rank: int, timeout: float) -> None:
+    with get_tensors_parallel(torch.full((3,), float(rank)), [0, 1], timeout=timeout) as tensors:
+        if tensors:
+            assert [t.tolist() for t in tensors] == [[0.0] * 3, [1.0] * 3]
+
+
+def test_a_late_senders_message_is_dropped_by_the_next_call() -> None:
+    receiver, sender = run_ranks(_a_sender_late_for_a_call_the_receiver_gave_up, 2, timeout=120)
+    assert "rank(s) [1] never wrote" in receiver[0]
+    # The late sender is told at once (the receiver's verdict waits in its queue).
+    assert "failed on receiver rank 0" in sender[0] and "never wrote" in sender[0]
+    assert receiver[1] == sender[1] == "no error"
+    assert _own_segments() == []
+
+
+def _keys_in_the_store_after(calls: list[int]) -> list[int]:
+    import torch.distributed as dist
+
+    store = dist.distributed_c10d._get_default_store()
+    rank = dist.get_rank()
+    counts = []
+    for call in range(max(calls) + 1):
+        with get_tensors_parallel(torch.full((4,), float(rank)), [0, 1, 2]):
+            pass
+        with get_configs_parallel({"call": call}, [2, 0, 1], None):
+            pass
+        if call in calls:
+            dist.barrier()  # every rank's deletes of the call before are done
+            counts.append(int(store.num_keys()))
+            dist.barrier()
+    return counts
+
+
+def test_calls_leave_no_growing_trail_of_keys_in_the_store() -> None:
+    counts = run_ranks(_keys_in_the_store_after, 3, [3, 40], timeout=120)[0]
+    assert counts[0] == counts[1], counts

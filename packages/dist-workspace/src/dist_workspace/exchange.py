@@ -10,18 +10,24 @@ Protocol (every wait bounded by ``timeout``):
    store: what the transport needs to find the record (a segment's name and size),
    shape and dtype, host, ``ranks`` and, when anything failed (a config that is not
    JSON, a full /dev/shm, ...), the error instead.
-2. The receiver waits for every status. A missing one after ``timeout`` raises naming
-   the ranks that never wrote; an error status raises at once naming its rank. It
-   checks the statuses (same ``ranks``, same host when the transport needs one, same
-   shape and dtype for tensors), maps or reads every record, then posts a verdict:
-   success, or the error that every sender raises too (so no rank is left at a
-   barrier).
+2. The receiver waits for every status at once. A missing one after ``timeout``
+   raises naming the ranks that never wrote; an error status raises naming its rank
+   (as soon as every sender has posted, else at the timeout). It checks the statuses
+   (same ``ranks``, same host when the transport needs one, same shape and dtype for
+   tensors), maps or reads every record, then posts a verdict: success, or the error
+   that every sender raises too (so no rank is left at a barrier).
 3. Senders wait for the verdict, release what they wrote (a segment is unlinked: the
    receiver's private mapping keeps the data alive) and get an empty list.
 
 The store is the default process group's (a private torch API,
 ``_get_default_store``, present since torch 1.x), so no object collective, and no
-pickle, is involved; ``group`` decides who may take part and namespaces the keys.
+pickle, is involved; ``group`` decides who may take part and, with the ``ranks``
+list and the call's number among the calls with them, names the keys. What a call
+costs in store round trips: a sender posts (a ``set``, which waits for no reply),
+deletes its two keys of its previous call while the receiver works, and waits for
+its verdict (one read, through :mod:`dist_workspace.store_reader`); the receiver
+waits for the statuses, reads them in one ``multi_get`` and posts the verdicts. The
+job id is agreed once per store.
 
 Values given to the receiver from shared memory are zero-copy, copy-on-write
 mappings of the writers' segments (nothing is copied or pre-faulted: the page tables
@@ -55,6 +61,7 @@ import torch.distributed as dist
 from dist_workspace.errors import WorkspaceError
 from dist_workspace.jobid import current_job_id, short_tag
 from dist_workspace.own_value import own_config, own_tensor
+from dist_workspace.store_reader import StoreReader, reader_for
 from dist_workspace.transport import CallId, Parcel, Transport, open_transport
 
 logger = logging.getLogger(__name__)
@@ -81,13 +88,15 @@ def _host_id() -> str:
 
 @dataclasses.dataclass
 class _Exchange:
-    """One call: who takes part, where its keys live, how long to wait, the transport."""
+    """One call: who takes part, its number, its queues, how long to wait, the transport."""
 
     kind: str
     rank: int
     ranks: list[int]
     store: Any
-    prefix: str
+    reader: StoreReader
+    prefix: str  # of the keys of the calls with these ranks and group
+    seq: int  # this call's number among them
     timeout: float
     transport: Transport
 
@@ -99,8 +108,12 @@ class _Exchange:
     def senders(self) -> list[int]:
         return self.ranks[1:]
 
-    def key(self, name: str) -> str:
-        return f"{self.prefix}/{name}"
+    def key(self, name: str, seq: int | None = None) -> str:
+        """A key of this call (or of call number ``seq`` of these ranks)."""
+        return f"{self.prefix}/{self.seq if seq is None else seq}/{name}"
+
+    def status_keys(self) -> list[str]:
+        return [self.key(f"status/{sender}") for sender in self.senders]
 
 
 def _check_ranks(given: Any, rank: int, group_ranks: list[int], what: str) -> list[int]:
@@ -161,7 +174,9 @@ def _start(
         rank=rank,
         ranks=checked,
         store=store,
-        prefix=f"dist_workspace/{job}/{group_tag}/{ranks_tag}/{seq}",
+        reader=reader_for(store),
+        prefix=f"dist_workspace/{job}/{group_tag}/{ranks_tag}",
+        seq=seq,
         timeout=seconds,
         transport=open_transport(workspace_path, call),
     )
@@ -172,22 +187,28 @@ def _error_text(error: BaseException) -> str:
 
 
 def _post(exchange: _Exchange, name: str, value: dict[str, Any]) -> None:
+    # A set waits for no reply from the store's server: posting costs no round trip.
     exchange.store.set(exchange.key(name), json.dumps(value))
 
 
-def _get(exchange: _Exchange, name: str) -> dict[str, Any]:
-    raw = exchange.store.get(exchange.key(name))
+def _forget_previous_call(exchange: _Exchange) -> None:
+    """Deletes this sender's keys of its previous call with these ranks.
+
+    The receiver read that status before it posted the verdict, and this sender read
+    the verdict. Deleted here, after this call's status is posted, so that the deletes
+    fall in the time the sender waits for the receiver anyway; only the last call's
+    keys stay in the store.
+    """
+    if exchange.seq == 0:
+        return
+    for name in (f"status/{exchange.rank}", f"verdict/{exchange.rank}"):
+        with contextlib.suppress(RuntimeError):
+            exchange.store.delete_key(exchange.key(name, exchange.seq - 1))
+
+
+def _decoded(raw: bytes | str) -> dict[str, Any]:
     value: dict[str, Any] = json.loads(raw.decode() if isinstance(raw, bytes) else raw)
     return value
-
-
-def _wait_key(exchange: _Exchange, name: str, seconds: float) -> bool:
-    """Waits up to ``seconds`` for a key; False when it did not appear."""
-    try:
-        exchange.store.wait([exchange.key(name)], timedelta(seconds=max(seconds, 0.001)))
-    except RuntimeError:  # DistStoreError on timeout
-        return bool(exchange.store.check([exchange.key(name)]))
-    return True
 
 
 # ---------------------------------------------------------------- sender
@@ -206,11 +227,9 @@ def _send(exchange: _Exchange, weights: dict[str, torch.Tensor], config: Any) ->
                 status.update(shape=list(tensor.shape), dtype=str(tensor.dtype))
         except BaseException as error:
             _post(exchange, f"status/{exchange.rank}", {"ok": False, "error": _error_text(error)})
-            _post(exchange, "arrived", {"failed": exchange.rank})
             raise
         _post(exchange, f"status/{exchange.rank}", status)
-        if exchange.store.add(exchange.key("count"), 1) == len(exchange.senders):
-            _post(exchange, "arrived", {})
+        _forget_previous_call(exchange)
         _await_verdict(exchange)
     finally:
         if parcel is not None:
@@ -222,22 +241,18 @@ def _await_verdict(exchange: _Exchange) -> None:
     # The receiver waits up to the timeout for the slowest sender, then reads: a
     # sender allows it that plus a margin before declaring it gone.
     patience = exchange.timeout + _VERDICT_MARGIN_SECONDS
-    if not _wait_key(exchange, "verdict", patience):
+    raw = exchange.reader.get(exchange.key(f"verdict/{exchange.rank}"), patience)
+    if raw is None:
         raise WorkspaceError(
             f"rank {exchange.rank}: {exchange.kind} timed out after {patience:g} s "
             f"waiting for receiver rank {receiver} to read the values (did rank {receiver} "
             f"call {exchange.kind} with ranks={exchange.ranks}?)"
         )
-    verdict = _get(exchange, "verdict")
-    acknowledged = exchange.store.add(exchange.key("acks"), 1)
-    if acknowledged == len(exchange.senders):  # the last sender to read it cleans up
-        for name in ("verdict", "acks"):
-            with contextlib.suppress(RuntimeError):
-                exchange.store.delete_key(exchange.key(name))
-    if not verdict["ok"]:
+    verdict = _decoded(raw)
+    if not verdict.get("ok"):
         raise WorkspaceError(
             f"rank {exchange.rank}: {exchange.kind} failed on receiver rank {receiver}: "
-            f"{verdict['error']}"
+            f"{verdict.get('error')}"
         )
 
 
@@ -245,34 +260,33 @@ def _await_verdict(exchange: _Exchange) -> None:
 
 
 def _collect_statuses(exchange: _Exchange) -> dict[int, dict[str, Any]]:
-    # One wait on one key, set by the last sender to arrive or by any sender that
-    # fails: a failure is seen at once, and no polling loop hits the store.
-    arrived = _wait_key(exchange, "arrived", exchange.timeout)
-    statuses: dict[int, dict[str, Any]] = {}
-    missing = []
-    for sender in exchange.senders:
-        if not exchange.store.check([exchange.key(f"status/{sender}")]):
-            missing.append(sender)
-            continue
-        status = _get(exchange, f"status/{sender}")
-        with contextlib.suppress(RuntimeError):
-            exchange.store.delete_key(exchange.key(f"status/{sender}"))
+    # One wait for every sender's status, then one read of them all. A failed sender
+    # posts its error as its status: it is raised once every sender has posted, or at
+    # the timeout beside the ranks that never did.
+    keys = exchange.status_keys()
+    try:
+        exchange.store.wait(keys, timedelta(seconds=max(exchange.timeout, 0.001)))
+        arrived = list(exchange.senders)
+    except RuntimeError:  # DistStoreError on timeout
+        arrived = [
+            r for r, k in zip(exchange.senders, keys, strict=True) if exchange.store.check([k])
+        ]
+    present = [exchange.key(f"status/{sender}") for sender in arrived]
+    values = exchange.store.multi_get(present) if present else []
+    statuses = {sender: _decoded(raw) for sender, raw in zip(arrived, values, strict=True)}
+    for sender, status in statuses.items():
         if not status.get("ok"):
             raise WorkspaceError(
                 f"{exchange.kind}: rank {sender} failed to write its value: {status.get('error')}"
             )
-        statuses[sender] = status
+    missing = [r for r in exchange.senders if r not in statuses]
     if missing:
-        when = "" if arrived else f" timed out after {exchange.timeout:g} s:"
         raise WorkspaceError(
-            f"{exchange.kind}: receiver rank {exchange.rank}{when} rank(s) {missing} never "
-            f"wrote their value (ranks {sorted(statuses)} did). Did they call "
-            f"{exchange.kind} with ranks={exchange.ranks}? Set DIST_WORKSPACE_TIMEOUT for "
-            "slower ranks"
+            f"{exchange.kind}: receiver rank {exchange.rank} timed out after "
+            f"{exchange.timeout:g} s: rank(s) {missing} never wrote their value (ranks "
+            f"{sorted(statuses)} did). Did they call {exchange.kind} with "
+            f"ranks={exchange.ranks}? Set DIST_WORKSPACE_TIMEOUT for slower ranks"
         )
-    for name in ("arrived", "count"):
-        with contextlib.suppress(RuntimeError):
-            exchange.store.delete_key(exchange.key(name))
     return statuses
 
 
@@ -308,6 +322,11 @@ def _check_statuses(
             )
 
 
+def _post_verdict(exchange: _Exchange, verdict: dict[str, Any]) -> None:
+    for sender in exchange.senders:
+        _post(exchange, f"verdict/{sender}", verdict)
+
+
 def _receive(
     exchange: _Exchange,
     own_value: Callable[[], tuple[Any, dict[str, torch.Tensor]]],
@@ -323,11 +342,11 @@ def _receive(
         ]
     except BaseException as error:
         with contextlib.suppress(Exception):
-            _post(exchange, "verdict", {"ok": False, "error": _error_text(error)})
+            _post_verdict(exchange, {"ok": False, "error": _error_text(error)})
         raise
     finally:
         exchange.transport.close()
-    _post(exchange, "verdict", {"ok": True})
+    _post_verdict(exchange, {"ok": True})
     return values
 
 
