@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -53,18 +54,24 @@ def test_segment_is_private_exclusive_and_reader_does_not_unlink() -> None:
 
 _CHILD = textwrap.dedent(
     """
-    import sys
+    import os, sys
     from dist_workspace.shm import create_segment
-    segment = create_segment(1 << 20, job="0123456789ab", group="cafe", seq=0, rank=1)
+    size, filled = int(sys.argv[1]), sys.argv[2] == "filled"
+    segment = create_segment(size, job="0123456789ab", group="cafe", seq=0, rank=1)
+    if filled:
+        os.pwrite(segment.fd, b"x" * size, 0)
     print(segment.name, flush=True)
     sys.stdin.read()  # holds the segment until killed
     """
 )
 
 
-def _killed_job_segment() -> Path:
+def _killed_job_segment(size: int = 1 << 20, *, filled: bool = False) -> Path:
     child = subprocess.Popen(
-        [sys.executable, "-c", _CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", _CHILD, str(size), "filled" if filled else "sparse"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     assert child.stdout is not None
     name = child.stdout.readline().strip()
@@ -85,11 +92,46 @@ def test_clean_removes_segments_of_killed_jobs() -> None:
     assert not path.exists()
 
 
-def test_next_creation_removes_segments_of_killed_jobs() -> None:
+def test_a_process_first_creation_removes_segments_of_killed_jobs() -> None:
     path = _killed_job_segment()
-    segment = create_segment(64, job="abc", group="def", seq=2, rank=0)
-    segment.unlink()
+    script = (
+        "from dist_workspace.shm import create_segment\n"
+        "create_segment(64, job='abc', group='def', seq=2, rank=0).unlink()\n"
+    )
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
     assert not path.exists()
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A private 8 MiB tmpfs as the shared-memory directory (mounting needs root)."""
+    mount_point = tmp_path / "shm"
+    mount_point.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=8m,mode=0700", "tmpfs", str(mount_point)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {mounted.stderr.strip()}")
+    os.environ["DIST_WORKSPACE_SHM_DIR"] = str(mount_point)  # the child inherits it
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], timeout=60, check=False)
+
+
+def test_a_creation_short_of_room_removes_segments_of_killed_jobs_first(
+    small_tmpfs: Path,
+) -> None:
+    create_segment(64, job="abc", group="def", seq=0, rank=0).unlink()  # swept just now
+    dead = _killed_job_segment(6 << 20, filled=True)
+    assert free_bytes(small_tmpfs) < 4 << 20
+    segment = create_segment(4 << 20, job="abc", group="def", seq=1, rank=0)
+    segment.unlink()
+    assert not dead.exists()
 
 
 def test_no_resource_tracker_warnings() -> None:

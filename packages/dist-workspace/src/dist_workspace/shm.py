@@ -29,6 +29,7 @@ import os
 import re
 import secrets
 import stat
+import time
 from pathlib import Path
 
 from dist_workspace.errors import WorkspaceError
@@ -42,6 +43,12 @@ _NAME = re.compile(
     r"\.r(?P<rank>\d+)\.(?P<pid>\d+)\.(?P<start>\d+)\.(?P<token>[0-9a-f]{32})$"
 )
 _FULL_ERRNOS = frozenset({errno.ENOSPC, errno.ENOMEM, errno.EFBIG, errno.EDQUOT})
+# Looking for dead segments reads /proc for every segment in the directory: doing it
+# on every creation was a visible part of a small exchange. Segments of a job killed
+# meanwhile are found at the next sweep (at most this long after) or at once when the
+# directory is short of room.
+SWEEP_INTERVAL_SECONDS = 30.0
+_last_sweep: dict[Path, float] = {}
 
 
 def shm_directory() -> Path:
@@ -141,9 +148,11 @@ def create_segment(size: int, *, job: str, group: str, seq: int, rank: int) -> S
     """Creates an empty segment of ``size`` bytes exclusively, to be filled with ``pwrite``.
 
     First removes this user's segments whose creator is dead (see
-    :func:`remove_dead_segments`), then refuses a size the file system has no room
-    for. No space is reserved: reserving (``posix_fallocate``) costs as much as
-    writing the pages, and ``pwrite`` into a full tmpfs fails with ``ENOSPC`` (see
+    :func:`remove_dead_segments`; at a process's first creation, then at most every
+    :data:`SWEEP_INTERVAL_SECONDS`, and always before refusing a size for want of
+    room), then refuses a size the file system has no room for. No space is
+    reserved: reserving (``posix_fallocate``) costs as much as writing the pages,
+    and ``pwrite`` into a full tmpfs fails with ``ENOSPC`` (see
     :func:`too_small`), never a SIGBUS; only writes through a mapping could fault, and
     segments are never written through one.
 
@@ -151,9 +160,13 @@ def create_segment(size: int, *, job: str, group: str, seq: int, rank: int) -> S
         WorkspaceError: Not enough space (naming the bytes needed and free).
     """
     directory = shm_directory()
-    remove_dead_segments(directory)
+    last = _last_sweep.get(directory)
+    if last is None or time.monotonic() - last >= SWEEP_INTERVAL_SECONDS:
+        _sweep(directory)
     if size > free_bytes(directory):
-        raise too_small(rank, size, directory)
+        _sweep(directory)
+        if size > free_bytes(directory):
+            raise too_small(rank, size, directory)
     pid = os.getpid()
     name = (
         f"{SEGMENT_PREFIX}.{os.getuid()}.{job}.{group}.{seq}.r{rank}.{pid}."
@@ -172,6 +185,11 @@ def create_segment(size: int, *, job: str, group: str, seq: int, rank: int) -> S
             raise too_small(rank, size, directory) from None
         raise
     return Segment(path, fd, size)
+
+
+def _sweep(directory: Path) -> None:
+    remove_dead_segments(directory)
+    _last_sweep[directory] = time.monotonic()
 
 
 def map_segment(name: str, expected_size: int, where: str) -> mmap.mmap:
