@@ -23,11 +23,11 @@ The store is the default process group's (a private torch API,
 ``_get_default_store``, present since torch 1.x), so no object collective, and no
 pickle, is involved; ``group`` decides who may take part and, with the ``ranks``
 list and the call's number among the calls with them, names the keys. What a call
-costs in store round trips: a sender posts (a ``set``, which waits for no reply),
-deletes its two keys of its previous call while the receiver works, and waits for
-its verdict (one read, through :mod:`dist_workspace.store_reader`); the receiver
-waits for the statuses, reads them in one ``multi_get`` and posts the verdicts. The
-job id is agreed once per store.
+costs in store round trips: a sender posts (a ``set``, which waits for no reply) and
+waits for the verdict (one read, through :mod:`dist_workspace.store_reader`); the
+receiver deletes the keys of earlier calls it no longer needs while the senders
+write, waits for the statuses, reads them in one ``multi_get`` and posts the verdict.
+The job id is agreed once per store.
 
 Values given to the receiver from shared memory are zero-copy, copy-on-write
 mappings of the writers' segments (nothing is copied or pre-faulted: the page tables
@@ -191,24 +191,27 @@ def _post(exchange: _Exchange, name: str, value: dict[str, Any]) -> None:
     exchange.store.set(exchange.key(name), json.dumps(value))
 
 
-def _forget_previous_call(exchange: _Exchange) -> None:
-    """Deletes this sender's keys of its previous call with these ranks.
-
-    The receiver read that status before it posted the verdict, and this sender read
-    the verdict. Deleted here, after this call's status is posted, so that the deletes
-    fall in the time the sender waits for the receiver anyway; only the last call's
-    keys stay in the store.
-    """
-    if exchange.seq == 0:
-        return
-    for name in (f"status/{exchange.rank}", f"verdict/{exchange.rank}"):
-        with contextlib.suppress(RuntimeError):
-            exchange.store.delete_key(exchange.key(name, exchange.seq - 1))
-
-
 def _decoded(raw: bytes | str) -> dict[str, Any]:
     value: dict[str, Any] = json.loads(raw.decode() if isinstance(raw, bytes) else raw)
     return value
+
+
+def _forget_earlier_calls(exchange: _Exchange) -> None:
+    """Receiver: deletes the statuses of the previous call and the verdict before it.
+
+    It read those statuses itself, and every sender read the verdict of the call
+    before the previous one before posting a status to the previous one. Done before
+    waiting for this call's statuses, in the time the receiver waits for the senders
+    anyway; the store keeps the keys of the last two calls only.
+    """
+    spent = []
+    if exchange.seq >= 1:
+        spent = [exchange.key(f"status/{r}", exchange.seq - 1) for r in exchange.senders]
+    if exchange.seq >= 2:
+        spent.append(exchange.key("verdict", exchange.seq - 2))
+    for key in spent:
+        with contextlib.suppress(RuntimeError):
+            exchange.store.delete_key(key)
 
 
 # ---------------------------------------------------------------- sender
@@ -229,7 +232,6 @@ def _send(exchange: _Exchange, weights: dict[str, torch.Tensor], config: Any) ->
             _post(exchange, f"status/{exchange.rank}", {"ok": False, "error": _error_text(error)})
             raise
         _post(exchange, f"status/{exchange.rank}", status)
-        _forget_previous_call(exchange)
         _await_verdict(exchange)
     finally:
         if parcel is not None:
@@ -241,7 +243,7 @@ def _await_verdict(exchange: _Exchange) -> None:
     # The receiver waits up to the timeout for the slowest sender, then reads: a
     # sender allows it that plus a margin before declaring it gone.
     patience = exchange.timeout + _VERDICT_MARGIN_SECONDS
-    raw = exchange.reader.get(exchange.key(f"verdict/{exchange.rank}"), patience)
+    raw = exchange.reader.get(exchange.key("verdict"), patience)
     if raw is None:
         raise WorkspaceError(
             f"rank {exchange.rank}: {exchange.kind} timed out after {patience:g} s "
@@ -322,11 +324,6 @@ def _check_statuses(
             )
 
 
-def _post_verdict(exchange: _Exchange, verdict: dict[str, Any]) -> None:
-    for sender in exchange.senders:
-        _post(exchange, f"verdict/{sender}", verdict)
-
-
 def _receive(
     exchange: _Exchange,
     own_value: Callable[[], tuple[Any, dict[str, torch.Tensor]]],
@@ -334,6 +331,7 @@ def _receive(
     try:
         own = own_value()
         own_tensor = own[1].get("tensor")
+        _forget_earlier_calls(exchange)
         statuses = _collect_statuses(exchange)
         _check_statuses(exchange, statuses, own_tensor)
         values = [
@@ -342,11 +340,11 @@ def _receive(
         ]
     except BaseException as error:
         with contextlib.suppress(Exception):
-            _post_verdict(exchange, {"ok": False, "error": _error_text(error)})
+            _post(exchange, "verdict", {"ok": False, "error": _error_text(error)})
         raise
     finally:
         exchange.transport.close()
-    _post_verdict(exchange, {"ok": True})
+    _post(exchange, "verdict", {"ok": True})
     return values
 
 
