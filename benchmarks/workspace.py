@@ -42,6 +42,11 @@ tensors from 2 KiB to 64 MiB, through ``get_configs_parallel`` (shared memory), 
 directory methods and torch.save, against the same limits measured with those
 tensors.
 
+Then the cost of a call, the way real exports call (an 80-layer loop of 0.5 MiB
+shards, tiny 4 KiB calls, small configs), beside ``dist.gather`` and Model Optimizer
+when installed, with the store round trips per call: see ``_lib/workspace_calls.py``.
+``--calls only`` runs just that part and replaces just its part of the JSON file.
+
 Reader: after the timed exchange, rank 0 reads every byte it received once (``read
 s``: a shared-memory mapping fills its page tables then) and reports its peak RSS
 above its start (reset through ``/proc/self/clear_refs``) per byte it holds (peers'
@@ -441,10 +446,21 @@ def main() -> int:
         "limits are always run: the targets are their ratios)",
     )
     parser.add_argument("--repeats", type=int, default=3)
-    from _lib.results import add_json_argument, write_results
+    parser.add_argument(
+        "--calls",
+        choices=("also", "only", "skip"),
+        default="also",
+        help="the cost-of-a-call workloads (see benchmarks/_lib/workspace_calls.py): run them "
+        "after the bandwidth table (also), alone, updating only their part of the JSON file "
+        "(only), or not at all (skip)",
+    )
+    from _lib import workspace_calls
+    from _lib.results import add_json_argument, describe_run, write_results
 
     add_json_argument(parser, "workspace")
     args = parser.parse_args()
+    if args.calls == "only":
+        return _calls_only(args, workspace_calls, describe_run)
     chosen = {*LIMIT_METHODS, *args.methods.split(",")}
     unknown = chosen - set(ALL_METHODS)
     if unknown:
@@ -479,11 +495,38 @@ def main() -> int:
         results = run_ranks(_run_all, WORLD, cases, args.repeats, by_shape, root, timeout=3000)[0]
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    calls: dict[str, Any] | None = None
+    if args.calls == "also":
+        calls = _run_calls(args, workspace_calls)
     root_for_limits = tempfile.mkdtemp(prefix="dist-workspace-bench-limits-")
     try:
-        return _report(args, results, cases, by_shape, root, root_for_limits, write_results)
+        return _report(args, results, cases, by_shape, root, root_for_limits, write_results, calls)
     finally:
         shutil.rmtree(root_for_limits, ignore_errors=True)
+
+
+def _run_calls(args: argparse.Namespace, workspace_calls: Any) -> dict[str, Any]:
+    from dist_core.testing import run_ranks
+
+    measured = run_ranks(workspace_calls.measure, WORLD, args.repeats, timeout=3000)[0]
+    reported: dict[str, Any] = workspace_calls.report(measured)
+    return reported
+
+
+def _calls_only(args: argparse.Namespace, workspace_calls: Any, describe_run: Any) -> int:
+    """Runs the call workloads alone and replaces only their part of the JSON file."""
+    import json
+
+    print(f"dist-workspace benchmark, calls only: {WORLD} ranks, {os.cpu_count()} CPUs")
+    calls = _run_calls(args, workspace_calls)
+    if args.json == "-":
+        return 0
+    path = Path(args.json)
+    data = json.loads(path.read_text()) if path.exists() else {"benchmark": "workspace"}
+    data["calls"] = {"run": describe_run(), **calls}
+    path.write_text(json.dumps(data, indent=2) + "\n")
+    print(f"\nthe calls' measurements written to {path}")
+    return 0
 
 
 def _row(
@@ -514,6 +557,7 @@ def _report(
     root: str,
     root_for_limits: str,
     write_results: Any,
+    calls: dict[str, Any] | None,
 ) -> int:
     print(f"local directory: {root} (file system of {tempfile.gettempdir()})")
     print(
@@ -720,6 +764,7 @@ def _report(
             },
             "own_copy_bound": per_size("own_copy_bound"),
             "checkpoint": checkpoint or None,
+            "calls": None if calls is None else {"run": "the run above", **calls},
             "targets": {
                 "shm_x_copy": 0.5,
                 "shm_x_fresh": 0.8,

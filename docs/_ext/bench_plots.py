@@ -162,8 +162,14 @@ WORKSPACE_METHODS = {
 
 def draw_workspace(data: Data) -> Figure:
     """Exchange bandwidth against size with the machine's limits; NFSWorkspace speed-up."""
-    figure = Figure(figsize=(12, 5.0), layout="constrained")
-    bandwidth, speedup = figure.subplots(1, 2)
+    calls = data.get("calls")
+    if calls:
+        figure = Figure(figsize=(17, 5.0), layout="constrained")
+        bandwidth, speedup, per_call = figure.subplots(1, 3)
+        _draw_workspace_calls(per_call, calls)
+    else:
+        figure = Figure(figsize=(12, 5.0), layout="constrained")
+        bandwidth, speedup = figure.subplots(1, 2)
     sizes = data["sizes_mib"]
     copy = data["copy_gbps"]
     in_gbps = all(value is not None for value in copy)
@@ -282,8 +288,60 @@ def draw_workspace(data: Data) -> Figure:
         title="Through a directory: NFSWorkspace",
     )
     speedup.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, fontsize="small")
+    calls_run = (calls or {}).get("run")
+    if calls_run and calls_run != "the run above":
+        note = f"the cost of a call: run {calls_run}"
+        data = {**data, "note": f"{data['note']}; {note}" if data.get("note") else note}
     _footer(figure, data)
     return figure
+
+
+CALL_METHODS = {
+    "dist-workspace": ("dist-workspace", OURS),
+    "Model Optimizer": ("Model Optimizer", PEER),
+}
+
+
+def _draw_workspace_calls(axes: Axes, calls: Data) -> None:
+    """Time per call over the gather floor, per workload, with the targets."""
+    workloads = list(calls["workloads"])
+    width = 0.38
+    for offset, (key, (label, color)) in enumerate(CALL_METHODS.items()):
+        xs, ys = [], []
+        for index, workload in enumerate(workloads):
+            item = calls["workloads"][workload].get(key)
+            if item is not None:
+                xs.append(index + (offset - 0.5) * width)
+                ys.append(item["x_floor"])
+        if xs:
+            axes.bar(xs, ys, width, color=color, label=label)
+            _label_points(axes, xs, ys, "{:.2f}x")
+    axes.axhline(1.0, color=LIMIT, lw=1, ls="--", label="floor: gather (gather_object for configs)")
+    for index, workload in enumerate(workloads):
+        goal = calls["targets"].get(workload)
+        if goal is not None:
+            axes.hlines(goal, index - 0.45, index + 0.45, color=TARGET, ls=":")
+            axes.annotate(
+                f"target {goal}x",
+                (index, goal),
+                xytext=(0, 3),
+                textcoords="offset points",
+                ha="center",
+                fontsize=8,
+                color=TARGET,
+            )
+    described = [
+        f"{name}\n{row['calls']} calls"
+        + (f", {row['kib_per_rank']} KiB" if row["kib_per_rank"] else "")
+        for name, row in calls["workloads"].items()
+    ]
+    axes.set_xticks(range(len(workloads)), described)
+    axes.set(
+        ylabel="time per call / floor (with one read)",
+        ylim=(0, None),
+        title="The cost of a call (4 ranks, one host)",
+    )
+    axes.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, fontsize="small")
 
 
 def draw_ft(data: Data) -> Figure:
