@@ -241,7 +241,8 @@ def test_single_process_without_a_group() -> None:
 def test_the_transport_is_chosen_once_from_workspace_path(tmp_path: Path) -> None:
     from dist_workspace.dir_transport import DirectoryTransport
     from dist_workspace.shm_transport import SharedMemoryTransport
-    from dist_workspace.transport import CallId, open_transport
+    from dist_workspace.transport import CallId
+    from dist_workspace.transports import open_transport
 
     call = CallId("get_configs_parallel", 1, "0123abcd", "cafe", 4, 30.0)
     shm = open_transport(None, call)

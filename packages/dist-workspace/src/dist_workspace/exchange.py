@@ -4,7 +4,8 @@ Protocol (every wait bounded by ``timeout``):
 
 1. Every rank of ``ranks`` but the first (the *receiver*) writes its value as a
    record (see :mod:`dist_workspace.format`) through the call's transport (see
-   :mod:`dist_workspace.transport`, chosen once per call): into a fresh shared-memory
+   :mod:`dist_workspace.transport`, chosen once per call by
+   :mod:`dist_workspace.transports`): into a fresh shared-memory
    segment when ``workspace_path`` is None, else into a file of a per-exchange
    subdirectory of ``workspace_path``. It then posts a status to the process group's
    store: what the transport needs to find the record (a segment's name and size),
@@ -62,7 +63,8 @@ from dist_workspace.errors import WorkspaceError
 from dist_workspace.jobid import current_job_id, short_tag
 from dist_workspace.own_value import own_config, own_tensor
 from dist_workspace.store_reader import StoreReader, reader_for
-from dist_workspace.transport import CallId, Parcel, Transport, open_transport
+from dist_workspace.transport import CallId, Parcel, Transport
+from dist_workspace.transports import open_transport
 
 logger = logging.getLogger(__name__)
 

@@ -1,21 +1,18 @@
-"""How an exchange moves a sender's record to the receiver: one interface, chosen once.
+"""How an exchange moves a sender's record to the receiver: the interface.
 
-:func:`open_transport` picks the implementation for a call (shared memory when there
-is no ``workspace_path``, a directory otherwise); :mod:`dist_workspace.exchange` then
-only talks to the :class:`Transport` it got and never asks which one it is.
+The implementations live beside it (:mod:`dist_workspace.shm_transport`,
+:mod:`dist_workspace.dir_transport`) and this module imports neither:
+:func:`dist_workspace.transports.open_transport` picks one per call, and
+:mod:`dist_workspace.exchange` then only talks to the :class:`Transport` it got and
+never asks which one it is.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
-from pathlib import Path
 from typing import Any, Protocol
 
 import torch
-
-from dist_workspace.dir_transport import DirectoryTransport
-from dist_workspace.shm_transport import SharedMemoryTransport
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,10 +56,3 @@ class Transport(Protocol):
     def close(self) -> None:
         """Receiver: every value is read or the call failed; drops what the call left."""
         ...
-
-
-def open_transport(workspace_path: str | os.PathLike[str] | None, call: CallId) -> Transport:
-    """Shared memory when ``workspace_path`` is None, else files under that directory."""
-    if workspace_path is None:
-        return SharedMemoryTransport(call)
-    return DirectoryTransport(Path(workspace_path), call)
