@@ -160,7 +160,7 @@ def test_dtype_casts_floating_point_tensors_only(
 
 
 def test_dtype_is_streamed_chunk_by_chunk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("dist_workspace.merge._CHUNK_BYTES", 1024)  # many chunks per tensor
+    monkeypatch.setattr("dist_workspace.merge.CHUNK_BYTES", 1024)  # many chunks per tensor
     expected = _write(tmp_path / "ws")
     out = tmp_path / "model"
     merge_workspace(tmp_path / "ws", out, dtype=torch.bfloat16, max_shard_size=30_000)
@@ -270,7 +270,7 @@ _PEAK_GROWTH_OF_A_MERGE = textwrap.dedent(
             if line.startswith(key + ":"):
                 return int(line.split()[1]) * 1024
 
-    merge._CHUNK_BYTES = 2 * 2**20
+    merge.CHUNK_BYTES = 2 * 2**20
     torch.set_num_threads(1)
     with open("/proc/self/clear_refs", "w") as handle:
         handle.write("5")  # resets the peak (VmHWM) to the current RSS
@@ -317,7 +317,7 @@ def test_force_without_an_atomic_exchange_renames_twice(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Where renameat2 cannot exchange (an old kernel, NFS), the old directory still goes."""
-    monkeypatch.setattr("dist_workspace.merge._exchange", lambda first, second: False)
+    monkeypatch.setattr("dist_workspace.merge.swap_paths_atomically", lambda first, second: False)
     expected = _write(tmp_path / "ws")
     out = tmp_path / "model"
     assert main(["merge", str(tmp_path / "ws"), str(out), "--max-shard-size", "20KB"]) == 0

@@ -38,6 +38,7 @@ import hashlib
 import json
 import math
 import re
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -119,6 +120,33 @@ def byte_view(tensor: torch.Tensor) -> torch.Tensor:
 def header_digest(length_and_header: bytes | memoryview) -> bytes:
     """What the integrity entry holds: SHA-256 of the 8-byte length and the header."""
     return hashlib.sha256(length_and_header).digest()
+
+
+def encode_safetensors_header(
+    tensors: Iterable[tuple[str, str, Sequence[int], int]],
+    metadata: dict[str, str],
+    alignment: int,
+) -> bytes:
+    """A safetensors header, without its 8-byte length, for tensors stored back to back.
+
+    Args:
+        tensors: ``(name, safetensors dtype name, shape, bytes)`` in storage order.
+        metadata: The ``__metadata__`` strings.
+        alignment: The JSON is padded with spaces so that the data after the length
+            and the header starts at a multiple of this (records: :data:`ALIGNMENT`;
+            plain safetensors files: 8).
+    """
+    document: dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    for name, dtype, shape, nbytes in tensors:
+        document[name] = {
+            "dtype": dtype,
+            "shape": list(shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    raw = json.dumps(document, separators=(",", ":")).encode()
+    return raw + b" " * ((-(8 + len(raw))) % alignment)
 
 
 def foreign(where: str, why: str) -> WorkspaceError:

@@ -9,6 +9,8 @@ the directory fsynced so the rename itself survives a crash. Files are opened wi
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import os
 import secrets
 from collections.abc import Callable
@@ -122,3 +124,33 @@ def write_all(fd: int, data: memoryview | bytes, offset: int) -> int:
         view = view[written:]
         offset += written
     return offset
+
+
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+def swap_paths_atomically(first: Path, second: Path) -> bool:
+    """Swaps two existing paths in one step (``renameat2`` with ``RENAME_EXCHANGE``).
+
+    Returns:
+        False when this C library or file system cannot (the caller then renames
+        twice, leaving a moment when the second path is missing).
+
+    Raises:
+        OSError: The swap itself failed (naming both paths).
+    """
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    result = renameat2(
+        _AT_FDCWD, os.fsencode(first), _AT_FDCWD, os.fsencode(second), _RENAME_EXCHANGE
+    )
+    if result == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(code, f"cannot swap {first} and {second}: {os.strerror(code)}")

@@ -16,11 +16,13 @@ Every output file's metadata has ``"format": "pt"`` (transformers refuses a
 safetensors file whose metadata lacks it); the first (or only) file also carries
 ``dist_workspace.merged_ranks`` and ``dist_workspace.configs``.
 
-Output headers are written by hand and each tensor's bytes are copied from its rank
-file in chunks (16 MiB), cast chunk by chunk when a dtype is asked for, so memory
-stays at one chunk (or one shared-storage block when tensors of a rank share
-storage), whatever the total size. Every CRC-32 is checked on the way. Tensors that
-share storage in a rank file are written once per name (safetensors cannot share).
+Output headers come from the format's one encoder (:mod:`dist_workspace.format`) and
+each tensor's bytes are read from its rank file by the reader's chunked, CRC-checked
+read (:func:`dist_workspace.reader.entry_chunks`, 16 MiB chunks), cast chunk by
+chunk when a dtype is asked for, so memory stays at one chunk (or one shared-storage
+block when tensors of a rank share storage), whatever the total size. Every CRC-32 is
+checked on the way. Tensors that share storage in a rank file are written once per
+name (safetensors cannot share).
 
 Nothing is half-written: a file is written to a temporary and renamed over the
 target; a directory is built beside the target and swapped in with one
@@ -29,9 +31,7 @@ target; a directory is built beside the target and swapped in with one
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
-import errno
 import functools
 import json
 import math
@@ -40,20 +40,33 @@ import re
 import secrets
 import shutil
 import struct
-import zlib
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 
+from dist_workspace.crc import CHUNK_BYTES
 from dist_workspace.errors import WorkspaceError
-from dist_workspace.format import RecordHeader, StoredEntry, ViewSpec, byte_view
-from dist_workspace.fsutil import atomic_write, fsync_directory, write_all
-from dist_workspace.reader import load_entries, read_header_fd
+from dist_workspace.format import (
+    RecordHeader,
+    StoredEntry,
+    ViewSpec,
+    byte_view,
+    dtype_name,
+    encode_safetensors_header,
+)
+from dist_workspace.fsutil import (
+    atomic_write,
+    fsync_directory,
+    swap_paths_atomically,
+    write_all,
+)
+from dist_workspace.reader import entry_chunks, load_entries, read_header_fd, view_in_block
 from dist_workspace.workspace import RANK_FILE_PATTERN
 
-_CHUNK_BYTES = 16 * 1024 * 1024
+# A plain safetensors file (what torch and Hugging Face load) aligns its data to 8
+# bytes; records align to 64 (format.ALIGNMENT).
+_PLAIN_ALIGNMENT = 8
 SAFE_WEIGHTS_NAME = "model.safetensors"
 SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 _SHARD_NAME = re.compile(r"^model-[0-9]{5}-of-[0-9]{5}\.safetensors$")
@@ -72,12 +85,6 @@ _DTYPE_NAMES = {
     "float64": torch.float64,
     "fp64": torch.float64,
     "double": torch.float64,
-}
-_SAFETENSORS_NAME = {
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.float32: "F32",
-    torch.float64: "F64",
 }
 
 Progress = Callable[[int], None]
@@ -205,7 +212,7 @@ class MergeItem:
     @property
     def dtype_name(self) -> str:
         """The output dtype's safetensors name."""
-        return _SAFETENSORS_NAME.get(self.dtype, self.info.dtype_name)
+        return dtype_name(self.dtype) or self.info.dtype_name
 
     @property
     def nbytes(self) -> int:
@@ -434,38 +441,12 @@ def _write_model_directory(
     return tuple(output / name for name in names)
 
 
-_AT_FDCWD = -100
-_RENAME_EXCHANGE = 2
-
-
-def _exchange(first: Path, second: Path) -> bool:
-    """Swaps two paths atomically (``renameat2`` with ``RENAME_EXCHANGE``).
-
-    Returns:
-        False when this system or file system cannot (the caller then renames twice).
-    """
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        renameat2 = libc.renameat2
-    except (OSError, AttributeError):
-        return False
-    result = renameat2(
-        _AT_FDCWD, os.fsencode(first), _AT_FDCWD, os.fsencode(second), _RENAME_EXCHANGE
-    )
-    if result == 0:
-        return True
-    code = ctypes.get_errno()
-    if code in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
-        return False
-    raise OSError(code, f"cannot swap {first} and {second}: {os.strerror(code)}")
-
-
 def _swap_in(building: Path, output: Path) -> None:
     """Puts the finished directory ``building`` at ``output``; removes the old one."""
     if not os.path.lexists(output) or (output.is_dir() and not os.listdir(output)):
         os.rename(building, output)  # rename(2) replaces an empty directory atomically
         return
-    if _exchange(building, output):
+    if swap_paths_atomically(building, output):
         shutil.rmtree(building)  # the old directory, now under the temporary name
         return
     old = output.parent / f".{output.name}.{secrets.token_hex(8)}.old"
@@ -479,17 +460,11 @@ def _swap_in(building: Path, output: Path) -> None:
 
 
 def _header_bytes(items: list[MergeItem], metadata: dict[str, str]) -> bytes:
-    document: dict[str, Any] = {"__metadata__": metadata}
-    offset = 0
-    for item in items:
-        document[item.name] = {
-            "dtype": item.dtype_name,
-            "shape": list(item.info.shape),
-            "data_offsets": [offset, offset + item.nbytes],
-        }
-        offset += item.nbytes
-    header = json.dumps(document, separators=(",", ":")).encode()
-    return header + b" " * ((-(8 + len(header))) % 8)
+    return encode_safetensors_header(
+        ((item.name, item.dtype_name, item.info.shape, item.nbytes) for item in items),
+        metadata,
+        _PLAIN_ALIGNMENT,
+    )
 
 
 def _file_size(items: list[MergeItem], metadata: dict[str, str]) -> int:
@@ -501,7 +476,7 @@ class _Copier:
 
     def __init__(self, advance: Progress | None) -> None:
         self.advance = advance
-        self.buffer = bytearray(_CHUNK_BYTES)
+        self.buffer = bytearray(CHUNK_BYTES)
         self.rank_file: RankFile | None = None
         self.source = -1
         self.blobs: dict[str, torch.Tensor] = {}
@@ -537,35 +512,18 @@ class _Copier:
     def _copy_entry(
         self, source: int, target: int, item: MergeItem, entry: StoredEntry, position: int
     ) -> int:
-        where = item.rank_file.where
-        crc = 0
-        offset = entry.begin
+        header = item.rank_file.header
         cast = item.dtype != entry.dtype
-        while offset < entry.end:
-            want = min(len(self.buffer), entry.end - offset)
-            chunk = memoryview(self.buffer)[:want]
-            got = 0
-            while got < want:
-                count = os.preadv(source, [chunk[got:]], offset + got)
-                if count == 0:
-                    raise WorkspaceError(f"{where}: truncated while copying {entry.name!r}")
-                got += count
-            crc = zlib.crc32(chunk, crc)
+        for chunk in entry_chunks(source, header, entry, item.rank_file.where, self.buffer):
             if cast:
                 values = torch.frombuffer(
-                    self.buffer, dtype=entry.dtype, count=want // entry.dtype.itemsize
+                    chunk, dtype=entry.dtype, count=len(chunk) // entry.dtype.itemsize
                 )
                 data = memoryview(byte_view(values.to(item.dtype)).numpy())  # type: ignore[arg-type]
             else:
                 data = chunk
             position = write_all(target, data, position)
             self._done(len(data))
-            offset += want
-        recorded = (item.rank_file.header.layout.crc32 or {}).get(entry.name)
-        if recorded is not None and recorded != f"{crc:08x}":
-            raise WorkspaceError(
-                f"{where}: checksum mismatch in tensor {entry.name!r}; merge aborted"
-            )
         return position
 
     def _copy_view(self, source: int, target: int, item: MergeItem, position: int) -> int:
@@ -578,10 +536,10 @@ class _Copier:
             self.blobs.update(
                 load_entries(source, rank_file.header, rank_file.where, [stored[spec.blob]])
             )
-        blob = self.blobs[spec.blob]
-        view = torch.empty(0, dtype=spec.dtype).set_(
-            blob.untyped_storage(), spec.offset // spec.dtype.itemsize, spec.shape, spec.stride
-        )
+        try:
+            view = view_in_block(spec, self.blobs[spec.blob])
+        except ValueError as error:
+            raise WorkspaceError(f"{rank_file.where}: {item.info.name!r}: {error}") from None
         data = view.to(item.dtype).contiguous()
         written = write_all(target, memoryview(byte_view(data).numpy()), position)  # type: ignore[arg-type]
         self._done(written - position)

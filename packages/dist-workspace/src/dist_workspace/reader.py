@@ -43,6 +43,7 @@ from dist_workspace.format import (
     Layout,
     RecordHeader,
     StoredEntry,
+    ViewSpec,
     byte_view,
     dtype_from_name,
     foreign,
@@ -419,6 +420,54 @@ def check_crc(header: RecordHeader, entry: StoredEntry, crc: int, where: str) ->
         )
 
 
+def entry_chunks(
+    fd: int, header: RecordHeader, entry: StoredEntry, where: str, buffer: bytearray
+) -> Iterator[memoryview]:
+    """An entry's bytes, read into ``buffer`` a chunk at a time (streaming, no copy).
+
+    Each chunk is valid until the next is read. The CRC-32 is checked after the last
+    chunk (so a consumer that writes the chunks must be able to discard what it wrote:
+    merge writes to a temporary file). Hashed inline: the buffer is reused, so a
+    chunk cannot be hashed on another thread while the next is read.
+
+    Raises:
+        WorkspaceError: The file ends early, or the checksum does not match (naming
+            the entry).
+    """
+    crc = 0
+    offset = entry.begin
+    while offset < entry.end:
+        want = min(len(buffer), entry.end - offset)
+        chunk = memoryview(buffer)[:want]
+        got = 0
+        while got < want:
+            count = os.preadv(fd, [chunk[got:]], offset + got)
+            if count == 0:
+                raise WorkspaceError(
+                    f"{where}: truncated while reading {entry.name!r}: end of file at byte "
+                    f"{offset + got}"
+                )
+            got += count
+        crc = zlib.crc32(chunk, crc)
+        yield chunk
+        offset += want
+    check_crc(header, entry, crc, where)
+
+
+def view_in_block(spec: ViewSpec, block: torch.Tensor) -> torch.Tensor:
+    """The tensor ``spec`` describes, as a view of its shared block's bytes.
+
+    Raises:
+        ValueError: The view does not start on a multiple of its element size.
+    """
+    byte_offset = block.storage_offset() + spec.offset
+    if byte_offset % spec.dtype.itemsize:
+        raise ValueError(f"view of {spec.blob!r} at byte {spec.offset} is misaligned")
+    return torch.empty(0, dtype=spec.dtype).set_(
+        block.untyped_storage(), byte_offset // spec.dtype.itemsize, spec.shape, spec.stride
+    )
+
+
 def map_entries(fd: int, size: int, header: RecordHeader, where: str) -> dict[str, torch.Tensor]:
     """Tensors over a private (copy-on-write) mapping of the file, each CRC-checked.
 
@@ -480,17 +529,7 @@ def assemble(
             name: tensor for name, tensor in stored.items() if not name.startswith(SHARED_PREFIX)
         }
         for name, spec in header.layout.views.items():
-            blob = stored[spec.blob]
-            byte_offset = blob.storage_offset() + spec.offset
-            if byte_offset % spec.dtype.itemsize:
-                raise ValueError(f"view {name!r} is misaligned")
-            view = torch.empty(0, dtype=spec.dtype).set_(
-                blob.untyped_storage(),
-                byte_offset // spec.dtype.itemsize,
-                spec.shape,
-                spec.stride,
-            )
-            logical[name] = view
+            logical[name] = view_in_block(spec, stored[spec.blob])
         weights = {name: logical[name] for name in header.layout.order}
         config_tensors = {
             name: tensor

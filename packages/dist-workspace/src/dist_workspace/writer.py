@@ -11,7 +11,6 @@ header last.
 from __future__ import annotations
 
 import dataclasses
-import json
 import struct
 from typing import Any
 
@@ -37,6 +36,7 @@ from dist_workspace.format import (
     ViewSpec,
     byte_view,
     dtype_name,
+    encode_safetensors_header,
     header_digest,
     supported_dtypes,
 )
@@ -286,18 +286,11 @@ def encode_header(
     layout: Layout,
 ) -> bytes:
     """The safetensors header (JSON padded with spaces to the alignment), without its length."""
-    document: dict[str, Any] = {"__metadata__": {**metadata, META_LAYOUT: layout.to_json()}}
-    offset = 0
-    for entry in entries:
-        document[entry.name] = {
-            "dtype": entry.dtype_name,
-            "shape": list(entry.shape),
-            "data_offsets": [offset, offset + entry.nbytes],
-        }
-        offset += entry.nbytes
-    raw = json.dumps(document, separators=(",", ":")).encode()
-    padding = (-(8 + len(raw))) % ALIGNMENT
-    return raw + b" " * padding
+    return encode_safetensors_header(
+        ((entry.name, entry.dtype_name, entry.shape, entry.nbytes) for entry in entries),
+        {**metadata, META_LAYOUT: layout.to_json()},
+        ALIGNMENT,
+    )
 
 
 def write_record(fd: int, record: PreparedRecord) -> None:
