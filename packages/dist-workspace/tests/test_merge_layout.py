@@ -317,7 +317,7 @@ def test_force_without_an_atomic_exchange_renames_twice(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Where renameat2 cannot exchange (an old kernel, NFS), the old directory still goes."""
-    monkeypatch.setattr("dist_workspace.merge.swap_paths_atomically", lambda first, second: False)
+    monkeypatch.setattr("dist_workspace.fsutil.swap_paths_atomically", lambda first, second: False)
     expected = _write(tmp_path / "ws")
     out = tmp_path / "model"
     assert main(["merge", str(tmp_path / "ws"), str(out), "--max-shard-size", "20KB"]) == 0

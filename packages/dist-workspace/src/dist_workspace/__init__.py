@@ -12,6 +12,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 from dist_workspace.errors import WorkspaceError
 from dist_workspace.exchange import get_configs_parallel, get_tensors_parallel
+from dist_workspace.hf_export import export_sharded
 from dist_workspace.workspace import NFSWorkspace
 
 try:
@@ -22,6 +23,7 @@ except PackageNotFoundError:  # running from a source tree that is not installed
 __all__ = [
     "NFSWorkspace",
     "WorkspaceError",
+    "export_sharded",
     "get_configs_parallel",
     "get_tensors_parallel",
     "__version__",

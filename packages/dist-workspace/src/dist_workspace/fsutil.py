@@ -13,6 +13,7 @@ import ctypes
 import errno
 import os
 import secrets
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -154,3 +155,27 @@ def swap_paths_atomically(first: Path, second: Path) -> bool:
     if code in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
         return False
     raise OSError(code, f"cannot swap {first} and {second}: {os.strerror(code)}")
+
+
+def put_directory_in_place(building: Path, output: Path) -> None:
+    """Puts the finished directory ``building`` at ``output``; removes the old one.
+
+    A missing or empty ``output`` is replaced by one rename; an existing one is
+    swapped in one step (:func:`swap_paths_atomically`), or where the file system
+    cannot, renamed aside first (``output`` is then missing for an instant, never
+    half-written).
+    """
+    if not os.path.lexists(output) or (output.is_dir() and not os.listdir(output)):
+        os.rename(building, output)  # rename(2) replaces an empty directory atomically
+        return
+    if swap_paths_atomically(building, output):
+        shutil.rmtree(building)  # the old directory, now under the temporary name
+        return
+    old = output.parent / f".{output.name}.{secrets.token_hex(8)}.old"
+    os.rename(output, old)
+    try:
+        os.rename(building, output)
+    except BaseException:
+        os.rename(old, output)
+        raise
+    shutil.rmtree(old)

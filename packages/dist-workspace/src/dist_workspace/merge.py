@@ -58,7 +58,7 @@ from dist_workspace.format import (
 from dist_workspace.fsutil import (
     atomic_write,
     fsync_directory,
-    swap_paths_atomically,
+    put_directory_in_place,
     write_all,
 )
 from dist_workspace.reader import entry_chunks, load_entries, read_header_fd, view_in_block
@@ -433,30 +433,12 @@ def _write_model_directory(
             atomic_write(building / SAFE_WEIGHTS_INDEX_NAME, len(payload), fill_index, mode)
             names = [*names, SAFE_WEIGHTS_INDEX_NAME]
         fsync_directory(building)
-        _swap_in(building, output)
+        put_directory_in_place(building, output)
     except BaseException:
         shutil.rmtree(building, ignore_errors=True)
         raise
     fsync_directory(parent)
     return tuple(output / name for name in names)
-
-
-def _swap_in(building: Path, output: Path) -> None:
-    """Puts the finished directory ``building`` at ``output``; removes the old one."""
-    if not os.path.lexists(output) or (output.is_dir() and not os.listdir(output)):
-        os.rename(building, output)  # rename(2) replaces an empty directory atomically
-        return
-    if swap_paths_atomically(building, output):
-        shutil.rmtree(building)  # the old directory, now under the temporary name
-        return
-    old = output.parent / f".{output.name}.{secrets.token_hex(8)}.old"
-    os.rename(output, old)
-    try:
-        os.rename(building, output)
-    except BaseException:
-        os.rename(old, output)
-        raise
-    shutil.rmtree(old)
 
 
 def _header_bytes(items: list[MergeItem], metadata: dict[str, str]) -> bytes:
