@@ -46,6 +46,10 @@ Then the cost of a call, the way real exports call (an 80-layer loop of 0.5 MiB
 shards, tiny 4 KiB calls, small configs), beside ``dist.gather`` and Model Optimizer
 when installed, with the store round trips per call: see ``_lib/workspace_calls.py``.
 ``--calls only`` runs just that part and replaces just its part of the JSON file.
+Then a 2 GiB model held by 4 ranks exported as one Hugging Face checkpoint, every rank
+writing its shard (``export_sharded``), against gathering to rank 0 and writing one
+file, with the disk's limits (``--export also|only|skip``, ``--export-gib``): see
+``_lib/workspace_export.py``.
 
 Reader: after the timed exchange, rank 0 reads every byte it received once (``read
 s``: a shared-memory mapping fills its page tables then) and reports its peak RSS
@@ -454,13 +458,26 @@ def main() -> int:
         "after the bandwidth table (also), alone, updating only their part of the JSON file "
         "(only), or not at all (skip)",
     )
-    from _lib import workspace_calls
+    parser.add_argument(
+        "--export",
+        choices=("also", "only", "skip"),
+        default="also",
+        help="the sharded export against gathering to rank 0 (see "
+        "benchmarks/_lib/workspace_export.py), as --calls",
+    )
+    parser.add_argument("--export-gib", type=float, default=2.0, help="model size to export")
+    from _lib import workspace_calls, workspace_export
     from _lib.results import add_json_argument, describe_run, write_results
 
     add_json_argument(parser, "workspace")
     args = parser.parse_args()
-    if args.calls == "only":
-        return _calls_only(args, workspace_calls, describe_run)
+    if args.calls == "only" or args.export == "only":
+        parts: dict[str, Any] = {}
+        if args.calls != "skip":
+            parts["calls"] = lambda: _run_calls(args, workspace_calls)
+        if args.export != "skip":
+            parts["export"] = lambda: _run_export(args, workspace_export)
+        return _parts_only(args, parts, describe_run)
     chosen = {*LIMIT_METHODS, *args.methods.split(",")}
     unknown = chosen - set(ALL_METHODS)
     if unknown:
@@ -498,9 +515,14 @@ def main() -> int:
     calls: dict[str, Any] | None = None
     if args.calls == "also":
         calls = _run_calls(args, workspace_calls)
+    exported: dict[str, Any] | None = None
+    if args.export == "also":
+        exported = _run_export(args, workspace_export)
     root_for_limits = tempfile.mkdtemp(prefix="dist-workspace-bench-limits-")
     try:
-        return _report(args, results, cases, by_shape, root, root_for_limits, write_results, calls)
+        return _report(
+            args, results, cases, by_shape, root, root_for_limits, write_results, calls, exported
+        )
     finally:
         shutil.rmtree(root_for_limits, ignore_errors=True)
 
@@ -513,19 +535,36 @@ def _run_calls(args: argparse.Namespace, workspace_calls: Any) -> dict[str, Any]
     return reported
 
 
-def _calls_only(args: argparse.Namespace, workspace_calls: Any, describe_run: Any) -> int:
-    """Runs the call workloads alone and replaces only their part of the JSON file."""
+def _run_export(args: argparse.Namespace, workspace_export: Any) -> dict[str, Any]:
+    from dist_core.testing import run_ranks
+
+    total = int(args.export_gib * 2**30)
+    root = tempfile.mkdtemp(prefix="dist-workspace-bench-export-", dir=os.getcwd())
+    try:
+        best = run_ranks(workspace_export.measure, WORLD, total, args.repeats, root, timeout=3000)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    reported: dict[str, Any] = workspace_export.report(best[0], total)
+    return reported
+
+
+def _parts_only(args: argparse.Namespace, parts: dict[str, Any], describe_run: Any) -> int:
+    """Runs some parts alone and replaces only their part of the JSON file."""
     import json
 
-    print(f"dist-workspace benchmark, calls only: {WORLD} ranks, {os.cpu_count()} CPUs")
-    calls = _run_calls(args, workspace_calls)
+    print(
+        f"dist-workspace benchmark, {' and '.join(parts)} only: {WORLD} ranks, "
+        f"{os.cpu_count()} CPUs"
+    )
+    measured = {name: run() for name, run in parts.items()}
     if args.json == "-":
         return 0
     path = Path(args.json)
     data = json.loads(path.read_text()) if path.exists() else {"benchmark": "workspace"}
-    data["calls"] = {"run": describe_run(), **calls}
+    for name, value in measured.items():
+        data[name] = {"run": describe_run(), **value}
     path.write_text(json.dumps(data, indent=2) + "\n")
-    print(f"\nthe calls' measurements written to {path}")
+    print(f"\nthe measurements of {' and '.join(parts)} written to {path}")
     return 0
 
 
@@ -558,6 +597,7 @@ def _report(
     root_for_limits: str,
     write_results: Any,
     calls: dict[str, Any] | None,
+    exported: dict[str, Any] | None,
 ) -> int:
     print(f"local directory: {root} (file system of {tempfile.gettempdir()})")
     print(
@@ -765,6 +805,7 @@ def _report(
             "own_copy_bound": per_size("own_copy_bound"),
             "checkpoint": checkpoint or None,
             "calls": None if calls is None else {"run": "the run above", **calls},
+            "export": None if exported is None else {"run": "the run above", **exported},
             "targets": {
                 "shm_x_copy": 0.5,
                 "shm_x_fresh": 0.8,

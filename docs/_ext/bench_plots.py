@@ -163,7 +163,13 @@ WORKSPACE_METHODS = {
 def draw_workspace(data: Data) -> Figure:
     """Exchange bandwidth against size with the machine's limits; NFSWorkspace speed-up."""
     calls = data.get("calls")
-    if calls:
+    exported = data.get("export")
+    if calls and exported:
+        figure = Figure(figsize=(13, 11.0), layout="constrained")
+        (bandwidth, speedup), (per_call, export) = figure.subplots(2, 2)
+        _draw_workspace_calls(per_call, calls)
+        _draw_workspace_export(export, exported)
+    elif calls:
         figure = Figure(figsize=(17, 5.0), layout="constrained")
         bandwidth, speedup, per_call = figure.subplots(1, 3)
         _draw_workspace_calls(per_call, calls)
@@ -288,10 +294,11 @@ def draw_workspace(data: Data) -> Figure:
         title="Through a directory: NFSWorkspace",
     )
     speedup.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, fontsize="small")
-    calls_run = (calls or {}).get("run")
-    if calls_run and calls_run != "the run above":
-        note = f"the cost of a call: run {calls_run}"
-        data = {**data, "note": f"{data['note']}; {note}" if data.get("note") else note}
+    for part, title in ((calls, "the cost of a call"), (exported, "the export")):
+        part_run = (part or {}).get("run")
+        if part_run and part_run != "the run above":
+            note = f"{title}: run {part_run}"
+            data = {**data, "note": f"{data['note']}; {note}" if data.get("note") else note}
     _footer(figure, data)
     return figure
 
@@ -342,6 +349,36 @@ def _draw_workspace_calls(axes: Axes, calls: Data) -> None:
         title="The cost of a call (4 ranks, one host)",
     )
     axes.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, fontsize="small")
+
+
+EXPORT_METHODS = {
+    "export_sharded": ("export_sharded\n(every rank writes)", OURS),
+    "gather + one file": ("gather to rank 0\n+ one file", PEER),
+    "4 writers": ("limit: 4 writers,\nwrite + fsync", LIMIT),
+    "1 writer": ("limit: 1 writer,\nwrite + fsync", LIMIT),
+}
+
+
+def _draw_workspace_export(axes: Axes, exported: Data) -> None:
+    """Seconds to export the model: sharded, gathered to rank 0, and the disk's limits."""
+    seconds = exported["seconds"]
+    keys = [key for key in EXPORT_METHODS if key in seconds]
+    xs = list(range(len(keys)))
+    ys = [seconds[key] for key in keys]
+    axes.bar(
+        xs,
+        ys,
+        0.6,
+        color=[EXPORT_METHODS[key][1] for key in keys],
+        hatch=["//" if key in ("4 writers", "1 writer") else "" for key in keys],
+    )
+    _label_points(axes, xs, ys, "{:.2f} s")
+    axes.set_xticks(xs, [EXPORT_METHODS[key][0] for key in keys])
+    axes.set(
+        ylabel="seconds, barrier to complete on disk",
+        ylim=(0, max(ys) * 1.2),
+        title=f"Exporting a {exported['gib']:g} GiB model held by 4 ranks",
+    )
 
 
 def draw_ft(data: Data) -> Figure:
