@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
@@ -124,3 +125,37 @@ def test_a_name_on_two_ranks_is_named_with_both_ranks(tmp_path: Path) -> None:
     assert "'lm_head.weight' (ranks 2 and 0)" in results[2]
     assert "rank(s) [0, 2]" in results[1]
     assert os.listdir(tmp_path) == []
+
+
+def _export_a_llama(output: str) -> str:
+    import torch.distributed as dist
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    config = LlamaConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    state = LlamaForCausalLM(config).state_dict()
+    mine = {
+        name: t for index, (name, t) in enumerate(sorted(state.items())) if index % world == rank
+    }
+    export_sharded(mine, output)
+    if rank == 0:
+        config.save_pretrained(output)
+    return "no error"
+
+
+def test_transformers_loads_the_export_as_it_loads_save_pretrained(tmp_path: Path) -> None:
+    transformers = pytest.importorskip(
+        "transformers", reason="transformers is not a test dependency; this runs where it is"
+    )
+    out = tmp_path / "llama"
+    assert run_ranks(_export_a_llama, 3, str(out), timeout=300) == ["no error"] * 3
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig.from_pretrained(out)
+    expected = transformers.LlamaForCausalLM(config).state_dict()
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out).state_dict()
+    assert set(loaded) == set(expected)
+    assert all(torch.equal(loaded[name], expected[name]) for name in expected)
