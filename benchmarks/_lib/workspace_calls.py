@@ -15,6 +15,10 @@ Methods, interleaved (one full workload each, repeat after repeat; the fastest k
 - ``dist.gather``: torch's gather on gloo into fresh tensors (the floor: what moving the
   same bytes between these processes costs without any of the guarantees), and
   ``gather_object`` for configs (pickle: what a user would reach for).
+- ``store handshake`` (a limit): the two hops any call with a verdict makes, alone
+  (the senders post a key, the receiver waits for them, reads them and posts a
+  verdict the senders wait for), no data moved: on a machine with fewer cores than
+  ranks, what the wake-ups of a call cost before a byte moves.
 - ``Model Optimizer``: its own ``modelopt.torch.export.distribute.get_tensors_parallel``,
   when ``nvidia-modelopt`` is installed (it is not a requirement of the benchmark; the
   run says when it is missing). Not for configs: its ``get_configs_parallel`` takes its
@@ -51,6 +55,9 @@ WORKLOADS: dict[str, tuple[int, int, str]] = {
 
 # A TCPStore set goes out without waiting for the server's reply: not a round trip.
 _NO_REPLY = frozenset({"set"})
+
+
+METHODS = ("dist-workspace", "dist.gather", "store handshake", "Model Optimizer")
 
 
 class _CountingStore:
@@ -127,6 +134,49 @@ def _gather_object(config: Any, ranks: list[int]) -> Iterator[list[Any]]:
         yield []
 
 
+_handshakes = [0]
+
+
+@contextlib.contextmanager
+def _store_handshake(value: Any, ranks: list[int]) -> Iterator[list[Any]]:
+    """Only the two hops a call with a verdict needs: every sender posts, the receiver
+    waits for all, reads them and posts a verdict the senders wait for. No data."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    store = c10d._get_default_store()
+    call = _handshakes[0]
+    _handshakes[0] += 1
+    prefix = f"bench-handshake/{call}"
+    rank = dist.get_rank()
+    if rank == ranks[0]:
+        keys = [f"{prefix}/{sender}" for sender in ranks[1:]]
+        store.wait(keys, timedelta(seconds=60))
+        store.multi_get(keys)
+        store.set(f"{prefix}/verdict", "ok")
+        yield []  # moves no data
+    else:
+        store.set(f"{prefix}/{rank}", "posted")
+        reader = _handshake_reader(store)
+        reader.get(f"{prefix}/verdict")
+        yield []
+
+
+_readers: dict[int, Any] = {}
+
+
+def _handshake_reader(store: Any) -> Any:
+    from datetime import timedelta
+
+    reader = _readers.get(id(store))
+    if reader is None:
+        reader = _readers[id(store)] = store.clone()
+        reader.set_timeout(timedelta(seconds=60))
+    return reader
+
+
 def _calls_of(method: str, kind: str) -> Callable[..., Any] | None:
     """The context manager ``method`` offers for ``kind`` (None: it has none)."""
     from dist_workspace import get_configs_parallel, get_tensors_parallel
@@ -137,6 +187,8 @@ def _calls_of(method: str, kind: str) -> Callable[..., Any] | None:
         return lambda config, ranks: get_configs_parallel(config, ranks, None)
     if method == "dist.gather":
         return _gather if kind == "tensor" else _gather_object
+    if method == "store handshake":
+        return _store_handshake
     distribute = _modelopt()
     if distribute is None or kind != "tensor":
         # Its get_configs_parallel takes its own config classes only (LinearConfig, ...):
@@ -203,7 +255,7 @@ def measure(repeats: int) -> dict[str, Any]:
     for workload in WORKLOADS:
         best: dict[str, dict[str, float]] = {}
         for _ in range(repeats):
-            for method in ("dist-workspace", "dist.gather", "Model Optimizer"):
+            for method in METHODS:
                 c10d._get_default_store = lambda: counting  # type: ignore[assignment]
                 try:
                     measured = _one_workload(workload, method, tally)
@@ -245,7 +297,7 @@ def report(results: dict[str, Any]) -> dict[str, Any]:
             "kib_per_rank": size // KIB,
             "floor": "dist.gather" if kind == "tensor" else "gather_object",
         }
-        for method in ("dist-workspace", "dist.gather", "Model Optimizer"):
+        for method in METHODS:
             item = per_method.get(method)
             label = method if method != "dist.gather" or kind == "tensor" else "gather_object"
             if item is None:
@@ -275,4 +327,18 @@ def report(results: dict[str, Any]) -> dict[str, Any]:
         "x floor: +read time over the floor's (targets: layer loop <= 1.5, tiny <= 2.0); "
         "store trips: all ranks together"
     )
+    print(
+        "store handshake: the two hops alone (senders post, the receiver reads and posts "
+        "a verdict they wait for), no data: the least a call that tells every sender how "
+        "it ended costs on this machine"
+    )
+    for workload, per_method in results.items():
+        handshake = per_method.get("store handshake")
+        if handshake is not None:
+            ours = per_method["dist-workspace"]["with_read_ms"]
+            print(
+                f"  {workload}: dist-workspace / handshake {ours / handshake['with_read_ms']:.2f},"
+                f" handshake / floor "
+                f"{handshake['with_read_ms'] / per_method['dist.gather']['with_read_ms']:.2f}"
+            )
     return {"workloads": data, "targets": {"layer loop": 1.5, "tiny": 2.0}}
