@@ -306,19 +306,21 @@ def draw_workspace(data: Data) -> Figure:
 CALL_METHODS = {
     "dist-workspace": ("dist-workspace", OURS),
     "Model Optimizer": ("Model Optimizer", PEER),
+    "store handshake": ("limit: the store handshake alone (no data)", LIMIT),
 }
 
 
 def _draw_workspace_calls(axes: Axes, calls: Data) -> None:
     """Time per call over the gather floor, per workload, with the targets."""
     workloads = list(calls["workloads"])
-    width = 0.38
+    width = 0.27
+    middle = (len(CALL_METHODS) - 1) / 2
     for offset, (key, (label, color)) in enumerate(CALL_METHODS.items()):
         xs, ys = [], []
         for index, workload in enumerate(workloads):
             item = calls["workloads"][workload].get(key)
             if item is not None:
-                xs.append(index + (offset - 0.5) * width)
+                xs.append(index + (offset - middle) * width)
                 ys.append(item["x_floor"])
         if xs:
             axes.bar(xs, ys, width, color=color, label=label)
