@@ -234,6 +234,9 @@ def main() -> None:
                 "step": quorum.max_step if quorum else None,
                 "committed": committed,
                 "error": repr(error) if error else None,
+                # After the step: where two groups' shards first differ, if they do.
+                "digest": _digest(model, optimizer)[:16],
+                "healed": quorum.is_behind(args.group) if quorum else None,
             }
         )
         store.set(f"test/progress/{me}", str(manager.current_step()))

@@ -126,9 +126,26 @@ def _check(
     assert len(set(steps.values())) == 1, f"ranks stopped at different steps: {steps}"
     for rank in range(GROUP_SIZE):
         digests = {g: reports[g, rank]["digest"] for g in groups}
-        assert len(set(digests.values())) == 1, f"shard {rank} differs between groups: {digests}"
+        assert len(set(digests.values())) == 1, (
+            f"shard {rank} differs between groups: {digests}; "
+            f"{_first_divergence(reports, groups, rank)}"
+        )
     shards = {reports[groups[0], rank]["digest"] for rank in range(GROUP_SIZE)}
     assert len(shards) == GROUP_SIZE, "the ranks of a group must hold different shards"
+
+
+def _first_divergence(reports: dict[tuple[str, int], Any], groups: list[str], rank: int) -> str:
+    """The first step after which rank ``rank``'s shard differs between groups, with context."""
+    by_step: dict[int, dict[str, Any]] = {}
+    for group in groups:
+        for entry in reports[group, rank]["log"]:
+            if entry["committed"]:
+                by_step.setdefault(entry["step"], {})[group] = entry
+    for step in sorted(by_step):
+        entries = by_step[step]
+        if len({entry["digest"] for entry in entries.values()}) > 1:
+            return f"first differs after step {step}: {entries}"
+    return "no committed step differs (the divergence is in a step some groups did not log)"
 
 
 def _manager(port: int, **kwargs: Any) -> Manager:
