@@ -190,3 +190,25 @@ def test_get_configs_parallel_with_cuda_tensors_stacks_on_cpu(tmp_path: Path) ->
         assert got["stacked_bits"] == _bits(expected).tolist(), transport  # -0.0 kept
         assert got["ties"] == [True, True], transport
         assert got["caller_unchanged"] is True, transport
+
+
+def _export_on_nccl(output: str) -> list[str]:
+    import os
+
+    import torch.distributed as dist
+
+    from dist_workspace import export_sharded
+
+    rank = dist.get_rank()
+    export_sharded({f"w{rank}": torch.full((4,), float(rank + 1), device="cuda")}, output)
+    return sorted(os.listdir(output))
+
+
+def test_export_sharded_on_an_nccl_group_with_cuda_tensors(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    out = tmp_path / "checkpoint"
+    files = run_ranks(_export_on_nccl, 1, str(out), backend="nccl", timeout=180)[0]
+    assert files == ["model-00001-of-00001.safetensors", "model.safetensors.index.json"]
+    loaded = load_file(str(out / files[0]))
+    assert torch.equal(loaded["w0"], torch.ones(4))

@@ -91,13 +91,23 @@ def _name_hash(name: str) -> int:
     return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little") >> 1
 
 
+def _device_for(group: dist.ProcessGroup | None) -> torch.device:
+    """Where the group's collectives take tensors: CPU, or this rank's GPU for NCCL alone."""
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" in backend and "gloo" not in backend and "cpu" not in backend:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _gathered(values: list[int], group: dist.ProcessGroup | None) -> list[list[int]]:
     """Every rank's list of ints (of any length), with tensor collectives only."""
     world = dist.get_world_size(group)
-    counts = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-    dist.all_gather(counts, torch.tensor([len(values)], dtype=torch.int64), group=group)
+    device = _device_for(group)
+    counts = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
+    mine = torch.tensor([len(values)], dtype=torch.int64, device=device)
+    dist.all_gather(counts, mine, group=group)
     longest = max(int(count.item()) for count in counts)
-    padded = torch.zeros(max(longest, 1), dtype=torch.int64)
+    padded = torch.zeros(max(longest, 1), dtype=torch.int64, device=device)
     padded[: len(values)] = torch.tensor(values, dtype=torch.int64)
     every = [torch.zeros_like(padded) for _ in range(world)]
     dist.all_gather(every, padded, group=group)
@@ -136,7 +146,9 @@ def _name_clashes(names: list[str], rank: int, group: Any, ranks: list[int]) -> 
 def _agreed_directory(output: Path, group: dist.ProcessGroup | None, first: int) -> Path:
     """The temporary directory beside ``output``, named by the first rank for all."""
     token = torch.tensor(
-        [secrets.randbits(62) if dist.get_rank() == first else 0], dtype=torch.int64
+        [secrets.randbits(62) if dist.get_rank() == first else 0],
+        dtype=torch.int64,
+        device=_device_for(group),
     )
     dist.broadcast(token, src=first, group=group)
     return output.parent / f".{output.name}.{int(token.item()):016x}.tmp"
