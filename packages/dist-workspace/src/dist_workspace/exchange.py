@@ -114,9 +114,6 @@ class _Exchange:
         """A key of this call (or of call number ``seq`` of these ranks)."""
         return f"{self.prefix}/{self.seq if seq is None else seq}/{name}"
 
-    def status_keys(self) -> list[str]:
-        return [self.key(f"status/{sender}") for sender in self.senders]
-
 
 def _check_ranks(given: Any, rank: int, group_ranks: list[int], what: str) -> list[int]:
     if isinstance(given, int | str) or not all(isinstance(r, int) for r in given):
@@ -267,17 +264,13 @@ def _collect_statuses(exchange: _Exchange) -> dict[int, dict[str, Any]]:
     # One wait for every sender's status, then one read of them all. A failed sender
     # posts its error as its status: it is raised once every sender has posted, or at
     # the timeout beside the ranks that never did.
-    keys = exchange.status_keys()
+    keys = {sender: exchange.key(f"status/{sender}") for sender in exchange.senders}
     try:
-        exchange.store.wait(keys, timedelta(seconds=max(exchange.timeout, 0.001)))
-        arrived = list(exchange.senders)
-    except RuntimeError:  # DistStoreError on timeout
-        arrived = [
-            r for r, k in zip(exchange.senders, keys, strict=True) if exchange.store.check([k])
-        ]
-    present = [exchange.key(f"status/{sender}") for sender in arrived]
-    values = exchange.store.multi_get(present) if present else []
-    statuses = {sender: _decoded(raw) for sender, raw in zip(arrived, values, strict=True)}
+        exchange.store.wait(list(keys.values()), timedelta(seconds=max(exchange.timeout, 0.001)))
+    except RuntimeError:  # DistStoreError on timeout: read those that came
+        keys = {sender: key for sender, key in keys.items() if exchange.store.check([key])}
+    values = exchange.store.multi_get(list(keys.values())) if keys else []
+    statuses = {sender: _decoded(raw) for sender, raw in zip(keys, values, strict=True)}
     for sender, status in statuses.items():
         if not status.get("ok"):
             raise WorkspaceError(
