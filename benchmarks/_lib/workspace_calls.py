@@ -53,8 +53,9 @@ WORKLOADS: dict[str, tuple[int, int, str]] = {
 }
 
 
-# A TCPStore set goes out without waiting for the server's reply: not a round trip.
-_NO_REPLY = frozenset({"set"})
+# Not round trips: a TCPStore set goes out without waiting for the server's reply, and
+# a timeout is a setting of this client.
+_NOT_ROUND_TRIPS = frozenset({"set", "set_timeout", "timeout"})
 
 
 METHODS = ("dist-workspace", "dist.gather", "store handshake", "Model Optimizer")
@@ -72,10 +73,7 @@ class _CountingStore:
 
     def __getattr__(self, name: str) -> Any:
         attribute = getattr(self._store, name)
-        if not callable(attribute) or name in ("set_timeout", "timeout"):
-            return attribute
-
-        if name in _NO_REPLY:
+        if not callable(attribute) or name in _NOT_ROUND_TRIPS:
             return attribute
 
         def counted(*args: Any, **kwargs: Any) -> Any:
@@ -146,6 +144,8 @@ def _store_handshake(value: Any, ranks: list[int]) -> Iterator[list[Any]]:
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
 
+    from dist_workspace.store_reader import reader_for
+
     store = c10d._get_default_store()
     call = _handshakes[0]
     _handshakes[0] += 1
@@ -159,22 +159,8 @@ def _store_handshake(value: Any, ranks: list[int]) -> Iterator[list[Any]]:
         yield []  # moves no data
     else:
         store.set(f"{prefix}/{rank}", "posted")
-        reader = _handshake_reader(store)
-        reader.get(f"{prefix}/verdict")
+        reader_for(store).get(f"{prefix}/verdict", 60.0)  # dist-workspace's own waiting read
         yield []
-
-
-_readers: dict[int, Any] = {}
-
-
-def _handshake_reader(store: Any) -> Any:
-    from datetime import timedelta
-
-    reader = _readers.get(id(store))
-    if reader is None:
-        reader = _readers[id(store)] = store.clone()
-        reader.set_timeout(timedelta(seconds=60))
-    return reader
 
 
 def _calls_of(method: str, kind: str) -> Callable[..., Any] | None:
@@ -214,7 +200,7 @@ def _one_workload(workload: str, method: str, tally: list[int]) -> dict[str, flo
     rank = dist.get_rank()
     ranks = list(range(WORLD))
     tensor = torch.full((size // 4,), float(rank))
-    spent = read = 0.0
+    spent = 0.0
     counted_before = tally[0]
     dist.barrier()
     began = time.perf_counter()
@@ -228,7 +214,6 @@ def _one_workload(workload: str, method: str, tally: list[int]) -> dict[str, flo
             if values and kind == "tensor" and float(values[-1][-1]) != float(WORLD - 1):
                 raise AssertionError(f"{method}: wrong data in call {index}")
         spent += got - entered + time.perf_counter() - done_reading
-        read += done_reading - got
     total = time.perf_counter() - began
     round_trips = tally[0] - counted_before
     dist.barrier()
