@@ -19,3 +19,11 @@ class UnsupportedOperationError(FTError, NotImplementedError):
     (``No backend type associated with device type cpu``) says neither. A
     ``NotImplementedError``, hence a ``RuntimeError``, as torch's own refusals are.
     """
+
+
+class ReplicaError(FTError, RuntimeError):
+    """Another replica reported an error in this step, or stopped beating its heartbeat."""
+
+
+class ManagerConfigError(FTError, ValueError):
+    """The Manager was built with arguments or environment it cannot work with."""

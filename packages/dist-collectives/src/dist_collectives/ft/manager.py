@@ -38,7 +38,6 @@ import dataclasses
 import itertools
 import logging
 import os
-import re
 import socket
 import threading
 import time
@@ -52,7 +51,29 @@ import torch.distributed as dist
 from torch.distributed import PrefixStore, Store  # type: ignore[attr-defined]  # public, not re-exported in the stubs
 from torch.futures import Future
 
-from dist_collectives.ft.errors import FTError
+from dist_collectives.ft.errors import ManagerConfigError, ReplicaError
+from dist_collectives.ft.manager_decisions import (
+    COMMIT_FAIL,
+    COMMIT_SAME,
+    Failure,
+    broken_group_message,
+    commit_key,
+    commit_proposal,
+    error_key,
+    failure_cause,
+    group_address,
+    heal_plan,
+    lost_member_error,
+    lost_members,
+    lost_since,
+    membership_change,
+    overdue_error,
+    read_commit,
+    recovered_failure,
+    reused_quorum,
+    votes_key,
+    watched_group_ranks,
+)
 from dist_collectives.ft.process_group import ProcessGroup, reduce_op_name
 from dist_collectives.ft.quorum import (
     REGISTRY_VERSION_KEY,
@@ -64,6 +85,8 @@ from dist_collectives.ft.state_transfer import recv_state, send_state
 from dist_collectives.ft.store import connect_tcp_store
 from dist_collectives.ft.work import WorkFuture, future_for
 
+__all__ = ["Manager", "ManagerConfigError", "ReplicaError"]
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_NAMESPACE = "dist_collectives_ft"
@@ -71,40 +94,9 @@ _HEARTBEAT_CHECK_TICKS = 2
 # The wait for a commit decision ends through the watcher, which fails the step at the
 # deadline; the wait's own timeout, this much later, only catches a store that is gone.
 _VOTE_WAIT_GRACE_SECONDS = 5.0
-# A failure's cause in the log: its first line, at most this long.
-_CAUSE_CHARS = 200
 
 
 _T = TypeVar("_T")
-
-
-class ReplicaError(FTError, RuntimeError):
-    """Another replica reported an error in this step, or stopped beating its heartbeat."""
-
-
-class ManagerConfigError(FTError, ValueError):
-    """The Manager was built with arguments or environment it cannot work with."""
-
-
-@dataclasses.dataclass(frozen=True)
-class _Failure:
-    """The first failure since the last step that committed: what recovery is timed from."""
-
-    seen_at: float  # monotonic
-    step: int
-    members: tuple[str, ...]
-    generation: int
-
-
-# gloo's messages start with the C++ source location: "[/path/to/pair.cc:537] Read error".
-_SOURCE_LOCATION = re.compile(r"\[[^\]\s]+\.(?:cc|cpp|h|hpp):\d+\]\s*")
-
-
-def _cause(error: BaseException) -> str:
-    """``error`` on one line of bounded length: its type and the first line of its message."""
-    lines = _SOURCE_LOCATION.sub("", str(error)).strip().splitlines()
-    text = f"{type(error).__name__}: {lines[0] if lines else ''}"
-    return text if len(text) <= _CAUSE_CHARS else text[: _CAUSE_CHARS - 3] + "..."
 
 
 @dataclasses.dataclass(eq=False)
@@ -296,7 +288,7 @@ class Manager:
         self._pending_deadline: float | None = None
         self._vote_deadline: float | None = None
         self._configured_members: tuple[str, ...] = ()
-        self._failure: _Failure | None = None
+        self._failure: Failure | None = None
         # Looked up once: the lookup missed on most groups, and a miss costs an exception.
         error_of = getattr(pg, "error", None)
         self._error_of: Callable[[], object] | None = error_of if callable(error_of) else None
@@ -437,13 +429,11 @@ class Manager:
             generation = self._generation
         future: concurrent.futures.Future[Quorum] = concurrent.futures.Future()
         self._quorum_future = future
-        last, reuse, self._reuse_quorum = self._last_quorum, self._reuse_quorum, False
-        if self._group_broken is not None:
-            reuse = False  # ask group rank 0 (or fail, being it): the group is out
-        if reuse and last is not None:
-            # The last step committed and nobody announced itself since: same members,
-            # same group, one step on. No store round trip at all.
-            quorum = last.next_step()
+        reuse, self._reuse_quorum = self._reuse_quorum, False
+        quorum = reused_quorum(
+            self._last_quorum, reuse=reuse, group_broken=self._group_broken is not None
+        )
+        if quorum is not None:  # no store round trip at all
             self._last_quorum = quorum
             with self._lock:
                 self._quorum = quorum
@@ -542,9 +532,12 @@ class Manager:
             self._quorum = quorum
         rank = quorum.replica_rank(self._replica_id)
         if quorum.quorum_id != self._configured_quorum_id:
-            address = f"{self._host}:{self._port}/{self._namespace}/pg/{quorum.quorum_id}"
-            if self._group_world_size > 1:  # rank i of each group: a group of its own
-                address += f"/{self._group_rank}"
+            address = group_address(
+                f"{self._host}:{self._port}/{self._namespace}",
+                quorum.quorum_id,
+                group_rank=self._group_rank,
+                group_world_size=self._group_world_size,
+            )
             started = time.perf_counter()
             self._pg.configure(address, rank, len(quorum.members))
             self._configured_quorum_id = quorum.quorum_id
@@ -555,31 +548,18 @@ class Manager:
                 len(quorum.members),
                 rank,
                 quorum.max_step,
-                self._membership_change(quorum),
+                membership_change(self._configured_members, quorum.members),
                 1000 * (time.perf_counter() - started),
             )
             self._configured_members = quorum.members
-        if self._replica_id in quorum.receivers:
-            source = quorum.replica_rank(quorum.heal_source(self._replica_id))
-            self._healed = recv_state(self._pg, source)
-        else:
-            healers = quorum.healers_of(self._replica_id)
-            if healers:
-                state = self._state_dict()
-                for healer in healers:
-                    send_state(self._pg, state, self._step, quorum.replica_rank(healer))
+        plan = heal_plan(quorum, self._replica_id)
+        if plan.receive_from is not None:
+            self._healed = recv_state(self._pg, plan.receive_from)
+        elif plan.send_to:
+            state = self._state_dict()
+            for healer in plan.send_to:
+                send_state(self._pg, state, self._step, healer)
         return quorum
-
-    def _membership_change(self, quorum: Quorum) -> str:
-        """``, without a, b, joined by c`` against the last configured quorum ('' if none)."""
-        if not self._configured_members:
-            return ""
-        lost = [m for m in self._configured_members if m not in quorum.members]
-        joined = [m for m in quorum.members if m not in self._configured_members]
-        parts = ([f"without {', '.join(lost)}"] if lost else []) + (
-            [f"joined by {', '.join(joined)}"] if joined else []
-        )
-        return "".join(f", {part}" for part in parts)
 
     def _wait_for_quorum(self) -> Quorum | None:
         future = self._quorum_future
@@ -774,7 +754,7 @@ class Manager:
             pending_now = list(self._pending)
             step = quorum.max_step if quorum is not None else self._step
             if self._failure is None:
-                self._failure = _Failure(
+                self._failure = Failure(
                     seen_at=time.monotonic(),
                     step=step,
                     members=quorum.members if quorum is not None else (),
@@ -783,18 +763,14 @@ class Manager:
             self._lock.notify_all()
         for pending in pending_now:
             pending.complete()
-        logger.warning("replica %s: step %d failed: %s", self._label, step, _cause(error))
+        logger.warning("replica %s: step %d failed: %s", self._label, step, failure_cause(error))
         if publish and quorum is not None:
             try:
                 message = f"{self._replica_id}: {type(error).__name__}: {error}"[:1000]
-                self._monitor_store.set(f"err/{quorum.quorum_id}", message)
-                self._monitor_store.compare_set(self._commit_key(quorum), "", "fail")
+                self._monitor_store.set(error_key(quorum), message)
+                self._monitor_store.compare_set(commit_key(quorum), "", COMMIT_FAIL)
             except Exception:
                 logger.warning("could not publish the error to the store", exc_info=True)
-
-    @staticmethod
-    def _commit_key(quorum: Quorum) -> str:
-        return f"commit/{quorum.quorum_id}/{quorum.max_step}"
 
     def should_commit(self) -> bool:
         """Whether every replica of the quorum finished this step without an error.
@@ -838,7 +814,9 @@ class Manager:
                 # quorum will not include it.
                 self._error = None
                 self._error_wall_time = None
-                if self._failure is not None and self._failure.generation != self._generation:
+                if recovered_failure(
+                    self._failure, committed=committed, generation=self._generation
+                ):
                     recovered, self._failure = self._failure, None
         if healed_step is not None:
             self._step = healed_step
@@ -852,8 +830,8 @@ class Manager:
             self._log_recovery(recovered, quorum)
         return committed
 
-    def _log_recovery(self, failure: _Failure, quorum: Quorum) -> None:
-        lost = [m for m in failure.members if m not in quorum.members]
+    def _log_recovery(self, failure: Failure, quorum: Quorum) -> None:
+        lost = lost_since(failure, quorum)
         logger.info(
             "replica %s: recovered in %.2f s: %s, step %d discarded, step %d committed by "
             "quorum %d with %d replicas",
@@ -880,17 +858,22 @@ class Manager:
         second later (well within ``join_timeout``, which the new replica's round
         waits for the others).
         """
-        key = self._commit_key(quorum)
+        key = commit_key(quorum)
         decision: bytes | None = None
         if self._error is None:
-            votes = self._store.add(f"votes/{quorum.quorum_id}/{quorum.max_step}", 1)
-            if votes >= len(quorum.members) * self._group_world_size:
-                same = self._registry_version <= quorum.registry_version
-                decision = self._store.compare_set(key, "", "ok:same" if same else "ok:full")
+            proposal = commit_proposal(
+                self._store.add(votes_key(quorum), 1),
+                quorum,
+                group_world_size=self._group_world_size,
+                registry_version=self._registry_version,
+            )
+            if proposal is not None:
+                decision = self._store.compare_set(key, "", proposal)
         if decision is None:
             decision = self._await_decision(key, deadline)
-        self._reuse_quorum = decision == b"ok:same"
-        committed = decision.startswith(b"ok")
+        outcome = read_commit(decision)
+        self._reuse_quorum = outcome.reuse_quorum
+        committed = outcome.committed
         if not committed and self._error is None:
             # Another replica failed the step before this one's watcher saw why: take
             # its reason now, so that errored() and the log say it before "discarded".
@@ -905,7 +888,7 @@ class Manager:
     @staticmethod
     def _reported_error(store: Store, quorum: Quorum) -> ReplicaError | None:
         """The error another replica wrote for ``quorum``, if any."""
-        key = f"err/{quorum.quorum_id}"
+        key = error_key(quorum)
         if not store.check([key]):
             return None
         return ReplicaError(f"reported by replica {store.get(key).decode(errors='replace')}")
@@ -919,7 +902,7 @@ class Manager:
         short timeout, then: torch logs a warning each time one runs out.
         """
         if self._error is not None:  # failed before voting: publish it again, to be sure
-            self._store.compare_set(key, "", "fail")
+            self._store.compare_set(key, "", COMMIT_FAIL)
         else:
             self._vote_deadline = deadline
             try:
@@ -928,13 +911,13 @@ class Manager:
             except Exception:  # torch raises DistStoreError (or RuntimeError) on a timeout
                 if not self._store.check([key]):
                     self.report_error(TimeoutError(f"no commit decision within {self._timeout}"))
-                    self._store.compare_set(key, "", "fail")
+                    self._store.compare_set(key, "", COMMIT_FAIL)
             finally:
                 self._vote_deadline = None
         # The key exists now, so this reads it in one round trip (get would first wait
         # again): compare_set answers with the stored value unless it equals "ok:same",
         # which it then leaves as it is.
-        return bytes(self._store.compare_set(key, "ok:same", "ok:same"))
+        return bytes(self._store.compare_set(key, COMMIT_SAME, COMMIT_SAME))
 
     # -- the watcher --------------------------------------------------------------------
 
@@ -969,7 +952,7 @@ class Manager:
         """
         grouped = self._group_world_size > 1
         if grouped and check_group and self._group_broken is None:
-            watched = range(1, self._group_world_size) if self._group_rank == 0 else range(1)
+            watched = watched_group_ranks(self._group_rank, self._group_world_size)
             stale = self._monitor_liveness.stale_ranks(self._group_name(), watched)
             if stale:
                 self._break_group(stale)
@@ -981,10 +964,7 @@ class Manager:
             self._monitor_liveness.beat(self._replica_id)
 
     def _break_group(self, stale: list[int]) -> None:
-        message = (
-            f"replica group {self._replica_id}: group ranks {stale} stopped beating their "
-            "heartbeat; the group is out of the quorum until all its ranks restart"
-        )
+        message = broken_group_message(self._replica_id, stale)
         self._group_broken = message
         if self._group_rank == 0:
             self._monitor_liveness.leave(self._replica_id)
@@ -1002,14 +982,15 @@ class Manager:
             watching = self._step_active and self._error is None
         if quorum is None or not watching:
             return
-        deadline = self._pending_deadline
-        overdue = deadline is not None and time.monotonic() > deadline
-        if overdue and any(not pending.future.done() for pending in self._pending):
-            self._fail(TimeoutError(f"allreduce did not finish within {self._timeout}"), generation)
-            return
-        vote_deadline = self._vote_deadline
-        if vote_deadline is not None and time.monotonic() > vote_deadline:
-            self._fail(TimeoutError(f"no commit decision within {self._timeout}"), generation)
+        overdue = overdue_error(
+            time.monotonic(),
+            allreduce_deadline=self._pending_deadline,
+            allreduce_unfinished=any(not pending.future.done() for pending in self._pending),
+            vote_deadline=self._vote_deadline,
+            timeout=self._timeout,
+        )
+        if overdue is not None:
+            self._fail(overdue, generation)
             return
         reported = self._reported_error(self._monitor_store, quorum)
         if reported is not None:
@@ -1017,16 +998,14 @@ class Manager:
             return
         if not check_heartbeats:
             return
-        alive = self._monitor_liveness.alive()
-        lost = [m for m in quorum.members if m not in alive and m != self._replica_id]
+        lost = lost_members(quorum, self._monitor_liveness.alive(), self._replica_id)
         if not lost:
             return
-        decided = self._monitor_store.check([self._commit_key(quorum)])
-        if decided and self._monitor_store.get(self._commit_key(quorum)).startswith(b"ok"):
-            return  # it left after the vote: this step stands, the next quorum is without it
-        self._fail(
-            ReplicaError(f"replicas {lost} stopped beating their heartbeat or left"), generation
-        )
+        key = commit_key(quorum)
+        decision = self._monitor_store.get(key) if self._monitor_store.check([key]) else None
+        error = lost_member_error(lost, decision)
+        if error is not None:
+            self._fail(error, generation)
 
     def shutdown(self) -> None:
         """Leaves the quorum for good, stops the watcher and releases the group."""
