@@ -34,8 +34,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import dataclasses
-import itertools
 import logging
 import os
 import socket
@@ -69,11 +67,11 @@ from dist_collectives.ft.manager_decisions import (
     membership_change,
     overdue_error,
     read_commit,
-    recovered_failure,
-    reused_quorum,
     votes_key,
     watched_group_ranks,
 )
+from dist_collectives.ft.manager_futures import BufferPool, PendingAllreduce, WrappedFutures
+from dist_collectives.ft.manager_state import StepState
 from dist_collectives.ft.process_group import ProcessGroup, reduce_op_name
 from dist_collectives.ft.quorum import (
     REGISTRY_VERSION_KEY,
@@ -97,55 +95,6 @@ _VOTE_WAIT_GRACE_SECONDS = 5.0
 
 
 _T = TypeVar("_T")
-
-
-@dataclasses.dataclass(eq=False)
-class _Pending:
-    """One allreduce of the current step, completed once: by its exchange or a failure."""
-
-    future: Future[torch.Tensor]
-    tensor: torch.Tensor
-
-    def complete(self) -> None:
-        """Hands ``tensor`` to the caller's future, unless that happened already.
-
-        No lock: the exchange's thread and a failing watcher may race here, and the
-        loser's second ``set_result`` raises, which is all that needs to happen. A lock
-        taken per allreduce, by the training thread and by gloo's threads through the
-        GIL, cost about a tenth of a small model's step.
-        """
-        if self.future.done():
-            return
-        with contextlib.suppress(RuntimeError):  # completed by the other thread meanwhile
-            self.future.set_result(self.tensor)
-
-
-class _BufferPool:
-    """Communication buffers reused from step to step, by shape, dtype and device.
-
-    A fresh buffer per allreduce cost more than the copy into it (new pages fault in).
-    A buffer goes back only after its operation succeeded: one that a failed operation
-    used may still be written by gloo until that group's timeout, so it is dropped.
-    """
-
-    def __init__(self) -> None:
-        self._free: dict[tuple[torch.Size, torch.dtype, torch.device], list[torch.Tensor]] = {}
-
-    def copy_of(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A contiguous buffer holding a copy of ``tensor``."""
-        free = self._free.get((tensor.shape, tensor.dtype, tensor.device))
-        try:
-            buffer = free.pop() if free else None
-        except IndexError:  # another thread took the last one meanwhile
-            buffer = None
-        if buffer is None:
-            buffer = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
-        return buffer.copy_(tensor.detach())
-
-    def give_back(self, buffer: torch.Tensor) -> None:
-        """Returns a buffer whose operation completed successfully."""
-        # list.append and dict.setdefault are atomic under the GIL.
-        self._free.setdefault((buffer.shape, buffer.dtype, buffer.device), []).append(buffer)
 
 
 def _default_replica_id() -> str:
@@ -275,45 +224,25 @@ class Manager:
         self._quorum_liveness = Liveness(self._connect(), heartbeat_timeout)
         self._monitor_liveness = Liveness(self._monitor_store, heartbeat_timeout)
 
-        self._lock = threading.Condition()
-        self._generation = 0
-        self._step = 0
-        self._quorum: Quorum | None = None
-        self._last_quorum: Quorum | None = None
+        # Shared between threads, behind one lock.
+        self._state = StepState()
+        self._buffers = BufferPool()
+        self._wrapped = WrappedFutures()
+        # Owned by the training thread: whether the last commit lets the next step reuse
+        # its quorum, the future of this step's quorum, whether shutdown() ran, and how
+        # many quorums this rank asked for (the key its group rank 0 publishes each
+        # decision under).
         self._reuse_quorum = False
         self._quorum_future: concurrent.futures.Future[Quorum] | None = None
-        self._configured_quorum_id: int | None = None
-        self._healed: tuple[Any, int] | None = None
-        self._pending: list[_Pending] = []
-        self._pending_deadline: float | None = None
-        self._vote_deadline: float | None = None
-        self._configured_members: tuple[str, ...] = ()
-        self._failure: Failure | None = None
+        self._closed = False
+        self._quorum_requests = 0
+        # Set here, read-only afterwards.
         # Looked up once: the lookup missed on most groups, and a miss costs an exception.
         error_of = getattr(pg, "error", None)
         self._error_of: Callable[[], object] | None = error_of if callable(error_of) else None
         self._sum_options = dist.AllreduceOptions()
         self._sum_options.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]
-        self._buffers = _BufferPool()
-        self._error: Exception | None = None
-        self._error_wall_time: float | None = None
-        self._step_active = False
-        self._closed = False
-        # Futures from wrap_future that are not done yet: key -> (deadline, fail).
-        self._wrapped: dict[int, tuple[float, Callable[[Exception], None]]] = {}
-        self._wrapped_keys = itertools.count()
-        self._wrapped_lock = threading.Lock()
-        # Replica groups: how many quorums this rank asked for (the key its group rank 0
-        # publishes each decision under), and why the group broke, once it has.
-        self._quorum_requests = 0
-        self._group_broken: str | None = None
-        # The registry version (bumped by every Manager that announces itself) as the
-        # watcher last read it: the commit vote compares it with its quorum's instead
-        # of reading it, which took one store round trip off every step's vote.
-        self._registry_version = 0
         self._incarnation = 0
-        self._arrival_key: str | None = None
-        self._awaited_key: str | None = None
         if group_world_size > 1:
             self._join_group()
 
@@ -375,16 +304,26 @@ class Manager:
 
     def current_step(self) -> int:
         """The number of steps committed so far (a healed replica takes its source's)."""
-        return self._step
+        return self._state.step
 
     def errored(self) -> Exception | None:
         """The error of the current step, if any replica reported one."""
-        return self._error
+        return self._state.error
+
+    @property
+    def _quorum(self) -> Quorum | None:
+        # This step's quorum once decided; read by the fault tests' workers.
+        return self._state.quorum
+
+    @property
+    def _error_wall_time(self) -> float | None:
+        # When this step's error was recorded; read by the fault tests' workers.
+        return self._state.error_wall_time
 
     def _current_quorum(self) -> Quorum:
         quorum = self._wait_for_quorum()
         if quorum is None:
-            raise ReplicaError(f"replica {self._replica_id}: no quorum: {self._error}")
+            raise ReplicaError(f"replica {self._replica_id}: no quorum: {self._state.error}")
         return quorum
 
     def num_participants(self) -> int:
@@ -418,39 +357,26 @@ class Manager:
         """
         if self._closed:
             raise RuntimeError(f"replica {self._replica_id}: the Manager was shut down")
-        with self._lock:
-            self._generation += 1
-            self._error = None
-            self._error_wall_time = None
-            self._quorum = None
-            self._healed = None
-            self._pending = []
-            self._step_active = True
-            generation = self._generation
+        reuse, self._reuse_quorum = self._reuse_quorum, False
+        generation, reused = self._state.begin_step(reuse=reuse)
         future: concurrent.futures.Future[Quorum] = concurrent.futures.Future()
         self._quorum_future = future
-        reuse, self._reuse_quorum = self._reuse_quorum, False
-        quorum = reused_quorum(
-            self._last_quorum, reuse=reuse, group_broken=self._group_broken is not None
-        )
-        if quorum is not None:  # no store round trip at all
-            self._last_quorum = quorum
-            with self._lock:
-                self._quorum = quorum
-            future.set_result(quorum)
+        if reused is not None:  # no store round trip at all
+            future.set_result(reused)
             return
 
         self._quorum_requests += 1
         request = self._quorum_requests
+        step = self._state.step
 
         def run() -> None:
             try:
-                future.set_result(self._form_quorum(generation, request))
+                future.set_result(self._form_quorum(generation, request, step))
             except BaseException as error:
                 future.set_exception(error)
 
         threading.Thread(target=run, name=f"ft-quorum-{generation}", daemon=True).start()
-        if self._init_sync and self._step == 0:
+        if self._init_sync and step == 0:
             self._load_first_state()
 
     def _load_first_state(self) -> None:
@@ -463,28 +389,31 @@ class Manager:
         joins a job already past step 0 heals as usual.
         """
         quorum = self._wait_for_quorum()
-        if quorum is None or not quorum.syncs_first_state or self._healed is None:
+        if quorum is None or not quorum.syncs_first_state:
             return
-        state, _ = self._healed
-        self._healed = None
+        healed = self._state.take_healed()
+        if healed is None:
+            return
+        state, _ = healed
         try:
             self._load_state_dict(state)
         except Exception as error:
             self.report_error(error)
 
-    def _group_quorum(self, request: int) -> Quorum:
+    def _group_quorum(self, request: int, step: int) -> Quorum:
         """This group's decision: computed by group rank 0, read by the other ranks."""
         if self._group_world_size == 1:
-            return self._compute_quorum()
+            return self._compute_quorum(step)
         key = self._group_key(request)
         arrived = f"{key}/arrived"
         if self._group_rank > 0:
             # Rank 0 asks for the group only once every rank has asked for this step.
             if self._quorum_store.add(f"{key}/count", 1) == self._group_world_size - 1:
                 self._quorum_store.set(arrived, "all")
-            self._awaited_key = key  # the watcher ends the wait if rank 0 stops beating
-            if self._group_broken is not None:
-                raise ReplicaError(self._group_broken)
+            # The watcher ends the wait if rank 0 stops beating.
+            broken = self._state.wait_for_group(awaited_key=key)
+            if broken is not None:
+                raise ReplicaError(broken)
             self._quorum_store.wait([key], self._timeout)
             raw = bytes(self._quorum_store.get(key))
             if raw.startswith(b"fail:"):
@@ -494,44 +423,42 @@ class Manager:
                 )
             return Quorum.from_json(raw)
         try:
-            self._arrival_key = arrived
-            if self._group_broken is None:
+            if self._state.wait_for_group(arrival_key=arrived) is None:
                 # Ended by the last rank to arrive, or by the watcher when a rank stopped
                 # beating (it writes "broken"): a group whose rank died mid-step never
                 # joins the next round with the ranks it has left.
                 self._quorum_store.wait([arrived], self._timeout)
-            if self._group_broken is not None:
-                raise ReplicaError(self._group_broken)
-            quorum = self._compute_quorum()
+            broken = self._state.group_broken
+            if broken is not None:
+                raise ReplicaError(broken)
+            quorum = self._compute_quorum(step)
         except Exception as error:
             self._quorum_store.set(key, f"fail:{type(error).__name__}: {error}"[:1000])
             raise
         self._quorum_store.set(key, quorum.to_json())
         return quorum
 
-    def _compute_quorum(self) -> Quorum:
+    def _compute_quorum(self, step: int) -> Quorum:
         return compute_quorum(
             self._quorum_store,
             self._replica_id,
-            self._step,
+            step,
             liveness=self._quorum_liveness,
             min_replicas=self._min_replica_size,
             join_timeout=self._join_timeout,
             timeout=self._timeout,
-            previous=self._last_quorum,
+            previous=self._state.last_quorum,
             first_quorum_window=self._first_quorum_window,
             init_sync=self._init_sync,
         )
 
-    def _form_quorum(self, generation: int, request: int) -> Quorum:
-        quorum = self._group_quorum(request)
-        self._last_quorum = quorum
-        with self._lock:
-            if generation != self._generation:
-                return quorum  # a newer start_quorum took over; leave the group alone
-            self._quorum = quorum
+    def _form_quorum(self, generation: int, request: int, step: int) -> Quorum:
+        quorum = self._group_quorum(request, step)
+        if not self._state.adopt_quorum(quorum, generation):
+            return quorum  # a newer start_quorum took over; leave the group alone
         rank = quorum.replica_rank(self._replica_id)
-        if quorum.quorum_id != self._configured_quorum_id:
+        configured_id, configured_members = self._state.configured
+        if quorum.quorum_id != configured_id:
             address = group_address(
                 f"{self._host}:{self._port}/{self._namespace}",
                 quorum.quorum_id,
@@ -540,7 +467,7 @@ class Manager:
             )
             started = time.perf_counter()
             self._pg.configure(address, rank, len(quorum.members))
-            self._configured_quorum_id = quorum.quorum_id
+            self._state.configured_for(quorum)
             logger.info(
                 "replica %s: quorum %d with %d replicas, rank %d, step %d%s; configured in %.1f ms",
                 self._label,
@@ -548,17 +475,16 @@ class Manager:
                 len(quorum.members),
                 rank,
                 quorum.max_step,
-                membership_change(self._configured_members, quorum.members),
+                membership_change(configured_members, quorum.members),
                 1000 * (time.perf_counter() - started),
             )
-            self._configured_members = quorum.members
         plan = heal_plan(quorum, self._replica_id)
         if plan.receive_from is not None:
-            self._healed = recv_state(self._pg, plan.receive_from)
+            self._state.received(*recv_state(self._pg, plan.receive_from), generation)
         elif plan.send_to:
             state = self._state_dict()
             for healer in plan.send_to:
-                send_state(self._pg, state, self._step, healer)
+                send_state(self._pg, state, step, healer)
         return quorum
 
     def _wait_for_quorum(self) -> Quorum | None:
@@ -572,7 +498,7 @@ class Manager:
             done, _ = concurrent.futures.wait([future], timeout=0.01)
             if done:
                 break
-            if self._error is not None:
+            if self._state.error is not None:
                 return None
             if time.monotonic() > deadline:
                 self.report_error(TimeoutError(f"no quorum within {self._timeout}"))
@@ -625,7 +551,7 @@ class Manager:
         # the division), so a waiter's stream is ordered after both.
         result = future_for(tensor, WorkFuture)
         quorum = self._wait_for_quorum()
-        if quorum is None or self._error is not None:
+        if quorum is None or self._state.error is not None:
             result.set_result(tensor)
             return result
         participants = len(quorum.participants) if average else 1
@@ -635,10 +561,9 @@ class Manager:
         # Dividing first makes the sum the average: the exchange's own result is the
         # answer, and the callback below has no tensor work to do.
         buffer = tensor.div_(participants) if in_place else self._buffers.copy_of(tensor)
-        pending = _Pending(result, tensor)
-        generation = self._generation
-        self._pending.append(pending)
-        if self.errored() is not None:  # failed meanwhile; _fail may not have seen it
+        pending = PendingAllreduce(result, tensor)
+        generation = self._state.add_pending(pending)
+        if generation is None:  # failed meanwhile; its failure may not have seen this one
             pending.complete()
             return result
         try:
@@ -687,7 +612,6 @@ class Manager:
         """
         result: Future[_T] = future_for(default)
         seconds = (timeout or self._timeout).total_seconds()
-        key = next(self._wrapped_keys)
 
         def complete(value: _T) -> None:
             if result.done():
@@ -702,8 +626,7 @@ class Manager:
             complete(default)
 
         def done(_: Future[_T]) -> None:
-            with self._wrapped_lock:
-                self._wrapped.pop(key, None)
+            self._wrapped.forget(key)
             try:
                 value = fut.wait()  # raises its error; orders this stream after its events
             except Exception as error:
@@ -711,25 +634,9 @@ class Manager:
                 return
             complete(value)
 
-        with self._wrapped_lock:
-            self._wrapped[key] = (time.monotonic() + seconds, fail)
+        key = self._wrapped.register(seconds, fail)
         fut.add_done_callback(done)
         return result
-
-    def _expire_wrapped(self) -> None:
-        """Fails the futures of :meth:`wrap_future` that are overdue; forgets done ones."""
-        if not self._wrapped:
-            return
-        now = time.monotonic()
-        with self._wrapped_lock:
-            overdue = [key for key, (deadline, _) in self._wrapped.items() if deadline < now]
-            failures = [self._wrapped.pop(key)[1] for key in overdue]
-        for fail in failures:
-            fail(
-                TimeoutError(
-                    "a future given to Manager.wrap_future was not done within its timeout"
-                )
-            )
 
     def _swallowed_error(self) -> Exception | None:
         """The error an error-swallowing group recorded instead of raising, if any."""
@@ -743,27 +650,15 @@ class Manager:
         self._fail(error, None)
 
     def _fail(self, error: Exception, generation: int | None, *, publish: bool = True) -> None:
-        with self._lock:
-            if generation is not None and generation != self._generation:
-                return  # a late failure of an earlier step's group
-            if self._error is not None:
-                return
-            self._error = error
-            self._error_wall_time = time.time()
-            quorum = self._quorum
-            pending_now = list(self._pending)
-            step = quorum.max_step if quorum is not None else self._step
-            if self._failure is None:
-                self._failure = Failure(
-                    seen_at=time.monotonic(),
-                    step=step,
-                    members=quorum.members if quorum is not None else (),
-                    generation=self._generation,
-                )
-            self._lock.notify_all()
-        for pending in pending_now:
+        failed = self._state.fail(error, generation)
+        if failed is None:
+            return
+        for pending in failed.pending:
             pending.complete()
-        logger.warning("replica %s: step %d failed: %s", self._label, step, failure_cause(error))
+        logger.warning(
+            "replica %s: step %d failed: %s", self._label, failed.step, failure_cause(error)
+        )
+        quorum = failed.quorum
         if publish and quorum is not None:
             try:
                 message = f"{self._replica_id}: {type(error).__name__}: {error}"[:1000]
@@ -782,46 +677,33 @@ class Manager:
         quorum = self._wait_for_quorum()
         # Each future completes through its exchange or a failure; past the deadline the
         # watcher fails the step, which completes them all.
-        self._pending_deadline = deadline
-        for pending in list(self._pending):
+        self._state.set_deadlines(allreduce=deadline, vote=None)
+        for pending in self._state.pending():
             pending.future.wait()
-        self._pending_deadline = None
+        self._state.set_deadlines(allreduce=None, vote=None)
         # A group that records errors instead of raising them (the error-swallowing
         # wrapper; a baby group whose child died after its work was handed back on the
         # GPU streams) may have failed after the last allreduce completed.
         swallowed = self._swallowed_error()
-        if swallowed is not None and self._error is None:
+        if swallowed is not None and self._state.error is None:
             self.report_error(swallowed)
         if quorum is None:
-            self._step_active = False
-            logger.warning("replica %s: step %d discarded: no quorum", self._label, self._step)
+            self._state.end_step(None, committed=False, healed_step=None)
+            logger.warning(
+                "replica %s: step %d discarded: no quorum", self._label, self._state.step
+            )
             return False
         healed_step: int | None = None
-        if self._healed is not None and self._error is None:
-            state, healed_step = self._healed
+        healed = self._state.healed()
+        if healed is not None:
+            state, healed_step = healed
             try:
                 self._load_state_dict(state)
             except Exception as error:
                 self.report_error(error)
                 healed_step = None
         committed = self._vote(quorum, deadline)
-        with self._lock:
-            self._step_active = False
-            recovered = None
-            if committed:
-                # Every replica voted before any error was seen; what failed since (a
-                # peer that left or died after voting) belongs to the next step, whose
-                # quorum will not include it.
-                self._error = None
-                self._error_wall_time = None
-                if recovered_failure(
-                    self._failure, committed=committed, generation=self._generation
-                ):
-                    recovered, self._failure = self._failure, None
-        if healed_step is not None:
-            self._step = healed_step
-        if committed:
-            self._step = quorum.max_step + 1
+        recovered = self._state.end_step(quorum, committed=committed, healed_step=healed_step)
         if not committed:
             logger.warning(
                 "replica %s: step %d discarded on every replica", self._label, quorum.max_step
@@ -860,12 +742,12 @@ class Manager:
         """
         key = commit_key(quorum)
         decision: bytes | None = None
-        if self._error is None:
+        if self._state.error is None:
             proposal = commit_proposal(
                 self._store.add(votes_key(quorum), 1),
                 quorum,
                 group_world_size=self._group_world_size,
-                registry_version=self._registry_version,
+                registry_version=self._state.registry_version,
             )
             if proposal is not None:
                 decision = self._store.compare_set(key, "", proposal)
@@ -874,13 +756,13 @@ class Manager:
         outcome = read_commit(decision)
         self._reuse_quorum = outcome.reuse_quorum
         committed = outcome.committed
-        if not committed and self._error is None:
+        if not committed and self._state.error is None:
             # Another replica failed the step before this one's watcher saw why: take
             # its reason now, so that errored() and the log say it before "discarded".
             reported = self._reported_error(self._store, quorum)
             self._fail(
                 reported or ReplicaError("another replica failed the step"),
-                self._generation,
+                self._state.generation,
                 publish=False,
             )
         return committed
@@ -901,10 +783,10 @@ class Manager:
         watcher too when a peer stops beating or the deadline passes. No wait with a
         short timeout, then: torch logs a warning each time one runs out.
         """
-        if self._error is not None:  # failed before voting: publish it again, to be sure
+        if self._state.error is not None:  # failed before voting: publish it again, to be sure
             self._store.compare_set(key, "", COMMIT_FAIL)
         else:
-            self._vote_deadline = deadline
+            self._state.set_deadlines(allreduce=None, vote=deadline)
             try:
                 grace = max(deadline - time.monotonic(), 0.0) + _VOTE_WAIT_GRACE_SECONDS
                 self._store.wait([key], timedelta(seconds=grace))
@@ -913,7 +795,7 @@ class Manager:
                     self.report_error(TimeoutError(f"no commit decision within {self._timeout}"))
                     self._store.compare_set(key, "", COMMIT_FAIL)
             finally:
-                self._vote_deadline = None
+                self._state.set_deadlines(allreduce=None, vote=None)
         # The key exists now, so this reads it in one round trip (get would first wait
         # again): compare_set answers with the stored value unless it equals "ok:same",
         # which it then leaves as it is.
@@ -927,7 +809,7 @@ class Manager:
         while not self._stop.wait(interval):
             ticks += 1
             try:
-                self._expire_wrapped()
+                self._wrapped.expire()
                 slow_tick = ticks % _HEARTBEAT_CHECK_TICKS == 0
                 self._beat(check_group=slow_tick)
                 # Errors are polled every tick; heartbeats, which only back up the error
@@ -935,7 +817,7 @@ class Manager:
                 # to keep the store traffic small.
                 if slow_tick:
                     version = int(self._monitor_store.add(REGISTRY_VERSION_KEY, 0))
-                    self._registry_version = max(self._registry_version, version)
+                    self._state.saw_registry_version(version)
                 self._watch_step(check_heartbeats=slow_tick)
             except Exception:
                 if not self._stop.is_set():
@@ -951,12 +833,12 @@ class Manager:
         rank 0 also marks the group as left, so that the other groups leave it out at once.
         """
         grouped = self._group_world_size > 1
-        if grouped and check_group and self._group_broken is None:
+        if grouped and check_group and self._state.group_broken is None:
             watched = watched_group_ranks(self._group_rank, self._group_world_size)
             stale = self._monitor_liveness.stale_ranks(self._group_name(), watched)
             if stale:
                 self._break_group(stale)
-        if self._group_broken is not None:
+        if self._state.group_broken is not None:
             return
         if grouped:
             self._monitor_liveness.beat_rank(self._group_name(), self._group_rank)
@@ -965,28 +847,29 @@ class Manager:
 
     def _break_group(self, stale: list[int]) -> None:
         message = broken_group_message(self._replica_id, stale)
-        self._group_broken = message
+        waits = self._state.break_group(message)
+        if waits is None:
+            return
         if self._group_rank == 0:
             self._monitor_liveness.leave(self._replica_id)
-            if self._arrival_key is not None:
-                self._monitor_store.compare_set(self._arrival_key, "", "broken")
-        elif self._awaited_key is not None:
-            self._monitor_store.compare_set(self._awaited_key, "", f"fail:{message}"[:1000])
+            if waits.arrival_key is not None:
+                self._monitor_store.compare_set(waits.arrival_key, "", "broken")
+        elif waits.awaited_key is not None:
+            self._monitor_store.compare_set(waits.awaited_key, "", f"fail:{message}"[:1000])
         logger.warning("%s", message)
-        if self._step_active:
-            self._fail(ReplicaError(message), self._generation)
+        if waits.step_active:
+            self._fail(ReplicaError(message), waits.generation)
 
     def _watch_step(self, *, check_heartbeats: bool) -> None:
-        with self._lock:
-            quorum, generation = self._quorum, self._generation
-            watching = self._step_active and self._error is None
-        if quorum is None or not watching:
+        watched = self._state.watched_step()
+        if watched is None:
             return
+        quorum, generation = watched.quorum, watched.generation
         overdue = overdue_error(
             time.monotonic(),
-            allreduce_deadline=self._pending_deadline,
-            allreduce_unfinished=any(not pending.future.done() for pending in self._pending),
-            vote_deadline=self._vote_deadline,
+            allreduce_deadline=watched.allreduce_deadline,
+            allreduce_unfinished=any(not pending.future.done() for pending in watched.pending),
+            vote_deadline=watched.vote_deadline,
             timeout=self._timeout,
         )
         if overdue is not None:
