@@ -1,0 +1,726 @@
+"""The Manager's executor: every store call, every group call and every thread it runs.
+
+It reads what the protocol needs (the store, the group, the clock), asks
+:mod:`dist_collectives.ft.manager_decisions` what follows, records the outcome in the
+:class:`~dist_collectives.ft.manager_state.StepState` and does it. The protocol itself,
+step by step:
+
+1. ``start_quorum`` starts a step: it reuses the last quorum when the last commit
+   allowed it, else a *quorum thread* joins a round (:mod:`dist_collectives.ft.quorum`;
+   in a replica group only group rank 0 does, and publishes the decision to its ranks),
+   configures the group when the quorum id changed, and sends or receives a state to
+   heal.
+2. ``allreduce`` hands each tensor to the group; a group's callback completes it.
+3. ``should_commit`` waits for the allreduces, loads a healed state and votes: the last
+   voter writes the decision, the others wait for it.
+4. Meanwhile the *watcher* thread beats the heartbeats, reads the registry version,
+   and fails the step when another replica reported an error, a member stopped
+   beating, or a wait ran past its deadline; every failure is written to the store so
+   that the others stop waiting too.
+
+Threads, and what each owns besides the shared :class:`StepState`:
+
+- the training thread (the caller of the Manager): whether the next step may reuse
+  the quorum, the future of this step's quorum, the count of quorum requests, whether
+  the executor was shut down, and the vote's store connection;
+- the quorum thread: its own store connection and its liveness observer (whose
+  ticker closes rounds);
+- the watcher: the liveness observer of heartbeats and of the replica group;
+- callback threads (a group's, a wrapped future's): nothing; they record failures
+  in the state.
+
+A failure is published on the watcher's connection from whichever thread saw it; a
+TCPStore client serialises its callers. The buffer pool and the wrapped futures each
+have their own lock (:mod:`dist_collectives.ft.manager_futures`).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch.distributed import PrefixStore, Store  # type: ignore[attr-defined]  # public, not re-exported in the stubs
+from torch.futures import Future
+
+from dist_collectives.ft.errors import ManagerConfigError, ReplicaError
+from dist_collectives.ft.manager_config import ManagerConfig
+from dist_collectives.ft.manager_decisions import (
+    COMMIT_FAIL,
+    COMMIT_SAME,
+    Failure,
+    broken_group_message,
+    commit_key,
+    commit_proposal,
+    error_key,
+    failure_cause,
+    group_address,
+    heal_plan,
+    lost_member_error,
+    lost_members,
+    lost_since,
+    membership_change,
+    overdue_error,
+    read_commit,
+    votes_key,
+    watched_group_ranks,
+)
+from dist_collectives.ft.manager_futures import BufferPool, PendingAllreduce, WrappedFutures
+from dist_collectives.ft.manager_state import StepState
+from dist_collectives.ft.process_group import ProcessGroup
+from dist_collectives.ft.quorum import (
+    REGISTRY_VERSION_KEY,
+    Liveness,
+    Quorum,
+    compute_quorum,
+)
+from dist_collectives.ft.state_transfer import recv_state, send_state
+from dist_collectives.ft.store import connect_tcp_store
+from dist_collectives.ft.work import WorkFuture, future_for
+
+_HEARTBEAT_CHECK_TICKS = 2
+# The wait for a commit decision ends through the watcher, which fails the step at the
+# deadline; the wait's own timeout, this much later, only catches a store that is gone.
+_VOTE_WAIT_GRACE_SECONDS = 5.0
+
+_T = TypeVar("_T")
+
+
+class ManagerExecutor:
+    """Runs the protocol of one :class:`~dist_collectives.ft.Manager` (see the module doc).
+
+    Connects to the store, joins the replica group, announces this replica and starts
+    the watcher when built.
+
+    Args:
+        pg: The reconfigurable group the replicas average over.
+        config: The Manager's checked settings.
+        load_state_dict: Called with a healthy peer's state when this replica heals.
+        state_dict: Returns this replica's state, sent to replicas that heal.
+        log: Where the Manager's log lines go (its module's logger: the lines are
+            documented there).
+
+    Raises:
+        ManagerConfigError: This rank's replica group size differs from the job's.
+    """
+
+    def __init__(
+        self,
+        pg: ProcessGroup,
+        config: ManagerConfig,
+        *,
+        load_state_dict: Callable[[Any], None],
+        state_dict: Callable[[], Any],
+        log: logging.Logger,
+    ) -> None:
+        self._pg = pg
+        self._config = config
+        self._load_state_dict = load_state_dict
+        self._state_dict = state_dict
+        self._log = log
+        # Separate connections: a shared TCPStore client serialises its callers, and
+        # the quorum thread and the commit vote block in waits that must not delay the
+        # error watcher, nor the ticker that closes a round (its liveness' connection).
+        self._store = self._connect()
+        self._quorum_store = self._connect()
+        self._monitor_store = self._connect()
+        self._quorum_liveness = Liveness(self._connect(), config.heartbeat_timeout)
+        self._monitor_liveness = Liveness(self._monitor_store, config.heartbeat_timeout)
+
+        # Shared between threads: one lock each.
+        self.state = StepState()
+        self._buffers = BufferPool()
+        self._wrapped = WrappedFutures()
+        # Owned by the training thread: whether the last commit lets the next step reuse
+        # its quorum, the future of this step's quorum, whether shutdown() ran, and how
+        # many quorums this rank asked for (the key its group rank 0 publishes each
+        # decision under).
+        self._reuse_quorum = False
+        self._quorum_future: concurrent.futures.Future[Quorum] | None = None
+        self._closed = False
+        self._quorum_requests = 0
+        # Set here, read-only afterwards.
+        # Looked up once: the lookup missed on most groups, and a miss costs an exception.
+        error_of = getattr(pg, "error", None)
+        self._error_of: Callable[[], object] | None = error_of if callable(error_of) else None
+        self._sum_options = dist.AllreduceOptions()
+        self._sum_options.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]
+        self._incarnation = 0
+        if config.grouped:
+            self._join_group()
+            self._monitor_liveness.beat_rank(self._group_name(), config.group_rank)
+        if config.group_rank == 0:
+            self._monitor_liveness.announce(config.replica_id)
+        self._stop = threading.Event()
+        self._monitor = threading.Thread(
+            target=self._monitor_loop, name=f"ft-monitor-{config.replica_id}", daemon=True
+        )
+        self._monitor.start()
+
+    def _join_group(self) -> None:
+        """Checks the group size against the job's and counts this rank's incarnation.
+
+        Every rank of a group counts its own starts; a group restarts as a whole, so its
+        ranks agree on the count and use it to keep apart the decisions group rank 0
+        publishes in each incarnation.
+        """
+        config = self._config
+        size = self._store.compare_set("group_world_size", "", str(config.group_world_size))
+        if size.decode() != str(config.group_world_size):
+            raise ManagerConfigError(
+                f"replica {config.replica_id}: group_world_size={config.group_world_size}, "
+                f"but the job's replica groups have {size.decode()} ranks; every group must "
+                "have the same size (rank i of each group averages with rank i of the others)"
+            )
+        self._incarnation = int(
+            self._store.add(f"incarnation/{config.replica_id}/{config.group_rank}", 1)
+        )
+
+    def _group_name(self) -> str:
+        """This group in this incarnation: its ranks' heartbeats and decisions go under it."""
+        return f"{self._config.replica_id}/{self._incarnation}"
+
+    def _group_key(self, request: int) -> str:
+        return f"group/{self._group_name()}/{request}"
+
+    def _connect(self) -> Store:
+        client = connect_tcp_store(
+            self._config.host, self._config.port, self._config.timeout, shared=False
+        )
+        return PrefixStore(self._config.namespace, client)
+
+    # -- the step -----------------------------------------------------------------------
+
+    def current_quorum(self) -> Quorum:
+        """This step's quorum, once formed.
+
+        Raises:
+            ReplicaError: No quorum formed (the step failed first, or timed out).
+        """
+        quorum = self.wait_for_quorum()
+        if quorum is None:
+            raise ReplicaError(f"replica {self._config.replica_id}: no quorum: {self.state.error}")
+        return quorum
+
+    def start_quorum(self) -> None:
+        """Starts a step: reuses the last quorum, or starts a quorum thread to form one."""
+        if self._closed:
+            raise RuntimeError(f"replica {self._config.replica_id}: the Manager was shut down")
+        reuse, self._reuse_quorum = self._reuse_quorum, False
+        generation, reused = self.state.begin_step(reuse=reuse)
+        future: concurrent.futures.Future[Quorum] = concurrent.futures.Future()
+        self._quorum_future = future
+        if reused is not None:  # no store round trip at all
+            future.set_result(reused)
+            return
+
+        self._quorum_requests += 1
+        request = self._quorum_requests
+        step = self.state.step
+
+        def run() -> None:
+            try:
+                future.set_result(self._form_quorum(generation, request, step))
+            except BaseException as error:
+                future.set_exception(error)
+
+        threading.Thread(target=run, name=f"ft-quorum-{generation}", daemon=True).start()
+        if self._config.init_sync and step == 0:
+            self._load_first_state()
+
+    def _load_first_state(self) -> None:
+        """Before this replica's first step: waits for the quorum, loads the state it sent.
+
+        Runs in :meth:`start_quorum`, before the step's forward pass, so a replica that
+        copies the first member's state (:attr:`Quorum.syncs_first_state`) computes
+        its first gradients from the same weights as the others and takes part in the
+        step (torchft zeroes those replicas' first gradients instead). A replica that
+        joins a job already past step 0 heals as usual.
+        """
+        quorum = self.wait_for_quorum()
+        if quorum is None or not quorum.syncs_first_state:
+            return
+        healed = self.state.take_healed()
+        if healed is None:
+            return
+        state, _ = healed
+        try:
+            self._load_state_dict(state)
+        except Exception as error:
+            self.report_error(error)
+
+    def _group_quorum(self, request: int, step: int) -> Quorum:
+        """This group's decision: computed by group rank 0, read by the other ranks."""
+        if self._config.group_world_size == 1:
+            return self._compute_quorum(step)
+        key = self._group_key(request)
+        arrived = f"{key}/arrived"
+        if self._config.group_rank > 0:
+            # Rank 0 asks for the group only once every rank has asked for this step.
+            if self._quorum_store.add(f"{key}/count", 1) == self._config.group_world_size - 1:
+                self._quorum_store.set(arrived, "all")
+            # The watcher ends the wait if rank 0 stops beating.
+            broken = self.state.wait_for_group(awaited_key=key)
+            if broken is not None:
+                raise ReplicaError(broken)
+            self._quorum_store.wait([key], self._config.timeout)
+            raw = bytes(self._quorum_store.get(key))
+            if raw.startswith(b"fail:"):
+                raise ReplicaError(
+                    f"replica {self._config.replica_id}: no quorum for the group: "
+                    f"{raw[5:].decode(errors='replace')}"
+                )
+            return Quorum.from_json(raw)
+        try:
+            if self.state.wait_for_group(arrival_key=arrived) is None:
+                # Ended by the last rank to arrive, or by the watcher when a rank stopped
+                # beating (it writes "broken"): a group whose rank died mid-step never
+                # joins the next round with the ranks it has left.
+                self._quorum_store.wait([arrived], self._config.timeout)
+            broken = self.state.group_broken
+            if broken is not None:
+                raise ReplicaError(broken)
+            quorum = self._compute_quorum(step)
+        except Exception as error:
+            self._quorum_store.set(key, f"fail:{type(error).__name__}: {error}"[:1000])
+            raise
+        self._quorum_store.set(key, quorum.to_json())
+        return quorum
+
+    def _compute_quorum(self, step: int) -> Quorum:
+        return compute_quorum(
+            self._quorum_store,
+            self._config.replica_id,
+            step,
+            liveness=self._quorum_liveness,
+            min_replicas=self._config.min_replica_size,
+            join_timeout=self._config.join_timeout,
+            timeout=self._config.timeout,
+            previous=self.state.last_quorum,
+            first_quorum_window=self._config.first_quorum_window,
+            init_sync=self._config.init_sync,
+        )
+
+    def _form_quorum(self, generation: int, request: int, step: int) -> Quorum:
+        quorum = self._group_quorum(request, step)
+        if not self.state.adopt_quorum(quorum, generation):
+            return quorum  # a newer start_quorum took over; leave the group alone
+        rank = quorum.replica_rank(self._config.replica_id)
+        configured_id, configured_members = self.state.configured
+        if quorum.quorum_id != configured_id:
+            address = group_address(
+                f"{self._config.host}:{self._config.port}/{self._config.namespace}",
+                quorum.quorum_id,
+                group_rank=self._config.group_rank,
+                group_world_size=self._config.group_world_size,
+            )
+            started = time.perf_counter()
+            self._pg.configure(address, rank, len(quorum.members))
+            self.state.configured_for(quorum)
+            self._log.info(
+                "replica %s: quorum %d with %d replicas, rank %d, step %d%s; configured in %.1f ms",
+                self._config.label,
+                quorum.quorum_id,
+                len(quorum.members),
+                rank,
+                quorum.max_step,
+                membership_change(configured_members, quorum.members),
+                1000 * (time.perf_counter() - started),
+            )
+        plan = heal_plan(quorum, self._config.replica_id)
+        if plan.receive_from is not None:
+            self.state.received(*recv_state(self._pg, plan.receive_from), generation)
+        elif plan.send_to:
+            state = self._state_dict()
+            for healer in plan.send_to:
+                send_state(self._pg, state, step, healer)
+        return quorum
+
+    def wait_for_quorum(self) -> Quorum | None:
+        """This step's quorum; None when the step failed or timed out before it formed."""
+        future = self._quorum_future
+        if future is None:
+            raise RuntimeError("call start_quorum() before allreduce() or should_commit()")
+        if future.done() and future.exception() is None:
+            return future.result()
+        deadline = time.monotonic() + self._config.timeout.total_seconds()
+        while True:
+            done, _ = concurrent.futures.wait([future], timeout=0.01)
+            if done:
+                break
+            if self.state.error is not None:
+                return None
+            if time.monotonic() > deadline:
+                self.report_error(TimeoutError(f"no quorum within {self._config.timeout}"))
+                return None
+        error = future.exception()
+        if error is not None:
+            self.report_error(error if isinstance(error, Exception) else RuntimeError(error))
+            return None
+        return future.result()
+
+    def allreduce(self, tensor: torch.Tensor, *, average: bool) -> WorkFuture:
+        """Sums ``tensor`` in place over this step's participants, or averages it.
+
+        Returns:
+            A future of ``tensor`` that never raises (see ``Manager.allreduce``).
+        """
+        # With CUDA tensors the future records an event where its result is set: on
+        # the stream the group's own future runs ``finish`` on (after the exchange and
+        # the division), so a waiter's stream is ordered after both.
+        result = future_for(tensor, WorkFuture)
+        quorum = self.wait_for_quorum()
+        if quorum is None or self.state.error is not None:
+            result.set_result(tensor)
+            return result
+        participants = len(quorum.participants) if average else 1
+        if quorum.is_behind(self._config.replica_id):
+            tensor.zero_()  # computed from stale weights: contributes nothing
+        in_place = tensor.is_contiguous() and (tensor.is_floating_point() or tensor.is_complex())
+        # Dividing first makes the sum the average: the exchange's own result is the
+        # answer, and the callback below has no tensor work to do.
+        buffer = tensor.div_(participants) if in_place else self._buffers.copy_of(tensor)
+        pending = PendingAllreduce(result, tensor)
+        generation = self.state.add_pending(pending)
+        if generation is None:  # failed meanwhile; its failure may not have seen this one
+            pending.complete()
+            return result
+        try:
+            work = self._pg.allreduce([buffer], self._sum_options)
+        except Exception as error:
+            self.fail(error, generation)
+            return result
+
+        def finish(future: Future[Any]) -> None:
+            try:
+                future.value()
+                swallowed = self._swallowed_error()
+                if swallowed is not None:
+                    raise swallowed
+            except Exception as error:
+                self.fail(error, generation)
+                return
+            if pending.future.done():
+                return  # failed meanwhile: the step is discarded
+            if not in_place:
+                if buffer.is_floating_point() or buffer.is_complex():
+                    torch.div(buffer, participants, out=tensor)
+                else:
+                    torch.floor_divide(buffer, participants, out=tensor)
+                self._buffers.give_back(buffer)
+            pending.complete()
+
+        work.get_future().then(finish)
+        return result
+
+    def wrap_future(self, fut: Future[_T], default: _T, timeout: timedelta | None) -> Future[_T]:
+        """``fut``'s value, or ``default`` after its error or timeout (``Manager.wrap_future``)."""
+        result: Future[_T] = future_for(default)
+        seconds = (timeout or self._config.timeout).total_seconds()
+
+        def complete(value: _T) -> None:
+            if result.done():
+                return
+            with contextlib.suppress(RuntimeError):  # completed by the other path meanwhile
+                result.set_result(value)
+
+        def fail(error: Exception) -> None:
+            if result.done():
+                return
+            self.report_error(error)
+            complete(default)
+
+        def done(_: Future[_T]) -> None:
+            self._wrapped.forget(key)
+            try:
+                value = fut.wait()  # raises its error; orders this stream after its events
+            except Exception as error:
+                fail(error)
+                return
+            complete(value)
+
+        key = self._wrapped.register(seconds, fail)
+        fut.add_done_callback(done)
+        return result
+
+    def _swallowed_error(self) -> Exception | None:
+        """The error an error-swallowing group recorded instead of raising, if any."""
+        if self._error_of is None:
+            return None
+        error = self._error_of()
+        return error if isinstance(error, Exception) else None
+
+    def report_error(self, error: Exception) -> None:
+        """Fails this step here and, through the store, on every replica of the quorum."""
+        self.fail(error, None)
+
+    def fail(self, error: Exception, generation: int | None, *, publish: bool = True) -> None:
+        """Fails the step of ``generation`` (None: the current one), unless it failed already.
+
+        Completes the step's allreduces, logs the failure and, with ``publish``, writes it
+        to the store, where every other replica's watcher or vote finds it.
+        """
+        failed = self.state.fail(error, generation)
+        if failed is None:
+            return
+        for pending in failed.pending:
+            pending.complete()
+        self._log.warning(
+            "replica %s: step %d failed: %s", self._config.label, failed.step, failure_cause(error)
+        )
+        quorum = failed.quorum
+        if publish and quorum is not None:
+            try:
+                message = f"{self._config.replica_id}: {type(error).__name__}: {error}"[:1000]
+                self._monitor_store.set(error_key(quorum), message)
+                self._monitor_store.compare_set(commit_key(quorum), "", COMMIT_FAIL)
+            except Exception:
+                self._log.warning("could not publish the error to the store", exc_info=True)
+
+    def should_commit(self) -> bool:
+        """Ends the step: waits for its allreduces, loads a healed state, votes."""
+        deadline = time.monotonic() + self._config.timeout.total_seconds()
+        quorum = self.wait_for_quorum()
+        # Each future completes through its exchange or a failure; past the deadline the
+        # watcher fails the step, which completes them all.
+        self.state.set_deadlines(allreduce=deadline, vote=None)
+        for pending in self.state.pending():
+            pending.future.wait()
+        self.state.set_deadlines(allreduce=None, vote=None)
+        # A group that records errors instead of raising them (the error-swallowing
+        # wrapper; a baby group whose child died after its work was handed back on the
+        # GPU streams) may have failed after the last allreduce completed.
+        swallowed = self._swallowed_error()
+        if swallowed is not None and self.state.error is None:
+            self.report_error(swallowed)
+        if quorum is None:
+            self.state.end_step(None, committed=False, healed_step=None)
+            self._log.warning(
+                "replica %s: step %d discarded: no quorum", self._config.label, self.state.step
+            )
+            return False
+        healed_step: int | None = None
+        healed = self.state.healed()
+        if healed is not None:
+            state, healed_step = healed
+            try:
+                self._load_state_dict(state)
+            except Exception as error:
+                self.report_error(error)
+                healed_step = None
+        committed = self._vote(quorum, deadline)
+        recovered = self.state.end_step(quorum, committed=committed, healed_step=healed_step)
+        if not committed:
+            self._log.warning(
+                "replica %s: step %d discarded on every replica",
+                self._config.label,
+                quorum.max_step,
+            )
+        elif recovered is not None:
+            self._log_recovery(recovered, quorum)
+        return committed
+
+    def _log_recovery(self, failure: Failure, quorum: Quorum) -> None:
+        lost = lost_since(failure, quorum)
+        self._log.info(
+            "replica %s: recovered in %.2f s: %s, step %d discarded, step %d committed by "
+            "quorum %d with %d replicas",
+            self._config.label,
+            time.monotonic() - failure.seen_at,
+            f"{', '.join(lost)} failed" if lost else "no replica lost",
+            failure.step,
+            quorum.max_step,
+            quorum.quorum_id,
+            len(quorum.members),
+        )
+
+    def _vote(self, quorum: Quorum, deadline: float) -> bool:
+        """Votes; True when the step is committed everywhere.
+
+        Three store round trips on the way of the step's last voter: its ``add``, its
+        ``compare_set`` of the decision, and the others' read of it once their ``wait``
+        ends. The last voter writes ``ok:same`` when no replica announced itself since
+        the quorum was decided, as far as its watcher has read the registry version
+        (every ``_HEARTBEAT_CHECK_TICKS`` heartbeat intervals): the next step then
+        reuses the quorum without a round; else it writes ``ok:full``. An error writes
+        ``fail``. The first write wins. A replica that announced itself is thus taken
+        in at the first commit after the voters' watchers saw it, a fraction of a
+        second later (well within ``join_timeout``, which the new replica's round
+        waits for the others).
+        """
+        key = commit_key(quorum)
+        decision: bytes | None = None
+        if self.state.error is None:
+            proposal = commit_proposal(
+                self._store.add(votes_key(quorum), 1),
+                quorum,
+                group_world_size=self._config.group_world_size,
+                registry_version=self.state.registry_version,
+            )
+            if proposal is not None:
+                decision = self._store.compare_set(key, "", proposal)
+        if decision is None:
+            decision = self._await_decision(key, deadline)
+        outcome = read_commit(decision)
+        self._reuse_quorum = outcome.reuse_quorum
+        committed = outcome.committed
+        if not committed and self.state.error is None:
+            # Another replica failed the step before this one's watcher saw why: take
+            # its reason now, so that errored() and the log say it before "discarded".
+            reported = self._reported_error(self._store, quorum)
+            self.fail(
+                reported or ReplicaError("another replica failed the step"),
+                self.state.generation,
+                publish=False,
+            )
+        return committed
+
+    @staticmethod
+    def _reported_error(store: Store, quorum: Quorum) -> ReplicaError | None:
+        """The error another replica wrote for ``quorum``, if any."""
+        key = error_key(quorum)
+        if not store.check([key]):
+            return None
+        return ReplicaError(f"reported by replica {store.get(key).decode(errors='replace')}")
+
+    def _await_decision(self, key: str, deadline: float) -> bytes:
+        """The commit decision, after one blocking wait (no check first: it is rarely there).
+
+        The wait ends when the last voter writes the decision, or when any replica
+        fails the step: each writes ``fail`` to the key (:meth:`_fail`), this replica's
+        watcher too when a peer stops beating or the deadline passes. No wait with a
+        short timeout, then: torch logs a warning each time one runs out.
+        """
+        if self.state.error is not None:  # failed before voting: publish it again, to be sure
+            self._store.compare_set(key, "", COMMIT_FAIL)
+        else:
+            self.state.set_deadlines(allreduce=None, vote=deadline)
+            try:
+                grace = max(deadline - time.monotonic(), 0.0) + _VOTE_WAIT_GRACE_SECONDS
+                self._store.wait([key], timedelta(seconds=grace))
+            except Exception:  # torch raises DistStoreError (or RuntimeError) on a timeout
+                if not self._store.check([key]):
+                    self.report_error(
+                        TimeoutError(f"no commit decision within {self._config.timeout}")
+                    )
+                    self._store.compare_set(key, "", COMMIT_FAIL)
+            finally:
+                self.state.set_deadlines(allreduce=None, vote=None)
+        # The key exists now, so this reads it in one round trip (get would first wait
+        # again): compare_set answers with the stored value unless it equals "ok:same",
+        # which it then leaves as it is.
+        return bytes(self._store.compare_set(key, COMMIT_SAME, COMMIT_SAME))
+
+    # -- the watcher --------------------------------------------------------------------
+
+    def _monitor_loop(self) -> None:
+        interval = self._config.heartbeat_interval.total_seconds()
+        ticks = 0
+        while not self._stop.wait(interval):
+            ticks += 1
+            try:
+                self._wrapped.expire()
+                slow_tick = ticks % _HEARTBEAT_CHECK_TICKS == 0
+                self._beat(check_group=slow_tick)
+                # Errors are polled every tick; heartbeats, which only back up the error
+                # path, and newcomers, which only wait a little longer, every few ticks,
+                # to keep the store traffic small.
+                if slow_tick:
+                    version = int(self._monitor_store.add(REGISTRY_VERSION_KEY, 0))
+                    self.state.saw_registry_version(version)
+                self._watch_step(check_heartbeats=slow_tick)
+            except Exception:
+                if not self._stop.is_set():
+                    self._log.warning("ft monitor: store call failed", exc_info=True)
+
+    def _beat(self, *, check_group: bool) -> None:
+        """Beats this rank's heartbeat; group rank 0 beats the group's while it is whole.
+
+        In a replica group, rank 0 watches every rank and the others watch rank 0. When a
+        watched rank stops beating, the group is broken for good (it rejoins only by
+        restarting whole): this rank stops beating, fails the step and ends its own wait
+        for the group (rank 0's for its ranks, another rank's for rank 0's decision);
+        rank 0 also marks the group as left, so that the other groups leave it out at once.
+        """
+        grouped = self._config.group_world_size > 1
+        if grouped and check_group and self.state.group_broken is None:
+            watched = watched_group_ranks(self._config.group_rank, self._config.group_world_size)
+            stale = self._monitor_liveness.stale_ranks(self._group_name(), watched)
+            if stale:
+                self._break_group(stale)
+        if self.state.group_broken is not None:
+            return
+        if grouped:
+            self._monitor_liveness.beat_rank(self._group_name(), self._config.group_rank)
+        if self._config.group_rank == 0:
+            self._monitor_liveness.beat(self._config.replica_id)
+
+    def _break_group(self, stale: list[int]) -> None:
+        message = broken_group_message(self._config.replica_id, stale)
+        waits = self.state.break_group(message)
+        if waits is None:
+            return
+        if self._config.group_rank == 0:
+            self._monitor_liveness.leave(self._config.replica_id)
+            if waits.arrival_key is not None:
+                self._monitor_store.compare_set(waits.arrival_key, "", "broken")
+        elif waits.awaited_key is not None:
+            self._monitor_store.compare_set(waits.awaited_key, "", f"fail:{message}"[:1000])
+        self._log.warning("%s", message)
+        if waits.step_active:
+            self.fail(ReplicaError(message), waits.generation)
+
+    def _watch_step(self, *, check_heartbeats: bool) -> None:
+        watched = self.state.watched_step()
+        if watched is None:
+            return
+        quorum, generation = watched.quorum, watched.generation
+        overdue = overdue_error(
+            time.monotonic(),
+            allreduce_deadline=watched.allreduce_deadline,
+            allreduce_unfinished=any(not pending.future.done() for pending in watched.pending),
+            vote_deadline=watched.vote_deadline,
+            timeout=self._config.timeout,
+        )
+        if overdue is not None:
+            self.fail(overdue, generation)
+            return
+        reported = self._reported_error(self._monitor_store, quorum)
+        if reported is not None:
+            self.fail(reported, generation)
+            return
+        if not check_heartbeats:
+            return
+        lost = lost_members(quorum, self._monitor_liveness.alive(), self._config.replica_id)
+        if not lost:
+            return
+        key = commit_key(quorum)
+        decision = self._monitor_store.get(key) if self._monitor_store.check([key]) else None
+        error = lost_member_error(lost, decision)
+        if error is not None:
+            self.fail(error, generation)
+
+    def shutdown(self) -> None:
+        """Leaves the quorum for good, stops the watcher and releases the group."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        self._monitor.join(timeout=5)
+        try:
+            if self._config.group_rank == 0:  # the group leaves with its rank 0
+                Liveness(self._store, timedelta(seconds=1)).leave(self._config.replica_id)
+            else:  # a counter of 0 reads as "not started": rank 0 does not break the group
+                self._store.set(f"hb/{self._group_name()}/{self._config.group_rank}", "0")
+        except Exception:
+            self._log.warning(
+                "could not tell the store that %s left", self._config.replica_id, exc_info=True
+            )
+        self._pg.shutdown()
