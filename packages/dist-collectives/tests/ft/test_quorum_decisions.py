@@ -1,10 +1,18 @@
-"""The quorum's decisions as pure functions of one stored decision: no processes."""
+"""The quorum's decisions as pure functions: healing, liveness, membership; no processes."""
 
 from __future__ import annotations
 
 import pytest
 
-from dist_collectives.ft.quorum import Quorum
+from dist_collectives.ft.quorum import (
+    HeartbeatClock,
+    Quorum,
+    is_alive,
+    is_stale,
+    keeps_quorum_id,
+    proposed_members,
+    round_is_due,
+)
 
 
 def _quorum(steps: tuple[int, ...], *, init_sync: bool) -> Quorum:
@@ -52,3 +60,101 @@ def test_init_sync_survives_the_store_and_old_decisions_read_as_off() -> None:
     assert Quorum.from_json(quorum.to_json()) == quorum
     old = '{"round": 1, "quorum_id": 1, "members": ["a", "b"], "steps": [0, 0]}'
     assert not Quorum.from_json(old).init_sync
+
+
+# -- liveness from heartbeats -----------------------------------------------------------------
+
+
+def test_a_heartbeat_counter_is_quiet_only_from_the_time_it_stopped_moving() -> None:
+    clock = HeartbeatClock()
+    assert clock.quiet_for("hb/a", b"1", now=10.0) is None  # first seen: it just moved
+    assert clock.quiet_for("hb/a", b"1", now=11.5) == 1.5
+    assert clock.quiet_for("hb/a", b"2", now=12.0) is None  # moved: the quiet time restarts
+    assert clock.quiet_for("hb/a", b"2", now=12.25) == 0.25
+    assert clock.quiet_for("hb/b", b"2", now=13.0) is None  # each counter on its own
+
+
+@pytest.mark.parametrize(
+    ("quiet", "left", "alive"),
+    [(None, False, True), (1.9, False, True), (2.0, False, False), (None, True, False)],
+)
+def test_a_replica_is_alive_while_its_counter_moves_within_the_timeout_and_it_did_not_leave(
+    quiet: float | None, left: bool, alive: bool
+) -> None:
+    assert is_alive(quiet, left=left, timeout=2.0) is alive
+
+
+@pytest.mark.parametrize(
+    ("quiet", "counter", "stale"),
+    [(5.0, 0, False), (None, 3, False), (1.9, 3, False), (2.0, 3, True)],
+)
+def test_a_group_rank_is_stale_once_it_beat_and_then_stood_still_for_the_timeout(
+    quiet: float | None, counter: int, stale: bool
+) -> None:
+    assert is_stale(quiet, counter=counter, timeout=2.0) is stale
+
+
+# -- quorum membership ------------------------------------------------------------------------
+
+
+def _due(
+    *,
+    members: frozenset[str] = frozenset({"a", "b"}),
+    alive: frozenset[str] = frozenset({"a", "b"}),
+    min_replicas: int = 1,
+    waited: float = 0.5,
+    settled_for: float = 5.0,
+    window: float = 0.0,
+) -> bool:
+    return round_is_due(
+        members=members,
+        alive=alive,
+        min_replicas=min_replicas,
+        waited=waited,
+        join_timeout=10.0,
+        settled_for=settled_for,
+        window=window,
+    )
+
+
+def test_a_round_closes_once_every_live_replica_joined() -> None:
+    assert _due()
+    assert not _due(alive=frozenset({"a", "b", "c"}))
+
+
+def test_a_round_closes_without_a_live_replica_that_did_not_join_in_time() -> None:
+    assert _due(alive=frozenset({"a", "b", "c"}), waited=10.5)
+
+
+def test_a_replica_that_stopped_beating_is_not_waited_for() -> None:
+    assert _due(members=frozenset({"a"}), alive=frozenset({"a"}))
+
+
+def test_a_round_never_closes_with_fewer_than_the_minimum_of_members() -> None:
+    assert not _due(min_replicas=3)
+    assert not _due(min_replicas=3, waited=60.0)
+
+
+def test_the_first_round_waits_until_no_replica_announced_itself_for_its_window() -> None:
+    assert not _due(window=2.0, settled_for=1.0)
+    assert _due(window=2.0, settled_for=2.0)
+    assert _due(window=2.0, settled_for=1.0, waited=10.5)  # but not past the join timeout
+
+
+def test_members_are_ranked_by_name_with_their_steps() -> None:
+    assert proposed_members({"b": 3, "a": 5, "c": 0}) == (("a", "b", "c"), (5, 3, 0))
+
+
+def test_the_same_members_at_one_step_keep_the_quorum_id() -> None:
+    previous = _quorum((4, 4), init_sync=False)  # members r0, r1
+    assert keeps_quorum_id(previous, ("r0", "r1"), (5, 5))
+
+
+@pytest.mark.parametrize(
+    ("members", "steps"),
+    [(("r0",), (5,)), (("r0", "r1", "r2"), (5, 5, 5)), (("r0", "r1"), (5, 0))],
+)
+def test_a_member_lost_joined_or_behind_gets_a_new_quorum_id(
+    members: tuple[str, ...], steps: tuple[int, ...]
+) -> None:
+    assert not keeps_quorum_id(_quorum((4, 4), init_sync=False), members, steps)

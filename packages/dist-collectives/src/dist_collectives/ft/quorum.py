@@ -32,7 +32,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from datetime import timedelta
 
 from torch.distributed import Store  # type: ignore[attr-defined]  # public, not re-exported in the stubs
@@ -150,13 +150,52 @@ class Quorum:
         return dataclasses.replace(self, steps=(self.max_step + 1,) * len(self.members))
 
 
+class HeartbeatClock:
+    """When each heartbeat counter last moved, on one observer's clock: no store, no clock.
+
+    The observer hands in each counter it read and the time it read it; clocks of
+    different hosts are never compared.
+    """
+
+    def __init__(self) -> None:
+        self._seen: dict[str, tuple[bytes, float]] = {}
+
+    def quiet_for(self, key: str, counter: bytes, now: float) -> float | None:
+        """How long the counter of ``key`` has not moved; None if it moved (or appeared) now."""
+        previous = self._seen.get(key)
+        if previous is None or previous[0] != counter:
+            self._seen[key] = (counter, now)
+            return None
+        return now - previous[1]
+
+
+def is_alive(quiet: float | None, *, left: bool, timeout: float) -> bool:
+    """Whether a replica counts as alive: it did not leave, and its counter moved lately.
+
+    Args:
+        quiet: How long its counter has not moved (:meth:`HeartbeatClock.quiet_for`).
+        left: Whether it marked itself as gone for good.
+        timeout: The heartbeat timeout, in seconds.
+    """
+    return not left and (0.0 if quiet is None else quiet) < timeout
+
+
+def is_stale(quiet: float | None, *, counter: int, timeout: float) -> bool:
+    """Whether a rank of a replica group stopped beating.
+
+    A rank that never beat (its counter is 0: it is still starting) is not stale, nor
+    one whose counter just moved; one whose counter stood still for ``timeout`` is.
+    """
+    return quiet is not None and counter > 0 and quiet >= timeout
+
+
 class Liveness:
     """Which replicas beat their heartbeat counter recently, on this observer's clock."""
 
     def __init__(self, store: Store, heartbeat_timeout: timedelta) -> None:
         self._store = store
         self._timeout = heartbeat_timeout.total_seconds()
-        self._seen: dict[str, tuple[bytes, float]] = {}
+        self._clock = HeartbeatClock()
 
     @property
     def store(self) -> Store:
@@ -196,15 +235,15 @@ class Liveness:
         # add(key, 0) creates a missing key, so that multi_get does not block on it.
         counters = [self._store.add(key, 0) for key in keys]
         now = time.monotonic()
-        stale = []
-        for rank, key, counter in zip(group_ranks, keys, counters, strict=True):
-            value = str(counter).encode()
-            previous = self._seen.get(key)
-            if previous is None or previous[0] != value:
-                self._seen[key] = (value, now)
-            elif counter > 0 and now - previous[1] >= self._timeout:
-                stale.append(rank)
-        return stale
+        return [
+            rank
+            for rank, key, counter in zip(group_ranks, keys, counters, strict=True)
+            if is_stale(
+                self._clock.quiet_for(key, str(counter).encode(), now),
+                counter=counter,
+                timeout=self._timeout,
+            )
+        ]
 
     def leave(self, replica_id: str) -> None:
         """Marks ``replica_id`` as gone for good, so that nobody waits for it."""
@@ -227,18 +266,16 @@ class Liveness:
             [f"hb/{r}" for r in registered] + [f"left/{r}" for r in registered]
         )
         now = time.monotonic()
-        alive = set()
-        for index, replica in enumerate(registered):
-            counter, left = values[index], values[len(registered) + index]
-            previous = self._seen.get(replica)
-            if previous is None or previous[0] != counter:
-                self._seen[replica] = (counter, now)
-                last_change = now
-            else:
-                last_change = previous[1]
-            if left != b"1" and now - last_change < self._timeout:
-                alive.add(replica)
-        return alive
+        counters, left = values[: len(registered)], values[len(registered) :]
+        return {
+            replica
+            for replica, counter, gone in zip(registered, counters, left, strict=True)
+            if is_alive(
+                self._clock.quiet_for(replica, counter, now),
+                left=gone == b"1",
+                timeout=self._timeout,
+            )
+        }
 
 
 def _members_of(raw: bytes) -> dict[str, int]:
@@ -250,22 +287,64 @@ def _members_of(raw: bytes) -> dict[str, int]:
     return members
 
 
+def proposed_members(members: dict[str, int]) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """A round's members in the order of their ranks, and the step each had committed."""
+    ordered = tuple(sorted(members))
+    return ordered, tuple(members[m] for m in ordered)
+
+
+def keeps_quorum_id(previous: Quorum, members: tuple[str, ...], steps: tuple[int, ...]) -> bool:
+    """Whether a round with ``members`` at ``steps`` may keep ``previous``'s quorum id.
+
+    Only the same members, all at one step, keep it (and only when no error was
+    reported in ``previous``, which the caller checks last: it costs a store read);
+    anything else gets a new id, so every member configures a new group.
+    """
+    return previous.members == members and len(set(steps)) == 1
+
+
+def round_is_due(
+    *,
+    members: Collection[str],
+    alive: Collection[str],
+    min_replicas: int,
+    waited: float,
+    join_timeout: float,
+    settled_for: float,
+    window: float,
+) -> bool:
+    """Whether a round may close with ``members``.
+
+    Args:
+        members: The replicas that joined the round.
+        alive: The replicas whose heartbeat moved lately.
+        min_replicas: A round closes only with at least this many members.
+        waited: How long this replica has waited in the round.
+        join_timeout: After this long the round closes without replicas that look
+            alive but did not join.
+        settled_for: How long since a replica last announced itself.
+        window: The round closes only once no replica announced itself for this long
+            (the job's first round; 0 for the others), or after ``join_timeout``.
+    """
+    out_of_time = waited > join_timeout
+    everyone_in = set(alive).issubset(members) or out_of_time
+    settled = settled_for >= window or out_of_time
+    return len(members) >= min_replicas and everyone_in and settled
+
+
 def _decide(store: Store, round_: int, members: dict[str, int], known: Quorum | None) -> Quorum:
     previous = known if known is not None and known.round == round_ - 1 else None
     if previous is None and round_ > 0 and store.check([f"r{round_ - 1}/decision"]):
         previous = Quorum.from_json(store.get(f"r{round_ - 1}/decision"))
-    ordered = sorted(members)
-    steps = tuple(members[m] for m in ordered)
+    ordered, steps = proposed_members(members)
     if previous is None:
         quorum_id = round_  # round 0; later rounds always have a previous decision
     else:
-        unchanged = (
-            previous.members == tuple(ordered)
-            and len(set(steps)) == 1
-            and not store.check([f"err/{previous.quorum_id}"])
+        unchanged = keeps_quorum_id(previous, ordered, steps) and not store.check(
+            [f"err/{previous.quorum_id}"]
         )
         quorum_id = previous.quorum_id if unchanged else previous.quorum_id + 1
-    return Quorum(round=round_, quorum_id=quorum_id, members=tuple(ordered), steps=steps)
+    return Quorum(round=round_, quorum_id=quorum_id, members=ordered, steps=steps)
 
 
 class _Round:
@@ -314,11 +393,16 @@ class _Round:
         now = time.monotonic()
         if version != self._version:  # somebody announced itself: the window starts again
             self._version, self._version_changed_at = version, now
-        waited = now - self.joined_at
-        out_of_time = waited > self._join_timeout
-        everyone_in = self.alive.issubset(self.members) or out_of_time
-        settled = now - self._version_changed_at >= self._window or out_of_time
-        if len(self.members) < self._min_replicas or not everyone_in or not settled:
+        due = round_is_due(
+            members=self.members,
+            alive=self.alive,
+            min_replicas=self._min_replicas,
+            waited=now - self.joined_at,
+            join_timeout=self._join_timeout,
+            settled_for=now - self._version_changed_at,
+            window=self._window,
+        )
+        if not due:
             return None
         proposal = dataclasses.replace(
             _decide(store, self.number, self.members, self._previous),
