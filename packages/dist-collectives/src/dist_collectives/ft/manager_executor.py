@@ -1,4 +1,4 @@
-"""The Manager's executor: every store call, every group call and every thread it runs.
+"""The Manager's executor: the store and group calls of a step, and the threads that make them.
 
 It reads what the protocol needs (the store, the group, the clock), asks
 :mod:`dist_collectives.ft.manager_decisions` what follows, records the outcome in the
@@ -13,7 +13,8 @@ step by step:
 2. ``allreduce`` hands each tensor to the group; a group's callback completes it.
 3. ``should_commit`` waits for the allreduces, loads a healed state and votes: the last
    voter writes the decision, the others wait for it.
-4. Meanwhile the *watcher* thread beats the heartbeats, reads the registry version,
+4. Meanwhile the *watcher* thread (:mod:`dist_collectives.ft.manager_watcher`), which
+   the executor starts and stops, beats the heartbeats, reads the registry version,
    and fails the step when another replica reported an error, a member stopped
    beating, or a wait ran past its deadline; every failure is written to the store so
    that the others stop waiting too.
@@ -25,7 +26,8 @@ Threads, and what each owns besides the shared :class:`StepState`:
   the executor was shut down, and the vote's store connection;
 - the quorum thread: its own store connection and its liveness observer (whose
   ticker closes rounds);
-- the watcher: the liveness observer of heartbeats and of the replica group;
+- the watcher: its own store connection and the liveness observer of heartbeats and
+  of the replica group;
 - callback threads (a group's, a wrapped future's): nothing; they record failures
   in the state.
 
@@ -56,27 +58,21 @@ from dist_collectives.ft.manager_decisions import (
     COMMIT_FAIL,
     COMMIT_SAME,
     Failure,
-    broken_group_message,
     commit_key,
     commit_proposal,
-    error_key,
     failure_cause,
     group_address,
     heal_plan,
-    lost_member_error,
-    lost_members,
     lost_since,
     membership_change,
-    overdue_error,
     read_commit,
     votes_key,
-    watched_group_ranks,
 )
 from dist_collectives.ft.manager_futures import BufferPool, PendingAllreduce, WrappedFutures
 from dist_collectives.ft.manager_state import StepState
+from dist_collectives.ft.manager_watcher import Watcher, reported_error
 from dist_collectives.ft.process_group import ProcessGroup
 from dist_collectives.ft.quorum import (
-    REGISTRY_VERSION_KEY,
     Liveness,
     Quorum,
     compute_quorum,
@@ -85,7 +81,6 @@ from dist_collectives.ft.state_transfer import recv_state, send_state
 from dist_collectives.ft.store import connect_tcp_store
 from dist_collectives.ft.work import WorkFuture, future_for
 
-_HEARTBEAT_CHECK_TICKS = 2
 # The wait for a commit decision ends through the watcher, which fails the step at the
 # deadline; the wait's own timeout, this much later, only catches a store that is gone.
 _VOTE_WAIT_GRACE_SECONDS = 5.0
@@ -127,12 +122,11 @@ class ManagerExecutor:
         self._log = log
         # Separate connections: a shared TCPStore client serialises its callers, and
         # the quorum thread and the commit vote block in waits that must not delay the
-        # error watcher, nor the ticker that closes a round (its liveness' connection).
+        # error watcher (its own connection, below), nor the ticker that closes a round
+        # (its liveness' connection).
         self._store = self._connect()
         self._quorum_store = self._connect()
-        self._monitor_store = self._connect()
         self._quorum_liveness = Liveness(self._connect(), config.heartbeat_timeout)
-        self._monitor_liveness = Liveness(self._monitor_store, config.heartbeat_timeout)
 
         # Shared between threads: one lock each.
         self.state = StepState()
@@ -155,14 +149,16 @@ class ManagerExecutor:
         self._incarnation = 0
         if config.grouped:
             self._join_group()
-            self._monitor_liveness.beat_rank(self._group_name(), config.group_rank)
-        if config.group_rank == 0:
-            self._monitor_liveness.announce(config.replica_id)
-        self._stop = threading.Event()
-        self._monitor = threading.Thread(
-            target=self._monitor_loop, name=f"ft-monitor-{config.replica_id}", daemon=True
+        self._watcher = Watcher(
+            config,
+            self.state,
+            self._connect(),
+            self._wrapped,
+            group_name=self._group_name(),
+            fail=self.fail,
+            log=log,
         )
-        self._monitor.start()
+        self._watcher.start()
 
     def _join_group(self) -> None:
         """Checks the group size against the job's and counts this rank's incarnation.
@@ -479,8 +475,7 @@ class ManagerExecutor:
         if publish and quorum is not None:
             try:
                 message = f"{self._config.replica_id}: {type(error).__name__}: {error}"[:1000]
-                self._monitor_store.set(error_key(quorum), message)
-                self._monitor_store.compare_set(commit_key(quorum), "", COMMIT_FAIL)
+                self._watcher.publish(quorum, message)
             except Exception:
                 self._log.warning("could not publish the error to the store", exc_info=True)
 
@@ -548,7 +543,7 @@ class ManagerExecutor:
         ``compare_set`` of the decision, and the others' read of it once their ``wait``
         ends. The last voter writes ``ok:same`` when no replica announced itself since
         the quorum was decided, as far as its watcher has read the registry version
-        (every ``_HEARTBEAT_CHECK_TICKS`` heartbeat intervals): the next step then
+        (every few heartbeat intervals, see the watcher): the next step then
         reuses the quorum without a round; else it writes ``ok:full``. An error writes
         ``fail``. The first write wins. A replica that announced itself is thus taken
         in at the first commit after the voters' watchers saw it, a fraction of a
@@ -574,21 +569,13 @@ class ManagerExecutor:
         if not committed and self.state.error is None:
             # Another replica failed the step before this one's watcher saw why: take
             # its reason now, so that errored() and the log say it before "discarded".
-            reported = self._reported_error(self._store, quorum)
+            reported = reported_error(self._store, quorum)
             self.fail(
                 reported or ReplicaError("another replica failed the step"),
                 self.state.generation,
                 publish=False,
             )
         return committed
-
-    @staticmethod
-    def _reported_error(store: Store, quorum: Quorum) -> ReplicaError | None:
-        """The error another replica wrote for ``quorum``, if any."""
-        key = error_key(quorum)
-        if not store.check([key]):
-            return None
-        return ReplicaError(f"reported by replica {store.get(key).decode(errors='replace')}")
 
     def _await_decision(self, key: str, deadline: float) -> bytes:
         """The commit decision, after one blocking wait (no check first: it is rarely there).
@@ -618,102 +605,12 @@ class ManagerExecutor:
         # which it then leaves as it is.
         return bytes(self._store.compare_set(key, COMMIT_SAME, COMMIT_SAME))
 
-    # -- the watcher --------------------------------------------------------------------
-
-    def _monitor_loop(self) -> None:
-        interval = self._config.heartbeat_interval.total_seconds()
-        ticks = 0
-        while not self._stop.wait(interval):
-            ticks += 1
-            try:
-                self._wrapped.expire()
-                slow_tick = ticks % _HEARTBEAT_CHECK_TICKS == 0
-                self._beat(check_group=slow_tick)
-                # Errors are polled every tick; heartbeats, which only back up the error
-                # path, and newcomers, which only wait a little longer, every few ticks,
-                # to keep the store traffic small.
-                if slow_tick:
-                    version = int(self._monitor_store.add(REGISTRY_VERSION_KEY, 0))
-                    self.state.saw_registry_version(version)
-                self._watch_step(check_heartbeats=slow_tick)
-            except Exception:
-                if not self._stop.is_set():
-                    self._log.warning("ft monitor: store call failed", exc_info=True)
-
-    def _beat(self, *, check_group: bool) -> None:
-        """Beats this rank's heartbeat; group rank 0 beats the group's while it is whole.
-
-        In a replica group, rank 0 watches every rank and the others watch rank 0. When a
-        watched rank stops beating, the group is broken for good (it rejoins only by
-        restarting whole): this rank stops beating, fails the step and ends its own wait
-        for the group (rank 0's for its ranks, another rank's for rank 0's decision);
-        rank 0 also marks the group as left, so that the other groups leave it out at once.
-        """
-        grouped = self._config.group_world_size > 1
-        if grouped and check_group and self.state.group_broken is None:
-            watched = watched_group_ranks(self._config.group_rank, self._config.group_world_size)
-            stale = self._monitor_liveness.stale_ranks(self._group_name(), watched)
-            if stale:
-                self._break_group(stale)
-        if self.state.group_broken is not None:
-            return
-        if grouped:
-            self._monitor_liveness.beat_rank(self._group_name(), self._config.group_rank)
-        if self._config.group_rank == 0:
-            self._monitor_liveness.beat(self._config.replica_id)
-
-    def _break_group(self, stale: list[int]) -> None:
-        message = broken_group_message(self._config.replica_id, stale)
-        waits = self.state.break_group(message)
-        if waits is None:
-            return
-        if self._config.group_rank == 0:
-            self._monitor_liveness.leave(self._config.replica_id)
-            if waits.arrival_key is not None:
-                self._monitor_store.compare_set(waits.arrival_key, "", "broken")
-        elif waits.awaited_key is not None:
-            self._monitor_store.compare_set(waits.awaited_key, "", f"fail:{message}"[:1000])
-        self._log.warning("%s", message)
-        if waits.step_active:
-            self.fail(ReplicaError(message), waits.generation)
-
-    def _watch_step(self, *, check_heartbeats: bool) -> None:
-        watched = self.state.watched_step()
-        if watched is None:
-            return
-        quorum, generation = watched.quorum, watched.generation
-        overdue = overdue_error(
-            time.monotonic(),
-            allreduce_deadline=watched.allreduce_deadline,
-            allreduce_unfinished=any(not pending.future.done() for pending in watched.pending),
-            vote_deadline=watched.vote_deadline,
-            timeout=self._config.timeout,
-        )
-        if overdue is not None:
-            self.fail(overdue, generation)
-            return
-        reported = self._reported_error(self._monitor_store, quorum)
-        if reported is not None:
-            self.fail(reported, generation)
-            return
-        if not check_heartbeats:
-            return
-        lost = lost_members(quorum, self._monitor_liveness.alive(), self._config.replica_id)
-        if not lost:
-            return
-        key = commit_key(quorum)
-        decision = self._monitor_store.get(key) if self._monitor_store.check([key]) else None
-        error = lost_member_error(lost, decision)
-        if error is not None:
-            self.fail(error, generation)
-
     def shutdown(self) -> None:
         """Leaves the quorum for good, stops the watcher and releases the group."""
         if self._closed:
             return
         self._closed = True
-        self._stop.set()
-        self._monitor.join(timeout=5)
+        self._watcher.stop()
         try:
             if self._config.group_rank == 0:  # the group leaves with its rank 0
                 Liveness(self._store, timedelta(seconds=1)).leave(self._config.replica_id)
