@@ -2,25 +2,34 @@
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from datetime import timedelta
 
 import pytest
 
 from dist_collectives.ft import ManagerConfigError
-from dist_collectives.ft.manager_config import ManagerConfig, resolve_store
+from dist_collectives.ft.manager_config import (
+    ManagerConfig,
+    check_arguments,
+    default_replica_id,
+    resolve_store,
+)
 
-
-def _config(**overrides: Any) -> ManagerConfig:
-    arguments: dict[str, Any] = {
-        "replica_id": None,
-        "store_addr": None,
-        "store_port": None,
-        "environ": {"MASTER_ADDR": "host", "MASTER_PORT": "29500"},
-        "min_replica_size": 1,
-        "group_rank": 0,
-        "group_world_size": 1,
-    }
-    return ManagerConfig.from_arguments(**{**arguments, **overrides})
+CONFIG = ManagerConfig(
+    replica_id="r",
+    host="host",
+    port=29500,
+    min_replica_size=1,
+    timeout=timedelta(seconds=60),
+    heartbeat_interval=timedelta(milliseconds=100),
+    heartbeat_timeout=timedelta(seconds=2),
+    join_timeout=timedelta(seconds=10),
+    first_quorum_window=timedelta(seconds=2),
+    namespace="ns",
+    group_rank=0,
+    group_world_size=1,
+    init_sync=True,
+)
 
 
 def test_the_arguments_name_the_store_before_the_environment() -> None:
@@ -39,32 +48,40 @@ def test_a_port_that_is_not_an_integer_is_named() -> None:
         resolve_store(None, None, {"MASTER_ADDR": "h", "MASTER_PORT": "x"})
 
 
-def test_a_replica_without_a_name_gets_a_fresh_one() -> None:
-    first, second = _config(), _config()
-    assert first.replica_id != second.replica_id
-    assert (first.host, first.port) == ("host", 29500)
+def test_replicas_without_a_name_get_different_ones() -> None:
+    assert default_replica_id() != default_replica_id()
 
 
 @pytest.mark.parametrize(
-    ("overrides", "match"),
+    ("min_replica_size", "group_rank", "group_world_size", "replica_id", "match"),
     [
-        ({"min_replica_size": 0}, "min_replica_size=0"),
-        ({"group_rank": 2, "group_world_size": 2, "replica_id": "g"}, "group_rank=2"),
-        ({"group_world_size": 2}, "needs a replica_id"),
+        (0, 0, 1, None, "min_replica_size=0"),
+        (1, 2, 2, "g", "group_rank=2 with group_world_size=2"),
+        (1, 0, 0, "g", "group_world_size=0"),
+        (1, 0, 2, None, "needs a replica_id"),
     ],
 )
-def test_bad_sizes_and_ranks_are_refused_with_their_values(
-    overrides: dict[str, Any], match: str
+def test_bad_sizes_ranks_and_names_are_refused_with_their_values(
+    min_replica_size: int,
+    group_rank: int,
+    group_world_size: int,
+    replica_id: str | None,
+    match: str,
 ) -> None:
     with pytest.raises(ManagerConfigError, match=match):
-        _config(**overrides)
+        check_arguments(min_replica_size, group_rank, group_world_size, replica_id)
 
 
-def test_sizes_are_checked_before_the_store_is_looked_for() -> None:
-    with pytest.raises(ManagerConfigError, match="min_replica_size"):
-        _config(min_replica_size=0, environ={})
+def test_good_arguments_pass() -> None:
+    check_arguments(2, 1, 2, "g")
+
+
+def test_a_config_cannot_be_built_with_a_rank_outside_its_group() -> None:
+    with pytest.raises(ManagerConfigError, match="group_rank=3"):
+        dataclasses.replace(CONFIG, group_rank=3, group_world_size=2)
 
 
 def test_the_log_names_a_grouped_rank_with_its_group_rank() -> None:
-    assert _config(replica_id="r").label == "r"
-    assert _config(replica_id="g", group_rank=1, group_world_size=2).label == "g rank 1"
+    assert CONFIG.label == "r" and not CONFIG.grouped
+    grouped = dataclasses.replace(CONFIG, group_rank=1, group_world_size=2)
+    assert grouped.label == "r rank 1" and grouped.grouped

@@ -1,4 +1,4 @@
-"""The base of every error ``dist_collectives.ft`` raises, and the refusal of an operation."""
+"""The base of every ``dist_collectives.ft`` error, the refusal of an operation, the Manager's."""
 
 from __future__ import annotations
 

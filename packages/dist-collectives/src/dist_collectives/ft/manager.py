@@ -29,11 +29,17 @@ wrapped; the failure's cause is cut to its first line)::
     replica replica0: recovered in 2.08 s: replica3 failed, step 15 discarded, step 15
         committed by quorum 1 with 3 replicas
 
-The Manager is a facade: :mod:`~dist_collectives.ft.manager_config` checks its
-arguments, :mod:`~dist_collectives.ft.manager_executor` runs the protocol and its
-threads, :mod:`~dist_collectives.ft.manager_state` holds what those threads share (and
-says which thread owns what), and :mod:`~dist_collectives.ft.manager_decisions` decides
-each step's outcome as pure functions.
+The Manager is a facade over small modules, after torch elastic's dynamic rendezvous:
+
+- :mod:`~dist_collectives.ft.manager_config`: its arguments, checked once;
+- :mod:`~dist_collectives.ft.manager_decisions`: what happens next, as pure functions
+  (the commit vote, quorum reuse, who heals from whom, the watcher's verdicts);
+- :mod:`~dist_collectives.ft.manager_state`: what its threads share, behind one lock,
+  and which thread owns what;
+- :mod:`~dist_collectives.ft.manager_executor`: the store and group calls of a step,
+  and the threads that make them;
+- :mod:`~dist_collectives.ft.manager_watcher`: the watcher thread the executor runs;
+- :mod:`~dist_collectives.ft.manager_futures`: the futures and buffers it hands out.
 """
 
 from __future__ import annotations
@@ -49,7 +55,13 @@ import torch.distributed as dist
 from torch.futures import Future
 
 from dist_collectives.ft.errors import ManagerConfigError, ReplicaError
-from dist_collectives.ft.manager_config import DEFAULT_NAMESPACE, ManagerConfig
+from dist_collectives.ft.manager_config import (
+    DEFAULT_NAMESPACE,
+    ManagerConfig,
+    check_arguments,
+    default_replica_id,
+    resolve_store,
+)
 from dist_collectives.ft.manager_executor import ManagerExecutor
 from dist_collectives.ft.process_group import ProcessGroup, reduce_op_name
 from dist_collectives.ft.quorum import Quorum
@@ -129,20 +141,21 @@ class Manager:
         group_world_size: int = 1,
         init_sync: bool = True,
     ) -> None:
-        self._config = ManagerConfig.from_arguments(
-            replica_id=replica_id,
-            store_addr=store_addr,
-            store_port=store_port,
-            environ=os.environ,
+        check_arguments(min_replica_size, group_rank, group_world_size, replica_id)
+        host, port = resolve_store(store_addr, store_port, os.environ)
+        self._config = ManagerConfig(
+            replica_id=replica_id or default_replica_id(),
+            host=host,
+            port=port,
             min_replica_size=min_replica_size,
-            group_rank=group_rank,
-            group_world_size=group_world_size,
             timeout=timeout,
             heartbeat_interval=heartbeat_interval,
             heartbeat_timeout=heartbeat_timeout,
             join_timeout=join_timeout,
             first_quorum_window=first_quorum_window,
             namespace=namespace,
+            group_rank=group_rank,
+            group_world_size=group_world_size,
             init_sync=init_sync,
         )
         self._executor = ManagerExecutor(

@@ -8,10 +8,10 @@ import socket
 import uuid
 from collections.abc import Mapping
 from datetime import timedelta
-from typing import Any
 
 from dist_collectives.ft.errors import ManagerConfigError
 
+# The store's key prefix when a Manager is given none.
 DEFAULT_NAMESPACE = "dist_collectives_ft"
 
 
@@ -55,65 +55,20 @@ class ManagerConfig:
     replica_id: str
     host: str
     port: int
-    min_replica_size: int = 1
-    timeout: timedelta = timedelta(seconds=60)
-    heartbeat_interval: timedelta = timedelta(milliseconds=100)
-    heartbeat_timeout: timedelta = timedelta(seconds=2)
-    join_timeout: timedelta = timedelta(seconds=10)
-    first_quorum_window: timedelta = timedelta(seconds=2)
-    namespace: str = DEFAULT_NAMESPACE
-    group_rank: int = 0
-    group_world_size: int = 1
-    init_sync: bool = True
+    # No defaults: the Manager's signature is where they are decided and documented.
+    min_replica_size: int
+    timeout: timedelta
+    heartbeat_interval: timedelta
+    heartbeat_timeout: timedelta
+    join_timeout: timedelta
+    first_quorum_window: timedelta
+    namespace: str
+    group_rank: int
+    group_world_size: int
+    init_sync: bool
 
     def __post_init__(self) -> None:
         _check_sizes(self.min_replica_size, self.group_rank, self.group_world_size)
-
-    @classmethod
-    def from_arguments(
-        cls,
-        *,
-        replica_id: str | None,
-        store_addr: str | None,
-        store_port: int | None,
-        environ: Mapping[str, str],
-        min_replica_size: int,
-        group_rank: int,
-        group_world_size: int,
-        **settings: Any,
-    ) -> ManagerConfig:
-        """The config of a Manager built with these arguments, in this environment.
-
-        Args:
-            replica_id: The replica's name, or None for a fresh one.
-            store_addr: Host of the job's store, or None for ``MASTER_ADDR``.
-            store_port: Port of the job's store, or None for ``MASTER_PORT``.
-            environ: The environment to read ``MASTER_ADDR`` and ``MASTER_PORT`` from.
-            min_replica_size: A quorum needs at least this many replicas.
-            group_rank: This process's rank in its replica group.
-            group_world_size: The number of ranks in each replica group.
-            **settings: The other fields, as the Manager's arguments name them.
-
-        Raises:
-            ManagerConfigError: what is wrong, with the values found; the sizes are
-                checked first, the store last.
-        """
-        _check_sizes(min_replica_size, group_rank, group_world_size)
-        if group_world_size > 1 and replica_id is None:
-            raise ManagerConfigError(
-                f"group_world_size={group_world_size} needs a replica_id shared by the ranks "
-                "of the replica group (each rank would otherwise name a group of its own)"
-            )
-        host, port = resolve_store(store_addr, store_port, environ)
-        return cls(
-            replica_id=replica_id or default_replica_id(),
-            host=host,
-            port=port,
-            min_replica_size=min_replica_size,
-            group_rank=group_rank,
-            group_world_size=group_world_size,
-            **settings,
-        )
 
     @property
     def label(self) -> str:
@@ -126,6 +81,22 @@ class ManagerConfig:
     def grouped(self) -> bool:
         """Whether a replica is a group of several ranks."""
         return self.group_world_size > 1
+
+
+def check_arguments(
+    min_replica_size: int, group_rank: int, group_world_size: int, replica_id: str | None
+) -> None:
+    """Checks a Manager's sizes, ranks and name, before it looks for the store.
+
+    Raises:
+        ManagerConfigError: what is wrong, with the values found.
+    """
+    _check_sizes(min_replica_size, group_rank, group_world_size)
+    if group_world_size > 1 and replica_id is None:
+        raise ManagerConfigError(
+            f"group_world_size={group_world_size} needs a replica_id shared by the ranks "
+            "of the replica group (each rank would otherwise name a group of its own)"
+        )
 
 
 def _check_sizes(min_replica_size: int, group_rank: int, group_world_size: int) -> None:
