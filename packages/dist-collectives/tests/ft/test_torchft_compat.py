@@ -339,6 +339,7 @@ def test_every_torch_collective_works_on_gloo_or_is_refused_by_name(kind: str) -
             "allreduce",
             "allreduce_coalesced",
             "allgather",
+            "allgather_into_tensor_coalesced",
             "broadcast",
             "barrier",
             "send",

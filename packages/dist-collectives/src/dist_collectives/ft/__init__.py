@@ -7,6 +7,7 @@ that join, and decides per step whether it may be committed.
 """
 
 from dist_collectives.ft.baby import (
+    BabyClosedError,
     BabyProcessError,
     BabyTimeoutError,
     ProcessGroupBaby,
@@ -16,7 +17,7 @@ from dist_collectives.ft.baby import (
 from dist_collectives.ft.ddp import DistributedDataParallel, ReplicaAveraging, ft_allreduce_hook
 from dist_collectives.ft.device_mesh import extend_device_mesh
 from dist_collectives.ft.dummy import ProcessGroupDummy
-from dist_collectives.ft.errors import FTError, UnsupportedOperationError
+from dist_collectives.ft.errors import FTError, UnsupportedOperationError, WorkTimeoutError
 from dist_collectives.ft.gloo import ProcessGroupGloo
 from dist_collectives.ft.managed import ManagedProcessGroup
 from dist_collectives.ft.manager import Manager, ManagerConfigError, ReplicaError
@@ -43,6 +44,7 @@ __all__ = [
     "ProcessGroupBabyGloo",
     "ProcessGroupBabyNCCL",
     "BabyProcessError",
+    "BabyClosedError",
     "BabyTimeoutError",
     "Manager",
     "ManagedProcessGroup",
@@ -64,4 +66,5 @@ __all__ = [
     "StateTransferError",
     "FTError",
     "UnsupportedOperationError",
+    "WorkTimeoutError",
 ]

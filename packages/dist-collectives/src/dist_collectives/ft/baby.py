@@ -55,7 +55,7 @@ from torch.distributed.distributed_c10d import AllreduceCoalescedOptions
 from torch.futures import Future
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
-from dist_collectives.ft.errors import FTError
+from dist_collectives.ft.errors import FTError, timed_out_after_seconds
 from dist_collectives.ft.gloo import create_gloo_backend
 from dist_collectives.ft.nccl import create_nccl_backend, nccl_unavailable_reason
 from dist_collectives.ft.process_group import DEFAULT_TIMEOUT, ProcessGroup, reduce_op_name
@@ -70,6 +70,7 @@ _PARENT_POLL_SECONDS = 0.5
 # Starting the child imports torch, which takes seconds on a loaded machine; that is
 # not the group's fault, so it does not count against the group's timeout.
 CHILD_START_SECONDS = 60.0
+CHILD_CONNECT_FLOOR = timedelta(seconds=5)
 
 # Where rebuild_cuda_tensor's arguments name the reference counter of a shared block.
 _REBUILD_PARAMETERS = list(inspect.signature(rebuild_cuda_tensor).parameters)
@@ -88,7 +89,17 @@ class BabyTimeoutError(BabyProcessError, TimeoutError):
     """A :class:`BabyProcessError` whose cause is a timeout (also a ``TimeoutError``).
 
     An operation outlived the group's timeout (the child was then killed), or the
-    child did not join its group in time (a peer never arrived).
+    child did not join its group in time (a peer never arrived). The message starts
+    as torchft's does (``... timed out after 0.01 seconds``), then says what was waited
+    for.
+    """
+
+
+class BabyClosedError(BabyProcessError, OSError):
+    """An operation on a baby group after :meth:`ProcessGroupBaby.shutdown`.
+
+    Also an ``OSError`` whose message says the handle is closed, as torchft's baby
+    groups raise from their closed pipe.
     """
 
 
@@ -142,8 +153,26 @@ def _run_operation(backend: Any, operation: str, tensors: list[torch.Tensor], ar
         for length in layout:
             outputs.append(tensors[start : start + length])
             start += length
-        return backend.allgather(outputs, tensors[:inputs])
+        # One collective per input: a backend that drives one device per process
+        # (gloo, NCCL) reads several inputs as several devices' and refuses them.
+        return _AllOf(
+            [
+                backend.allgather([output_list], [input_])
+                for output_list, input_ in zip(outputs, tensors[:inputs], strict=True)
+            ]
+        )
     raise ValueError(f"unknown operation {operation!r}")
+
+
+class _AllOf:
+    """Several backend Works waited for as one, in the order they were issued."""
+
+    def __init__(self, works: list[Any]) -> None:
+        self.works = works
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
 
 
 def _serve_cpu(backend: Any, conn: mp_connection.Connection) -> None:
@@ -214,7 +243,9 @@ def _child_main(
             torch.cuda.set_device(device_index)
             stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
             from_child = torch.cuda.Event(interprocess=True)  # type: ignore[no-untyped-call]
-        store = create_store_client(store_addr, timeout)
+        # Connecting is part of starting (a fresh process on a loaded machine), not of
+        # waiting for peers: a floor keeps a millisecond timeout from failing the connect.
+        store = create_store_client(store_addr, max(timeout, CHILD_CONNECT_FLOOR))
         wait_for_arrivals(
             store, store_addr, rank, world_size, timeout, f"{factory.__name__}.configure"
         )
@@ -300,12 +331,14 @@ class _CudaLink:
 class _Pending:
     def __init__(
         self,
+        operation: str,
         future: Future[Any],
         originals: list[torch.Tensor],
         shared: list[torch.Tensor],
         deadline: float,
         slots: list[_Slot],
     ) -> None:
+        self.operation = operation
         self.future = future
         self.originals = originals
         self.shared = shared
@@ -336,8 +369,9 @@ class _Child:
 class ProcessGroupBaby(ProcessGroup):
     """A reconfigurable group whose backend runs in a child process (see the module doc).
 
-    Supports ``allreduce``, ``allreduce_coalesced``, ``allgather``, ``broadcast``
-    (and ``broadcast_one``), ``barrier``, ``send`` and ``recv``; every other collective
+    Supports ``allreduce``, ``allreduce_coalesced``, ``allgather``,
+    ``allgather_into_tensor_coalesced``, ``broadcast`` (and ``broadcast_one``),
+    ``barrier``, ``send`` and ``recv``; every other collective
     raises :class:`~dist_collectives.ft.UnsupportedOperationError` naming it.
 
     Args:
@@ -355,6 +389,7 @@ class ProcessGroupBaby(ProcessGroup):
         self._ids = itertools.count()
         self._reader: threading.Thread | None = None
         self._error: BabyProcessError | None = None
+        self._shut_down = False
 
     @classmethod
     def _create_backend(cls, store: Store, rank: int, world_size: int, timeout: timedelta) -> Any:
@@ -402,12 +437,13 @@ class ProcessGroupBaby(ProcessGroup):
         )
         child.start()
         child_conn.close()
+        who = f"{type(self).__name__}.configure"
         if not parent_conn.poll(timeout.total_seconds() + CHILD_START_SECONDS):
             child.kill()
             child.join()
             raise BabyTimeoutError(
-                f"the child did not start and join {store_addr} within {timeout} "
-                f"(+{CHILD_START_SECONDS:.0f} s to start)"
+                f"{who} {timed_out_after_seconds(timeout)}: the child did not start and "
+                f"join {store_addr} (+{CHILD_START_SECONDS:.0f} s allowed to start)"
             )
         try:
             status, detail = parent_conn.recv()
@@ -419,14 +455,19 @@ class ProcessGroupBaby(ProcessGroup):
         if status != "ready":
             child.join()
             message, timed_out = detail
-            error_type = BabyTimeoutError if timed_out else BabyProcessError
-            raise error_type(f"the child could not join {store_addr}: {message}")
+            if timed_out:
+                raise BabyTimeoutError(
+                    f"{who} {timed_out_after_seconds(timeout)}: the child could not join "
+                    f"{store_addr}: {message}"
+                )
+            raise BabyProcessError(f"{who}: the child could not join {store_addr}: {message}")
         if link is not None:
             link.from_child = detail
         state = _Child(child, parent_conn, link, timeout)
         with self._lock:
             self._child_state = state
             self._error = None
+            self._shut_down = False
         self._set_configuration(rank, world_size)
         self._reader = threading.Thread(
             target=self._read_replies, args=(state,), name="ft-baby-reader", daemon=True
@@ -508,13 +549,14 @@ class ProcessGroupBaby(ProcessGroup):
             if not ready:
                 now = time.monotonic()
                 with self._lock:
-                    late = any(op.deadline < now for op in state.pending.values())
+                    late = [op.operation for op in state.pending.values() if op.deadline < now]
                 if late:
-                    logger.warning("baby process group: operation timed out; killing the child")
+                    logger.warning("baby process group: %s timed out; killing the child", late[0])
                     self._retire(
                         state,
                         BabyTimeoutError(
-                            f"an operation took longer than {state.timeout}; the child was killed"
+                            f"{type(self).__name__}.{late[0]} "
+                            f"{timed_out_after_seconds(state.timeout)}; the child was killed"
                         ),
                     )
                     return
@@ -542,7 +584,11 @@ class ProcessGroupBaby(ProcessGroup):
             if kind == "error":
                 message, timed_out = detail
                 if timed_out:
-                    error: Exception = BabyTimeoutError(f"in the child process: {message}")
+                    error: Exception = BabyTimeoutError(
+                        f"{type(self).__name__}.{op.operation} "
+                        f"{timed_out_after_seconds(state.timeout)} in the child process: "
+                        f"{message}"
+                    )
                 else:
                     error = RuntimeError(f"in the child process: {message}")
                 op.future.set_exception(error)
@@ -559,6 +605,11 @@ class ProcessGroupBaby(ProcessGroup):
         future: Future[Any] = future_for(tensors)
         with self._lock:
             state = self._child_state
+            if state is None and self._shut_down:
+                raise BabyClosedError(
+                    f"{type(self).__name__}.{operation}: the group was shut down and its "
+                    "handle is closed; call configure to start a new child"
+                )
             if state is None:
                 raise RuntimeError(
                     f"{type(self).__name__} is not configured (or was shut down); call "
@@ -568,7 +619,7 @@ class ProcessGroupBaby(ProcessGroup):
                 future.set_exception(
                     BabyProcessError(f"the child is gone ({state.gone}); call configure")
                 )
-                return FutureWork(future)
+                return FutureWork(future, f"{type(self).__name__}.{operation}")
             op_id = next(self._ids)
             shared: list[torch.Tensor] = []
             slots: list[_Slot] = []
@@ -578,7 +629,7 @@ class ProcessGroupBaby(ProcessGroup):
                 shared = [_shared_copy(t) for t in tensors]
                 payload = shared
             deadline = time.monotonic() + state.timeout.total_seconds()
-            state.pending[op_id] = _Pending(future, tensors, shared, deadline, slots)
+            state.pending[op_id] = _Pending(operation, future, tensors, shared, deadline, slots)
             try:
                 state.conn.send((op_id, operation, payload, argument))
             except (OSError, ValueError) as error:
@@ -587,7 +638,10 @@ class ProcessGroupBaby(ProcessGroup):
             else:
                 slots = []
         _release_slots(slots)  # shared, but never sent
-        return FutureWork(future)
+        # The reader fails the operation at its deadline; the wait's bound is a backstop
+        # a little later, for a reader that is itself stuck.
+        wait_limit = state.timeout + timedelta(seconds=_STOP_SECONDS + 1)
+        return FutureWork(future, f"{type(self).__name__}.{operation}", wait_limit)
 
     def allreduce(self, *args: Any) -> dist.Work:
         """Allreduce, with torch's overloads: ``(tensors, options)`` or ``(tensor, op)``."""
@@ -614,6 +668,36 @@ class ProcessGroupBaby(ProcessGroup):
         flat = [*inputs, *(t for output_list in outputs for t in output_list)]
         return self._submit("allgather", flat, (len(inputs), layout))
 
+    def allgather_into_tensor_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], *options: Any
+    ) -> dist.Work:
+        """Allgathers each input into its output, in rank order.
+
+        ``outputs[i]`` receives every rank's ``inputs[i]`` (``world_size`` times its
+        elements).
+
+        Raises:
+            ValueError: the lists differ in length, or an output does not hold
+                ``world_size`` times its input's elements.
+        """
+        if len(outputs) != len(inputs):
+            raise ValueError(
+                f"{type(self).__name__}.allgather_into_tensor_coalesced: {len(outputs)} "
+                f"outputs for {len(inputs)} inputs"
+            )
+        world = self.size()
+        output_lists = []
+        for index, (output, input_) in enumerate(zip(outputs, inputs, strict=True)):
+            if output.numel() != world * input_.numel() or not output.is_contiguous():
+                raise ValueError(
+                    f"{type(self).__name__}.allgather_into_tensor_coalesced: output {index} "
+                    f"of shape {tuple(output.shape)} must be contiguous and hold "
+                    f"world_size={world} times input {index} of shape {tuple(input_.shape)}"
+                )
+            # Views into the output: what the child writes into them lands in place.
+            output_lists.append(list(output.view(world, *input_.shape).unbind(0)))
+        return self.allgather(output_lists, list(inputs))
+
     def broadcast(self, *args: Any) -> dist.Work:
         """Broadcast, with torch's overloads: ``(tensors, options)`` or ``(tensor, root)``."""
         first = args[0]
@@ -636,8 +720,18 @@ class ProcessGroupBaby(ProcessGroup):
         return self._submit("recv", list(tensors), (int(src), int(tag)))
 
     def shutdown(self) -> None:
-        """Stops the child; pending operations fail."""
-        self._stop_child(BabyProcessError("the group was shut down"))
+        """Stops the child; pending operations fail, later ones raise :class:`BabyClosedError`."""
+        self._stop_child(
+            BabyClosedError(f"{type(self).__name__} was shut down: its handle is closed")
+        )
+        with self._lock:
+            self._shut_down = True
+
+    def num_active_work(self) -> int:
+        """How many operations were submitted to the child and have not completed yet."""
+        with self._lock:
+            state = self._child_state
+            return 0 if state is None else len(state.pending)
 
     def child_pid(self) -> int | None:
         """The pid of the child process, or None when not configured."""

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
+from datetime import timedelta
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -11,6 +12,11 @@ from torch.futures import Future
 from dist_collectives.ft.manager import Manager
 from dist_collectives.ft.process_group import ProcessGroup, reduce_op_name
 from dist_collectives.ft.work import FutureWork, all_done
+
+# How much later than the manager's own deadline a wait gives up (at most; the
+# manager's timeout itself when shorter): the manager's watcher fails the step at its
+# deadline, so this only ends a wait on a manager that is stuck.
+_WAIT_GRACE = timedelta(seconds=5)
 
 
 class ManagedProcessGroup(ProcessGroup):
@@ -66,8 +72,21 @@ class ManagedProcessGroup(ProcessGroup):
                 f"ManagedProcessGroup.allreduce averages over live replicas; op={op} is not "
                 "supported (use SUM or AVG)"
             )
-        futures = [self._manager.allreduce(tensor) for tensor in tensors]
+        # Any: a manager may hand back a Work of its own (see below), not only a future.
+        results: list[Any] = [self._manager.allreduce(tensor) for tensor in tensors]
+        if len(results) == 1 and not isinstance(results[0], Future):
+            # A manager whose allreduce returns a Work of its own (torchft's does) bounds
+            # its own wait; it is handed back as torchft's ManagedProcessGroup does.
+            return cast(dist.Work, results[0])
+        futures = [r if isinstance(r, Future) else r.get_future() for r in results]
         # Every future holds its own tensor, averaged in place; the combined one carries
         # their CUDA devices and completes on a stream that waited for each of them.
         combined: Future[list[torch.Tensor]] = all_done(futures, tensors)
-        return FutureWork(combined)
+        return FutureWork(combined, "ManagedProcessGroup.allreduce", self._wait_limit())
+
+    def _wait_limit(self) -> timedelta:
+        """The manager fails a step at its timeout; a wait gives up a little after that."""
+        timeout = getattr(self._manager, "timeout", None)
+        if not isinstance(timeout, timedelta):
+            timeout = self._timeout
+        return timeout + min(timeout, _WAIT_GRACE)

@@ -26,6 +26,18 @@ logger = logging.getLogger(__name__)
 DEFAULT_TIMEOUT = timedelta(seconds=60)
 
 
+# The group a register() call is making torch's next group, by backend name: torch
+# calls the backend's factory from inside new_group.
+_registering: dict[str, ProcessGroup] = {}
+
+
+def _registered_group_factory(backend: str) -> Any:
+    def create(store: Any, rank: int, world_size: int, timeout: Any) -> ProcessGroup:
+        return _registering[backend]
+
+    return create
+
+
 class StoreAddressReusedError(FTError, ValueError):
     """``configure`` was called twice on one group object with the same store address."""
 
@@ -50,6 +62,8 @@ class ProcessGroup(dist.ProcessGroup):
         self._configured_world_size = 1
         self._used_store_addrs: set[str] = set()
         self._registered_name: GroupName | None = None
+        self._registered_with_default_group = False
+        self._torch_group_name: GroupName | None = None
         self._timeout = DEFAULT_TIMEOUT
         #: The arguments of the last successful :meth:`configure`, or None.
         self.configuration: Configuration | None = None
@@ -141,14 +155,16 @@ class ProcessGroup(dist.ProcessGroup):
         raise NotImplementedError(f"{type(self).__name__} does not implement getBackendName")
 
     def register(self, name: str) -> ProcessGroup:
-        """Registers this group under ``name`` for functional collectives.
+        """Registers this group with torch, so functional collectives and DeviceMesh find it.
 
-        After this, ``torch.distributed._functional_collectives`` and
-        :class:`~torch.distributed.device_mesh.DeviceMesh` can find the group by name;
-        the registration survives reconfiguration, since it is this object that is
-        registered, not one configuration.
-
-        Afterwards :attr:`group_name` is ``name`` itself, as given.
+        As in torchft: with a default group initialised (``init_process_group``), the
+        group is made torch's next group through ``dist.new_group`` on a backend named
+        ``"<getBackendName()>:<name>"`` whose factory returns this object, and torch
+        names it: right after, :attr:`group_name` is ``str(dist.get_pg_count() - 1)``.
+        Every rank of the default group must call it (``new_group`` is collective).
+        Without a default group torch keeps no numbering; the group is then registered
+        under ``name`` itself. Either way the registration survives reconfiguration,
+        since it is this object that is registered, not one configuration.
 
         Returns:
             This group, for chaining.
@@ -161,15 +177,39 @@ class ProcessGroup(dist.ProcessGroup):
                 f"{type(self).__name__} is already registered as {self._registered_name!r}; "
                 "call unregister() first"
             )
-        group_name = cast("GroupName", name)
-        self._set_group_name(group_name)
-        _register_process_group(group_name, self)
-        self._registered_name = group_name
+        if not dist.is_initialized():
+            group_name = cast("GroupName", name)
+            self._set_group_name(group_name)
+            _register_process_group(group_name, self)
+            self._registered_name = group_name
+            self._registered_with_default_group = False
+            return self
+        backend = f"{self.getBackendName()}:{name}"
+        _registering[backend] = self
+        if not hasattr(dist.Backend, backend.upper()):
+            devices = ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
+            factory = _registered_group_factory(backend)
+            dist.Backend.register_backend(backend, factory, devices=devices)
+        try:
+            group = dist.new_group(
+                ranks=[dist.get_rank()], backend=backend, group_desc=backend, timeout=self._timeout
+            )
+        finally:
+            _registering.pop(backend, None)
+        if id(group) != id(self):  # compared by id: `is` would narrow self to Any
+            raise RuntimeError(f"torch registered {group!r} instead of {self!r} for {backend!r}")
+        self._registered_name = self._torch_group_name
+        self._registered_with_default_group = True
         return self
+
+    def _set_group_name(self, name: GroupName) -> None:
+        """Called by torch with the name its registry gives the group (:attr:`group_name`)."""
+        super()._set_group_name(name)
+        self._torch_group_name = name
 
     @property
     def group_name(self) -> GroupName:
-        """The name given by :meth:`register` (torch reads it to find the group)."""
+        """The name :meth:`register` gave the group (torch reads it to find the group)."""
         if self._registered_name is None:
             raise RuntimeError(
                 f"{type(self).__name__} has no group name: call register(name) first"
@@ -177,10 +217,17 @@ class ProcessGroup(dist.ProcessGroup):
         return self._registered_name
 
     def unregister(self) -> None:
-        """Removes the registration made by :meth:`register` (a no-op when not registered)."""
+        """Removes the registration made by :meth:`register` (a no-op when not registered).
+
+        A group registered through the default group is destroyed there as torchft
+        does (``dist.destroy_process_group``), which leaves this object usable.
+        """
         if self._registered_name is None:
             return
-        _unregister_process_group(self._registered_name)
+        if self._registered_with_default_group:
+            dist.destroy_process_group(self)
+        else:
+            _unregister_process_group(self._registered_name)
         self._registered_name = None
 
     def shutdown(self) -> None:
@@ -211,10 +258,15 @@ class ProcessGroup(dist.ProcessGroup):
         """Broadcasts ``tensor`` from rank ``root`` of this group (torchft's shorthand)."""
         options = dist.BroadcastOptions()
         options.rootRank = root
-        return self.broadcast([tensor], options)
+        try:
+            return self.broadcast([tensor], options)
+        except UnsupportedOperationError as error:
+            # Named for what the caller called, as torchft's refusals are.
+            raise UnsupportedOperationError(f"{refuse(self, 'broadcast_one')} ({error})") from None
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(rank={self.rank()}, world_size={self.size()})"
+        """``ProcessGroupGloo()``: the class name, as torchft writes it (see :meth:`rank`)."""
+        return f"{type(self).__name__}()"
 
 
 # The collectives of torch 2.4-2.13's ProcessGroup (those returning a Work), and the

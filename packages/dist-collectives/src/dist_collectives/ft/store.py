@@ -6,6 +6,12 @@ TCPStore that runs inside the job (the one ``torchrun`` or ``dist-launch`` hosts
 connection per configuration costs a connect and a handshake each time, so clients are
 cached per ``(host, port, process)`` and only the cheap :class:`~torch.distributed.PrefixStore`
 is new.
+
+Addresses follow torchft's forms: ``host:port/prefix``, ``[v6addr]:port/prefix``, and a
+bare IPv6 address whose port is the field after its last colon
+(``fdaa:0:1:2:3:4:5:6:29521/prefix``, ``::1:29521/prefix``). Clients are built with
+keyword arguments (``TCPStore(host_name=..., port=..., ...)``), looked up in this
+module, so a test that patches ``TCPStore`` here sees every client that is built.
 """
 
 from __future__ import annotations
@@ -19,17 +25,19 @@ import time
 from collections.abc import Iterator
 from datetime import timedelta
 
-from torch.distributed import PrefixStore, Store, TCPStore  # type: ignore[attr-defined]  # public, not re-exported in the stubs
+from torch.distributed import DistNetworkError, PrefixStore, Store, TCPStore  # type: ignore[attr-defined]  # public, not re-exported in the stubs
 
-from dist_collectives.ft.errors import FTError
+from dist_collectives.ft.errors import FTError, timed_out_after_ms
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_STORE_TIMEOUT = timedelta(seconds=60)
 
 _lock = threading.Lock()
-# (host, port, pid) -> client; the pid keeps a forked child from sharing its parent's socket.
-_clients: dict[tuple[str, int, int], TCPStore] = {}
+# (host, port, pid) -> (the factory that built it, client); the pid keeps a forked child
+# from sharing its parent's socket, the factory keeps a patched TCPStore from being
+# answered with a client the real one built (and the other way round).
+_clients: dict[tuple[str, int, int], tuple[object, TCPStore]] = {}
 # (host, port, pid) -> held while a rendezvous uses the shared client.
 _leases: dict[tuple[str, int, int], threading.Lock] = {}
 
@@ -38,12 +46,16 @@ class StoreAddressError(FTError, ValueError):
     """A store address is not of the form ``host:port/prefix``."""
 
 
-class RendezvousTimeoutError(FTError, TimeoutError):
+class RendezvousTimeoutError(FTError, TimeoutError, RuntimeError):
     """Some ranks of a new configuration did not arrive at its store address in time.
+
+    A ``TimeoutError``, and a ``RuntimeError`` as torch's own store timeouts are (the
+    message starts like theirs: ``... timed out after 10ms``).
 
     Attributes:
         store_addr: The configuration's ``host:port/prefix``.
-        missing: The ranks that did not arrive, in order.
+        missing: The ranks that did not arrive, in order; empty when the store itself
+            could not be reached.
     """
 
     def __init__(self, message: str, store_addr: str, missing: list[int]) -> None:
@@ -69,7 +81,11 @@ class StoreAddress:
 
 
 def parse_store_addr(store_addr: str) -> StoreAddress:
-    """Splits ``host:port/prefix`` (``[v6addr]:port/prefix`` for IPv6) into its parts.
+    """Splits ``host:port/prefix`` into its parts.
+
+    IPv6 hosts come bracketed (``[fdaa::1]:29521/prefix``) or bare
+    (``fdaa:0:1:2:3:4:5:6:29521/prefix``): the port is always the field after the last
+    colon, and brackets are stripped from the host.
 
     Raises:
         StoreAddressError: the address has no prefix, no port, or a port that is not an
@@ -114,20 +130,27 @@ def connect_tcp_store(
             (a heartbeat or error watcher) wants its own connection: pass False.
     """
     if not shared:
-        return TCPStore(host, port, is_master=False, timeout=timeout, wait_for_workers=False)
+        return _new_client(host, port, timeout)
     key = (host, port, os.getpid())
     with _lock:
-        client = _clients.get(key)
-        if client is None:
-            logger.debug("connecting to the store at %s:%d", host, port)
-            client = TCPStore(host, port, is_master=False, timeout=timeout, wait_for_workers=False)
-            _clients[key] = client
+        cached = _clients.get(key)
+        if cached is not None and cached[0] is TCPStore:
+            return cached[1]
+        logger.debug("connecting to the store at %s:%d", host, port)
+        client = _new_client(host, port, timeout)
+        _clients[key] = (TCPStore, client)
         return client
+
+
+def _new_client(host: str, port: int, timeout: timedelta) -> TCPStore:
+    return TCPStore(
+        host_name=host, port=port, is_master=False, timeout=timeout, wait_for_workers=False
+    )
 
 
 @contextlib.contextmanager
 def rendezvous_store(
-    store_addr: str, timeout: timedelta = DEFAULT_STORE_TIMEOUT
+    store_addr: str, timeout: timedelta = DEFAULT_STORE_TIMEOUT, who: str = "configure"
 ) -> Iterator[PrefixStore]:
     """A store client for one rendezvous: the shared connection when it is free.
 
@@ -136,8 +159,14 @@ def rendezvous_store(
     its timeout. While one rendezvous holds the shared connection, another one in this
     process gets a connection of its own.
 
+    Args:
+        store_addr: ``host:port/prefix``.
+        timeout: How long connecting and each blocking store call may take.
+        who: What rendezvouses, for the timeout's message (``ProcessGroupGloo.configure``).
+
     Raises:
         StoreAddressError: ``store_addr`` is malformed.
+        RendezvousTimeoutError: the store could not be reached within ``timeout``.
     """
     address = parse_store_addr(store_addr)
     key = (address.host, address.port, os.getpid())
@@ -145,14 +174,30 @@ def rendezvous_store(
         lease = _leases.setdefault(key, threading.Lock())
     if lease.acquire(blocking=False):
         try:
-            client = connect_tcp_store(address.host, address.port, timeout)
+            client = _connect_for(who, store_addr, address, timeout)
             yield PrefixStore(address.prefix, client)
         finally:
             lease.release()
     else:
         logger.debug("the shared store connection is busy; opening another for %s", store_addr)
-        client = connect_tcp_store(address.host, address.port, timeout, shared=False)
+        client = _connect_for(who, store_addr, address, timeout, shared=False)
         yield PrefixStore(address.prefix, client)
+
+
+def _connect_for(
+    who: str, store_addr: str, address: StoreAddress, timeout: timedelta, *, shared: bool = True
+) -> TCPStore:
+    """:func:`connect_tcp_store` for a rendezvous: a store not reached in time is its timeout."""
+    try:
+        return connect_tcp_store(address.host, address.port, timeout, shared=shared)
+    except DistNetworkError as error:
+        cause = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise RendezvousTimeoutError(
+            f"{who} {timed_out_after_ms(timeout)}: could not reach the store of {store_addr} "
+            f"({cause})",
+            store_addr,
+            [],
+        ) from None
 
 
 def create_store_client(store_addr: str, timeout: timedelta = DEFAULT_STORE_TIMEOUT) -> PrefixStore:
@@ -212,10 +257,10 @@ def wait_for_arrivals(
         return
     waited = time.monotonic() - started
     raise RendezvousTimeoutError(
-        f"{who}: rank(s) {missing} of world_size={world_size} did not arrive at store "
-        f"address {store_addr} within {timeout} (waited {waited:.1f} s as rank {rank}); "
-        "check that every member calls configure with the same address, and that the "
-        "missing ones are alive",
+        f"{who} {timed_out_after_ms(timeout)}: rank(s) {missing} of "
+        f"world_size={world_size} did not arrive at store address {store_addr} (waited "
+        f"{waited:.1f} s as rank {rank}; the store said: {failure}); check that every "
+        "member calls configure with the same address, and that the missing ones are alive",
         store_addr,
         missing,
     ) from None

@@ -22,6 +22,11 @@ import torch
 import torch.distributed as dist
 from torch.futures import Future
 
+from dist_collectives.ft.errors import WorkTimeoutError, timed_out_after_ms
+
+# gloo's own default timeout: the longest any Work of ours waits when nothing bounds it.
+UNBOUNDED_WAIT_LIMIT = timedelta(minutes=30)
+
 
 def _tensors_in(value: Any, found: list[torch.Tensor], depth: int = 0) -> None:
     if isinstance(value, torch.Tensor):
@@ -113,25 +118,61 @@ def all_done(futures: Sequence[Future[Any]], value: Any) -> Future[Any]:
     return combined
 
 
+def wait_within(future: Future[Any], timeout: timedelta, operation: str) -> Any:
+    """Waits for ``future`` at most ``timeout``; returns its value or raises its error.
+
+    Raises:
+        WorkTimeoutError: ``future`` was not done within ``timeout``; the message
+            names ``operation``.
+    """
+    if not future.done():
+        done = threading.Event()
+        future.add_done_callback(lambda _: done.set())
+        if not done.wait(timeout.total_seconds()):
+            raise WorkTimeoutError(
+                f"{operation} {timed_out_after_ms(timeout)}: its result never arrived "
+                f"(waited {timeout})"
+            )
+    return future.wait()
+
+
 class FutureWork(dist.Work):
     """A :class:`~torch.distributed.Work` driven by a :class:`torch.futures.Future`.
 
     ``wait`` raises what the future raised; on a future made by :func:`future_for` it
     also makes the caller's current CUDA stream wait for the result. ``is_completed``
     says whether it is done.
+
+    Args:
+        future: What the Work waits for.
+        operation: What produced it, for the timeout's message
+            (``"ProcessGroupBabyGloo.allreduce"``).
+        timeout: The longest :meth:`wait` blocks when not given one; None for a future
+            that something else is bound to complete (a default of 30 minutes then
+            still ends the wait).
     """
 
-    def __init__(self, future: Future[Any]) -> None:
+    def __init__(
+        self, future: Future[Any], operation: str = "operation", timeout: timedelta | None = None
+    ) -> None:
         super().__init__()
         self._future = future
+        self._operation = operation
+        self._timeout = timeout or UNBOUNDED_WAIT_LIMIT
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         """Blocks until the future is done, then raises its error, if any.
 
         With CUDA tensors the caller's current stream then waits for the result's event
         (the CPU does not wait for the GPU).
+
+        Args:
+            timeout: The longest to wait; the Work's own timeout when None.
+
+        Raises:
+            WorkTimeoutError: the future was not done within the timeout.
         """
-        self._future.wait()
+        wait_within(self._future, timeout or self._timeout, self._operation)
         return True
 
     def is_completed(self) -> bool:

@@ -176,6 +176,12 @@ class ProcessGroupWrapper(ProcessGroup):
         # has none): found at the first call; those without get _FutureOnDemandWork.
         self._has_future: dict[str, bool] = {}
 
+    def __repr__(self) -> str:
+        """``ProcessGroupWrapper(pg=ProcessGroupDummy())`` when wrapping a group, as in torchft."""
+        if self._wrapped is None:
+            return super().__repr__()
+        return f"{type(self).__name__}(pg={self._wrapped!r})"
+
     @property
     def parent(self) -> Any:
         """The object operations go to: the wrapped group, or the current torch backend."""
@@ -193,8 +199,8 @@ class ProcessGroupWrapper(ProcessGroup):
         died does not hold this call up.
 
         Raises:
-            RendezvousTimeoutError: some members did not arrive within the timeout;
-                the old configuration is left in place.
+            RendezvousTimeoutError: the store could not be reached, or some members did
+                not arrive, within the timeout; the old configuration is left in place.
         """
         if self._wrapped is None and type(self)._create_pg is ProcessGroupWrapper._create_pg:
             raise NotImplementedError(
@@ -207,8 +213,8 @@ class ProcessGroupWrapper(ProcessGroup):
             self._set_configuration(rank, world_size)
             return
         self._claim_configuration(store_addr, rank, world_size)
-        with rendezvous_store(store_addr, self._timeout) as store:
-            who = f"{type(self).__name__}.configure"
+        who = f"{type(self).__name__}.configure"
+        with rendezvous_store(store_addr, self._timeout, who) as store:
             wait_for_arrivals(store, store_addr, rank, world_size, self._timeout, who)
             new_backend = self._create_pg(store, rank, world_size)
             new_view = self._create_view(store, rank, world_size, new_backend)
