@@ -86,6 +86,7 @@ class ManagedProcessGroup(ProcessGroup):
 
     def _wait_limit(self) -> timedelta:
         """The manager fails a step at its timeout; a wait gives up a little after that."""
+        # A stand-in manager (a test's, torchft-style) may have no timeout of its own.
         timeout = getattr(self._manager, "timeout", None)
         if not isinstance(timeout, timedelta):
             timeout = self._timeout

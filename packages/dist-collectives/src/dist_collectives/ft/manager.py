@@ -179,6 +179,14 @@ class Manager:
         """The number of ranks in each replica group."""
         return self._config.group_world_size
 
+    @property
+    def timeout(self) -> timedelta:
+        """How long a quorum, a collective or a commit may take (the ``timeout`` argument).
+
+        A :class:`ManagedProcessGroup`'s waits give up a little after it.
+        """
+        return self._config.timeout
+
     def current_step(self) -> int:
         """The number of steps committed so far (a healed replica takes its source's)."""
         return self._executor.state.step
