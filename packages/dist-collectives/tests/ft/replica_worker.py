@@ -20,7 +20,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dist_collectives.ft import DistributedDataParallel, Manager, ProcessGroupGloo
+from dist_collectives.ft import (
+    DistributedDataParallel,
+    Manager,
+    ProcessGroupGloo,
+    ProcessGroupReconfigurableGloo,
+)
 
 
 def _digest(model: nn.Module, optimizer: torch.optim.Optimizer) -> str:
@@ -65,6 +70,12 @@ def main() -> None:
     parser.add_argument("--min-replicas", type=int, default=1)
     parser.add_argument("--restarted", action="store_true")
     parser.add_argument("--device", default="cpu", help="where the model lives (cuda: a GPU check)")
+    parser.add_argument(
+        "--group",
+        choices=["gloo", "reconfigurable-gloo"],
+        default="gloo",
+        help="gloo: rebuilt per quorum; reconfigurable-gloo: torch 2.14's, reconfigured in place",
+    )
     args = parser.parse_args()
     # The Manager's event lines (failure, discarded step, quorum, recovery) go to stderr.
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
@@ -82,8 +93,9 @@ def main() -> None:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optim"])
 
+    group_type = ProcessGroupGloo if args.group == "gloo" else ProcessGroupReconfigurableGloo
     manager = Manager(
-        ProcessGroupGloo(timeout=timedelta(seconds=20)),
+        group_type(timeout=timedelta(seconds=20)),
         load_state_dict=load_state_dict,
         state_dict=state_dict,
         min_replica_size=args.min_replicas,

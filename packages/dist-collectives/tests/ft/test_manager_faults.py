@@ -12,8 +12,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import torch.distributed as dist
 
+from dist_collectives.ft import ProcessGroupReconfigurableGloo, UnsupportedOperationError
+from dist_collectives.ft.reconfigurable import torch_reconfigure_missing
 from dist_core.ports import get_unused_port
 
 WORKER = Path(__file__).with_name("replica_worker.py")
@@ -26,7 +29,7 @@ def _spawn(port: int, replica: str, out: Path, *extra: str) -> subprocess.Popen[
 
 
 def _run_kill_and_rejoin(
-    tmp_path: Path, replicas: int, mode: str, device: str = "cpu"
+    tmp_path: Path, replicas: int, mode: str, device: str = "cpu", group: str = "gloo"
 ) -> dict[str, Any]:
     port = get_unused_port()
     store = dist.TCPStore(
@@ -35,6 +38,7 @@ def _run_kill_and_rejoin(
     victim = f"replica{replicas - 1}"
     outs = {f"replica{i}": tmp_path / f"replica{i}.json" for i in range(replicas)}
     common = ["--mode", mode, "--min-replicas", str(replicas - 1), "--device", device]
+    common += ["--group", group]
     procs = {}
     try:
         for replica, out in outs.items():
@@ -109,6 +113,30 @@ def test_ddp_survivors_go_on_after_a_peer_dies_mid_backward(tmp_path: Path) -> N
     result = _run_kill_and_rejoin(tmp_path, 3, "ddp")
     notice = _check(result, 3)
     print(f"survivors noticed the kill after {[round(n, 3) for n in notice]} s")
+
+
+@pytest.mark.skipif(
+    torch_reconfigure_missing() is not None, reason=str(torch_reconfigure_missing())
+)
+@pytest.mark.timeout(400)
+def test_torchs_reconfigurable_gloo_group_under_the_manager_survives_a_kill(
+    tmp_path: Path,
+) -> None:
+    result = _run_kill_and_rejoin(tmp_path, 3, "ddp", group="reconfigurable-gloo")
+    notice = _check(result, 3)
+    print(f"survivors noticed the kill after {[round(n, 3) for n in notice]} s")
+
+
+@pytest.mark.skipif(
+    torch_reconfigure_missing() is None, reason="this torch has reconfigurable groups"
+)
+def test_without_torchs_reconfigurable_groups_building_one_says_what_is_missing() -> None:
+    with pytest.raises(UnsupportedOperationError) as caught:
+        ProcessGroupReconfigurableGloo()
+    message = str(caught.value)
+    assert f"torch {torch.__version__} has no reconfigurable process groups" in message
+    assert "enable_reconfigure=True" in message and "ReconfigureOptions" in message
+    assert "ProcessGroupGloo" in message, "it names what to use instead"
 
 
 @pytest.mark.cuda

@@ -158,3 +158,13 @@ def test_a_member_lost_joined_or_behind_gets_a_new_quorum_id(
     members: tuple[str, ...], steps: tuple[int, ...]
 ) -> None:
     assert not keeps_quorum_id(_quorum((4, 4), init_sync=False), members, steps)
+
+
+def test_a_reconfiguration_uuid_is_the_same_for_one_address_and_differs_between_addresses() -> None:
+    from dist_collectives.ft.reconfigurable import configuration_uuid
+
+    first = configuration_uuid("127.0.0.1:29500/ft/pg/1")
+    assert first == configuration_uuid("127.0.0.1:29500/ft/pg/1"), "every member agrees"
+    uuids = {configuration_uuid(f"127.0.0.1:29500/ft/pg/{quorum}") for quorum in range(1000)}
+    assert len(uuids) == 1000, "a new prefix gives a new uuid"
+    assert all(0 <= uuid < 2**63 for uuid in uuids)

@@ -24,6 +24,7 @@ from dist_collectives.ft.manager import Manager, ManagerConfigError, ReplicaErro
 from dist_collectives.ft.nccl import ProcessGroupNCCL
 from dist_collectives.ft.process_group import ProcessGroup, StoreAddressReusedError
 from dist_collectives.ft.quorum import Quorum, QuorumTimeoutError
+from dist_collectives.ft.reconfigurable import ProcessGroupReconfigurableGloo
 from dist_collectives.ft.state_transfer import StateTransferError
 from dist_collectives.ft.store import (
     RendezvousTimeoutError,
@@ -37,6 +38,7 @@ __all__ = [
     "ProcessGroup",
     "ProcessGroupWrapper",
     "ProcessGroupGloo",
+    "ProcessGroupReconfigurableGloo",
     "ProcessGroupNCCL",
     "ErrorSwallowingProcessGroupWrapper",
     "ProcessGroupDummy",

@@ -41,11 +41,19 @@ def create_gloo_backend(
 
     Reads ``GLOO_SOCKET_IFNAME`` (through torch) the first time it is called.
     """
+    backend = dist.ProcessGroupGloo(store, rank, world_size, gloo_options(timeout))
+    return backend
+
+
+def gloo_options(timeout: timedelta) -> Any:
+    """Options of a torch gloo backend: this process's cached transport device, ``timeout``.
+
+    Reads ``GLOO_SOCKET_IFNAME`` (through torch) the first time it is called.
+    """
     options: Any = getattr(dist.ProcessGroupGloo, "_Options")()  # noqa: B009 (not in the stubs)
     options._devices = [_gloo_device()]
     options._timeout = timeout
-    backend = dist.ProcessGroupGloo(store, rank, world_size, options)
-    return backend
+    return options
 
 
 def process_group_view(
