@@ -74,7 +74,7 @@ def test_an_existing_checkpoint_is_refused_on_every_rank_then_replaced_when_aske
     out.mkdir()
     (out / "model.safetensors").write_bytes(b"an older export")
     refused = run_ranks(_export, 3, str(out), False, timeout=180)
-    assert "exists" in refused[0] and "--force" in refused[0]
+    assert "exists" in refused[0] and "overwrite=True" in refused[0], "the Python way to replace"
     assert all(result.startswith("WorkspaceError") for result in refused)
     assert "rank(s) [0]" in refused[1]
     assert (out / "model.safetensors").read_bytes() == b"an older export"

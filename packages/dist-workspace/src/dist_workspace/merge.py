@@ -282,6 +282,11 @@ def is_merge_output_name(name: str) -> bool:
     return name in (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME) or bool(_SHARD_NAME.match(name))
 
 
+# check_output serves the CLI (merge --force) and Python callers (merge_workspace,
+# export_sharded's overwrite=True): the refusal names both ways to replace.
+_REPLACE_HINT = "pass overwrite=True (--force on the command line)"
+
+
 def check_output(output: Path, *, directory: bool, overwrite: bool) -> None:
     """Refuses an output that exists (unless ``overwrite``) or that merge must not replace.
 
@@ -303,7 +308,7 @@ def check_output(output: Path, *, directory: bool, overwrite: bool) -> None:
                 "--max-shard-size to write a Hugging Face model directory"
             )
         if not overwrite:
-            raise WorkspaceError(f"{output} exists; pass --force to replace it")
+            raise WorkspaceError(f"{output} exists; {_REPLACE_HINT} to replace it")
         return
     if not output.is_dir():
         raise WorkspaceError(
@@ -321,7 +326,7 @@ def check_output(output: Path, *, directory: bool, overwrite: bool) -> None:
         )
     if not overwrite:
         raise WorkspaceError(
-            f"{output} exists and holds {names[0]!r}; pass --force to replace the directory"
+            f"{output} exists and holds {names[0]!r}; {_REPLACE_HINT} to replace the directory"
         )
 
 
