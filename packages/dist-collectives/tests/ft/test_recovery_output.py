@@ -119,7 +119,14 @@ def test_a_replica_death_is_told_in_one_line_per_event_without_store_warnings(
     for replica in survivors:
         text = errs[replica].read_text(errors="replace")
         context = f"{replica}'s stderr:\n{text}"
-        assert not _lines(text, r"waitForInput|socket\.cpp"), context
+        store_warnings = [
+            line
+            for line in _lines(text, r"waitForInput|socket\.cpp")
+            # The resolver's, not the store's: torch names the local end of each new
+            # connection, and a DNS server that stalls (seen in this sandbox) says so.
+            if "hostname of the client socket cannot be retrieved" not in line
+        ]
+        assert not store_warnings, context
         assert len(_lines(text, rf"quorum 0 with {replicas} replicas")) == 1, context
         assert len(_lines(text, rf"replica {replica}: step {step} failed: \w+")) == 1, context
         assert len(_lines(text, r" failed: ")) == 1, context
