@@ -19,6 +19,14 @@ Real processes on this machine share one TCPStore hosted by this script.
    (round, reconfiguration, state transfer and one step), with the bytes each rank
    received and the transfer's rate.
 
+4. State transfer of a ``--transfer-gib`` GiB state between two processes against the
+   machine's limit for the same bytes (raw gloo, raw socket), in the same run: see
+   ``_lib/ft_transfer.py``.
+5. Quorum at scale: N simulated replicas (``--scale``, 64 and 256) heartbeating every
+   100 ms against one TCPStore, through the product's quorum functions: time to form a
+   quorum of N, time until every replica saw one die, and the store load against the
+   store's own rate; 1024 scaled from the largest run: see ``_lib/ft_quorum_scale.py``.
+
 Prints the medians and the ratios with the targets (reconfigure <= 0.25x torchft's,
 managed step <= 1.05x the plain one on the large MLP), and the commit vote's own cost
 per step: the time spent in ``should_commit()`` once the step's allreduces are done
@@ -33,6 +41,7 @@ also go to ``docs/_data/bench/ft.json`` (``--json``), which the docs draw as a f
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import multiprocessing as mp
 import os
@@ -42,6 +51,7 @@ import sys
 import time
 from datetime import timedelta
 from importlib.metadata import version
+from pathlib import Path
 from typing import Any
 
 WORLD = 4
@@ -56,6 +66,9 @@ GROUPS, GROUP_SIZE = 3, 2
 SHARD_MIB = 32  # per rank: two tensors of half that (weights and a momentum)
 KILL_AT_STEP = 4
 TORCHFT_RECOVERY_GBPS = 2.5  # torchft's reported live-recovery rate, not measured here
+TRANSFER_TARGET_GBPS = 2.5  # per rank, for a state of at least 1 GiB
+SCALE_SIMULATED = "64,256"
+SCALE_COMPUTED = (1024,)
 SCENARIO_TIMEOUT = 180.0
 
 
@@ -400,9 +413,75 @@ def _replica_groups(port: int, store: Any) -> dict[str, Any]:
     }
 
 
+def _transfer_and_scale(port: int, args: Any, only: str | None) -> dict[str, Any]:
+    """Parts 4 and 5 (see the module doc): measures, prints, returns their JSON entries."""
+    from _lib import ft_quorum_scale, ft_transfer
+
+    results: dict[str, Any] = {}
+    if only in (None, "transfer"):
+        transfer = ft_transfer.measure(port, int(args.transfer_gib * 2**30), args.transfer_repeats)
+        transfer["target_gbps"] = TRANSFER_TARGET_GBPS
+        transfer["torchft_reported_gbps"] = TORCHFT_RECOVERY_GBPS
+        results["transfer"] = transfer
+        gbps, size = transfer["gbps"], transfer["state_bytes"] / 2**30
+        print(
+            f"state transfer of {size:.2f} GiB between 2 processes (median of "
+            f"{transfer['repeats']}; ratios: median of per-repeat ratios)"
+        )
+        print(f"{'':<46}{'GB/s':>8}{'/ gloo':>9}{'/ socket':>10}  target")
+        for kind, label in (
+            ("fresh", "recv_state, fresh tensors (Manager today)"),
+            ("in place", "recv_state(into=own state), in place"),
+        ):
+            print(
+                f"{'  ' + label:<46}{gbps[kind]:>8.2f}{transfer['ratio_to_gloo'][kind]:>8.2f}x"
+                f"{transfer['ratio_to_socket'][kind]:>9.2f}x  >= {TRANSFER_TARGET_GBPS} GB/s"
+            )
+        print(f"{'  limit: raw gloo send/recv, same bytes':<46}{gbps['gloo']:>8.2f}")
+        print(f"{'  limit: raw loopback socket, same bytes':<46}{gbps['socket']:>8.2f}")
+        print(f"{'  torchft, its reported pg transport rate':<46}{TORCHFT_RECOVERY_GBPS:>8.2f}")
+    if only in (None, "scale"):
+        simulated = [int(n) for n in args.scale.split(",") if n]
+        computed = [n for n in SCALE_COMPUTED if n not in simulated]
+        rows = ft_quorum_scale.measure(port, simulated, computed)
+        carried = ft_quorum_scale.carried(rows[len(simulated) - 1])
+        results["quorum_scale"] = {
+            "heartbeat_s": ft_quorum_scale.HEARTBEAT_S,
+            "heartbeat_timeout_s": ft_quorum_scale.HEARTBEAT_TIMEOUT.total_seconds(),
+            "processes": ft_quorum_scale.PROCESSES,
+            "rows": rows,
+            "carried_replicas": carried,
+        }
+        print(
+            "quorum at scale: one TCPStore, replicas beating every 100 ms "
+            "(threads in 4 processes; heartbeat timeout 2 s)"
+        )
+        print(
+            f"{'replicas':>9}{'quorum s':>10}{'death seen':>12}{'requests/s':>12}"
+            f"{'keys/s':>11}{'limit keys/s':>14}{'used':>7}{'limit adds/s':>14}"
+        )
+        for row in rows:
+            used = row["keys_per_s"] / row["limit_keys_per_s"]
+            if row["simulated"]:
+                timing = f"{row['quorum_s']:>10.2f}{row['death_all_s']:>11.2f}s"
+            else:
+                timing = f"{'(scaled from ' + str(row['scaled_from']) + ')':>22}"
+            print(
+                f"{row['replicas']:>9}{timing}{row['requests_per_s']:>12}"
+                f"{row['keys_per_s']:>11}{row['limit_keys_per_s']:>14}{used:>6.0%}"
+                f"{row['limit_adds_per_s']:>14}"
+            )
+        print(
+            f"  one store carries about {carried} replicas' liveness reads at this "
+            "heartbeat (keys read grow as N squared)"
+        )
+    sys.stdout.flush()
+    return results
+
+
 def main() -> None:
     import torch.distributed as dist
-    from _lib.results import add_json_argument, write_results
+    from _lib.results import add_json_argument, describe_run, write_results
 
     from dist_core.ports import get_unused_port
 
@@ -411,6 +490,23 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=REPEATS, help="reconfigurations per case")
     parser.add_argument(
         "--blocks", type=int, default=BLOCKS, help="alternating blocks of steps per model"
+    )
+    parser.add_argument(
+        "--transfer-gib", type=float, default=1.0, help="size of the transferred state (GiB)"
+    )
+    parser.add_argument(
+        "--transfer-repeats", type=int, default=5, help="interleaved repeats of the transfer"
+    )
+    parser.add_argument(
+        "--scale",
+        default=SCALE_SIMULATED,
+        help="replica counts to simulate against one store (comma-separated; 1024 is "
+        "computed from the largest)",
+    )
+    parser.add_argument(
+        "--only",
+        choices=["transfer", "scale"],
+        help="run one new part alone (the transfer or the quorum at scale)",
     )
     args = parser.parse_args()
 
@@ -422,6 +518,19 @@ def main() -> None:
         with_torchft = False
     port = get_unused_port()
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    if args.only is not None:
+        new = _transfer_and_scale(port, args, args.only)
+        del store
+        previous = json.loads(Path(args.json).read_text()) if args.json != "-" else {}
+        previous.pop("benchmark", None)
+        # The other parts' numbers stay as they were, from the run that measured them.
+        runs = previous.pop("runs", {})
+        last = previous.pop("run", None)
+        if last is not None and "others" not in runs:
+            runs["others"] = last
+        previous["runs"] = runs | {args.only: describe_run()}
+        write_results(args.json, "ft", previous | new)
+        return
     context = mp.get_context("spawn")
     queue = context.Queue()
     procs = [
@@ -436,6 +545,7 @@ def main() -> None:
     for proc in procs:
         proc.join(60)
     groups = _replica_groups(port, store)
+    new = _transfer_and_scale(port, args, None)
     del store
 
     def slowest_median(key: str) -> float:
@@ -529,6 +639,7 @@ def main() -> None:
             "steps": steps,
             "replica_groups": groups,
             "targets": {"reconfigure_ratio": 0.25, "step_ratio": 1.05},
+            **new,
         },
     )
 

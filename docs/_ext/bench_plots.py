@@ -45,7 +45,9 @@ def _present(xs: Sequence[Any], ys: Sequence[float | None]) -> tuple[list[Any], 
 
 
 def _footer(figure: Figure, data: Data) -> None:
-    text = f"Data: docs/_data/bench/{data['benchmark']}.json, run {data['run']}"
+    runs = data.get("runs")
+    described = "; ".join(f"{part}: {run}" for part, run in runs.items()) if runs else data["run"]
+    text = f"Data: docs/_data/bench/{data['benchmark']}.json, run {described}"
     if data.get("note"):
         text += f"\n({data['note']})"
     figure.text(0.01, -0.02, text, fontsize=8, color="#555555", va="top", wrap=True)
@@ -383,10 +385,86 @@ def _draw_workspace_export(axes: Axes, exported: Data) -> None:
     )
 
 
+def _draw_ft_transfer(axes: Axes, transfer: Data) -> None:
+    """A healing replica's state transfer against the raw transports, same bytes, same run."""
+    gbps = transfer["gbps"]
+    bars = [
+        ("recv_state,\nfresh tensors", gbps["fresh"], OURS),
+        ("recv_state,\ninto own state", gbps["in place"], OURS),
+        ("limit: raw\ngloo", gbps["gloo"], LIMIT),
+        ("limit: raw\nsocket", gbps["socket"], LIMIT),
+    ]
+    names = [name for name, _, _ in bars]
+    axes.bar(names, [v for _, v, _ in bars], color=[c for _, _, c in bars], width=0.6)
+    for index, (_, value, _) in enumerate(bars):
+        axes.text(index, value, f"{value:.2f}", ha="center", va="bottom", fontsize=8.5)
+    axes.axhline(
+        transfer["target_gbps"],
+        color=TARGET,
+        ls=":",
+        label=f"target {transfer['target_gbps']} GB/s (torchft's reported rate)",
+    )
+    axes.set(
+        ylabel="GB/s per rank, median",
+        ylim=(0, max(v for _, v, _ in bars) * 1.3),
+        title=f"State transfer, {transfer['state_bytes'] / 2**30:.2f} GiB, gloo, 2 processes",
+    )
+    axes.tick_params(axis="x", labelsize=8)
+    axes.legend(loc="upper left")
+
+
+def _draw_ft_scale(axes: Axes, scale: Data) -> None:
+    """Store load of N replicas against the store's own rate, with the measured times."""
+    rows = scale["rows"]
+    ns = [row["replicas"] for row in rows]
+    axes.plot(ns, [row["keys_per_s"] for row in rows], "o-", color=OURS, label="keys read/s")
+    axes.plot(
+        ns, [row["requests_per_s"] for row in rows], "s-", color="#6aa5d8", label="requests/s"
+    )
+    for key, style, what in (
+        ("limit_keys_per_s", "--", "keys/s (multi_get)"),
+        ("limit_adds_per_s", ":", "round trips/s"),
+    ):
+        axes.plot(
+            ns, [row[key] for row in rows], style, color=LIMIT, label=f"limit: the store's {what}"
+        )
+    for row in rows:
+        text = (
+            f"quorum {row['quorum_s']:.2f} s\ndeath seen {row['death_all_s']:.2f} s"
+            if row.get("simulated")
+            else f"scaled from {row['scaled_from']}"
+        )
+        axes.annotate(
+            text,
+            (row["replicas"], row["keys_per_s"]),
+            textcoords="offset points",
+            xytext=(0, 8),
+            ha="center",
+            fontsize=7.5,
+        )
+    axes.set_yscale("log")
+    _ranks_axis(axes, ns)
+    axes.set(
+        xlabel="replicas, one TCPStore, 100 ms heartbeats",
+        ylabel="per second",
+        title=f"Quorum at scale: one store carries about {scale['carried_replicas']} replicas",
+    )
+    axes.legend(loc="lower right", fontsize=7.5)
+
+
 def draw_ft(data: Data) -> Figure:
-    """Reconfiguration (new prefix, survivors) against torchft; Manager step overhead."""
-    figure = Figure(figsize=(10, 3.3), layout="constrained")
-    reconfigure, step = figure.subplots(1, 2, width_ratios=[1.6, 1])
+    """Reconfiguration against torchft; Manager step overhead; state transfer; scale."""
+    extra = [key for key in ("transfer", "quorum_scale") if key in data]
+    figure = Figure(figsize=(10, 3.3 * (1 + (len(extra) > 0))), layout="constrained")
+    if extra:
+        top, bottom = figure.subfigures(2, 1)
+        reconfigure, step = top.subplots(1, 2, width_ratios=[1.6, 1])
+        lower = bottom.subplots(1, len(extra), squeeze=False)[0]
+        drawers = {"transfer": _draw_ft_transfer, "quorum_scale": _draw_ft_scale}
+        for axes, key in zip(lower, extra, strict=True):
+            drawers[key](axes, data[key])
+    else:
+        reconfigure, step = figure.subplots(1, 2, width_ratios=[1.6, 1])
     cases = data["reconfigure"]
     torchft = data.get("torchft")
     height = 0.38
