@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dist_collectives.ft import ProcessGroupGloo, StateTransferError, state_transfer
+from dist_collectives.ft import ProcessGroupGloo, StateTransferError, host_pages, state_transfer
 from dist_collectives.ft.state_layout import (
     checksum,
     describe,
@@ -194,6 +194,9 @@ def _transfer_worker(mode: str) -> Any:
     for name in ("dumps", "loads", "load", "dump", "Pickler", "Unpickler"):
         setattr(pickle, name, _no_pickle)
     try:
+        if rank == 0 and mode == "no tensors":
+            state_transfer.send_state(pg, {"empty": torch.empty(0), "n": [1, "a"]}, 3, 1)
+            return None
         if rank == 0:
             target: Any = pg
             if mode == "corrupt":  # a byte of the second message (tags 0, 1: header)
@@ -209,6 +212,8 @@ def _transfer_worker(mode: str) -> Any:
             received, step = state_transfer.recv_state(pg, 0, into=into)
         except StateTransferError as error:
             return str(error)
+        if mode == "no tensors":
+            return [step, received["empty"].shape == (0,), received["n"]]
         same = _same(received, _state())
         if mode == "into":
             assert into is not None
@@ -230,6 +235,24 @@ def test_a_nested_state_of_mixed_tensors_arrives_whole_without_pickle() -> None:
 def test_a_state_is_received_in_place_where_the_tensors_fit() -> None:
     _, received = run_ranks(_transfer_worker, 2, "into", timeout=240)
     assert received == [17, True, True, True]
+
+
+@pytest.mark.timeout(300)
+def test_a_state_without_bytes_to_send_arrives() -> None:
+    _, received = run_ranks(_transfer_worker, 2, "no tensors", timeout=240)
+    assert received == [3, True, [1, "a"]]
+
+
+def test_mapping_pages_ahead_keeps_what_the_memory_holds() -> None:
+    data = torch.arange(3 << 20, dtype=torch.int32)  # 12 MiB, written already
+    fresh = torch.empty(3 << 20, dtype=torch.int32)
+    host_pages.prefer_huge_pages(fresh)
+    host_pages.populate(fresh)  # may do nothing (not Linux, an older kernel)
+    fresh.copy_(data)
+    host_pages.prefer_huge_pages(data)
+    host_pages.populate(data[5:])
+    assert torch.equal(data, fresh)
+    assert not host_pages.populate(torch.ones(10))  # too small to bother
 
 
 @pytest.mark.timeout(300)
