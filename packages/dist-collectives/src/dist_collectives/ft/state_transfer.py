@@ -242,15 +242,18 @@ def _verify(
     )
 
 
-def _destinations(specs: list[TensorSpec], into: Any, device: torch.device) -> list[torch.Tensor]:
+def _destinations(
+    specs: list[TensorSpec], into: Any, device: torch.device
+) -> tuple[list[torch.Tensor], set[int]]:
     """Where each spec's bytes go: ``into``'s tensor at its path, or a fresh one.
 
     ``into``'s tensor must take the bytes as they are: same shape and dtype,
-    contiguous, on ``device``.
+    contiguous, on ``device``. Also returns the indices of the fresh ones.
     """
     by_path = tensors_by_path(into)
     tensors = []
-    for spec in specs:
+    fresh = set()
+    for index, spec in enumerate(specs):
         own = by_path.get(spec.path)
         if (
             own is not None
@@ -263,7 +266,8 @@ def _destinations(specs: list[TensorSpec], into: Any, device: torch.device) -> l
             tensors.append(own)
         else:
             tensors.append(torch.empty(spec.shape, dtype=spec.dtype, device=device))
-    return tensors
+            fresh.add(index)
+    return tensors, fresh
 
 
 def recv_state(pg: ProcessGroup, src: int, *, into: Any = None) -> tuple[Any, int]:
@@ -295,10 +299,10 @@ def recv_state(pg: ProcessGroup, src: int, *, into: Any = None) -> tuple[Any, in
     pg.recv([raw_header], src, 1).wait()
     step, description, chunk_bytes, pack_bytes = _read_header(raw_header, src)
     specs = tensor_specs(description)
-    tensors = _destinations(specs, into, device)
+    tensors, fresh = _destinations(specs, into, device)
     targets = [_as_bytes(tensor) for tensor in tensors]
-    for target in targets:
-        host_pages.prefer_huge_pages(target)
+    for index in fresh:
+        host_pages.prefer_huge_pages(targets[index])
     messages = plan_messages([spec.nbytes for spec in specs], chunk_bytes, pack_bytes)
     buffers = _Buffers(messages, device)
 
@@ -307,7 +311,8 @@ def recv_state(pg: ProcessGroup, src: int, *, into: Any = None) -> tuple[Any, in
         if message.direct:
             piece = message.pieces[0]
             packed, data = None, targets[piece.tensor][piece.start : piece.stop]
-            host_pages.populate(data)  # before the receive writes it (see the module doc)
+            if piece.tensor in fresh:  # mapped before the receive writes it (module doc)
+                host_pages.populate(data)
         else:
             packed = buffers.take()
             data = packed[: message.nbytes]
