@@ -439,6 +439,9 @@ def _transfer_and_scale(port: int, args: Any, only: str | None) -> dict[str, Any
             )
         print(f"{'  limit: raw gloo send/recv, same bytes':<46}{gbps['gloo']:>8.2f}")
         print(f"{'  limit: raw loopback socket, same bytes':<46}{gbps['socket']:>8.2f}")
+        print(
+            f"{'  limit: map fresh memory of that size':<46}{gbps['map']:>8.2f}  (receiver alone)"
+        )
         print(f"{'  torchft, its reported pg transport rate':<46}{TORCHFT_RECOVERY_GBPS:>8.2f}")
     if only in (None, "scale"):
         simulated = [int(n) for n in args.scale.split(",") if n]
@@ -521,7 +524,8 @@ def main() -> None:
     if args.only is not None:
         new = _transfer_and_scale(port, args, args.only)
         del store
-        previous = json.loads(Path(args.json).read_text()) if args.json != "-" else {}
+        target = Path(args.json)
+        previous = json.loads(target.read_text()) if args.json != "-" and target.is_file() else {}
         previous.pop("benchmark", None)
         # The other parts' numbers stay as they were, from the run that measured them.
         runs = previous.pop("runs", {})

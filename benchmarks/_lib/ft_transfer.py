@@ -16,6 +16,8 @@ int64 step counter each. Per repeat, interleaved so that all three see the same 
   buffer already mapped, nothing checked: what gloo moves here at best.
 - limit ``socket``: one loopback TCP connection, ``sendall`` / ``recv_into`` of the same
   bytes into a mapped buffer: the kernel's copy through the loopback alone.
+- limit ``map``: the receiver maps fresh memory of the same size, as ``recv_state`` does
+  for fresh tensors, and nothing else: what receiving into fresh tensors pays on top.
 
 Time: the receiver's, from a barrier to its last byte (for the product: until
 ``recv_state`` returned the state). The median over repeats, and the median of the
@@ -36,7 +38,7 @@ import torch
 from _lib.processes import collect, reap
 
 MIB = 1 << 20
-KINDS = ("gloo", "fresh", "in place", "socket")  # interleaved in this order
+KINDS = ("gloo", "fresh", "in place", "socket", "map")  # interleaved in this order
 PRODUCT = ("fresh", "in place")
 WEIGHT_BYTES = 64 * MIB
 
@@ -108,6 +110,16 @@ def _raw_socket(conn: socket.socket, rank: int, buffer: torch.Tensor) -> None:
         received += got
 
 
+def _map_fresh(nbytes: int) -> None:
+    """Maps fresh memory of ``nbytes`` as ``recv_state`` does for fresh tensors, then frees it."""
+    from dist_collectives.ft import host_pages
+
+    fresh = torch.empty(nbytes, dtype=torch.uint8)
+    host_pages.prefer_huge_pages(fresh)
+    if not host_pages.populate(fresh):
+        fresh.zero_()  # where the kernel does not map ahead, the first write does
+
+
 def _worker(rank: int, port: int, total_bytes: int, repeats: int, queue: Any) -> None:
     import logging
 
@@ -148,6 +160,9 @@ def _worker(rank: int, port: int, total_bytes: int, repeats: int, queue: Any) ->
                 _raw_gloo(pg, rank, buffer)
             elif kind == "socket":
                 _raw_socket(conn, rank, buffer)
+            elif kind == "map":
+                if rank == 1:
+                    _map_fresh(nbytes)
             elif rank == 0:
                 send_state(pg, state, 7, 1)
             else:

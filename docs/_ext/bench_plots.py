@@ -394,6 +394,8 @@ def _draw_ft_transfer(axes: Axes, transfer: Data) -> None:
         ("limit: raw\ngloo", gbps["gloo"], LIMIT),
         ("limit: raw\nsocket", gbps["socket"], LIMIT),
     ]
+    if "map" in gbps:  # what fresh tensors pay on top: mapping the memory
+        bars.append(("limit: map\nfresh memory", gbps["map"], LIMIT))
     names = [name for name, _, _ in bars]
     axes.bar(names, [v for _, v, _ in bars], color=[c for _, _, c in bars], width=0.6)
     for index, (_, value, _) in enumerate(bars):
