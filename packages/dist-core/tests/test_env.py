@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+import dist_core
 from dist_core import DistEnv, DistEnvError
 from dist_core.slurm import expand_hostlist, parse_tasks_per_node
 
@@ -269,3 +270,10 @@ def test_expand_hostlist_rejects_malformed(hostlist: str) -> None:
 )
 def test_parse_tasks_per_node(value: str, counts: list[int]) -> None:
     assert parse_tasks_per_node(value) == counts
+
+
+@pytest.mark.parametrize("job_id", [0, 4242, 19999, 20000, 987654321])
+def test_slurm_master_port_stays_below_the_ephemeral_range(job_id: int) -> None:
+    port = dist_core.slurm_master_port(job_id)
+    assert 12000 <= port < 32768
+    assert port == dist_core.slurm_master_port(job_id + 20000)

@@ -92,3 +92,21 @@ def test_reservation_dies_with_its_process() -> None:
     port = int(completed.stdout)
     assert dist_core.get_unused_port(port) == port
     release_port(port)
+
+
+def test_port_is_free_sees_a_listener_on_ipv4_and_on_ipv6() -> None:
+    port = dist_core.get_unused_port()
+    assert dist_core.port_is_free(port)
+    families = [(socket.AF_INET, "127.0.0.1")]
+    if socket.has_ipv6:
+        families.append((socket.AF_INET6, "::1"))
+    for family, host in families:
+        try:
+            server = socket.socket(family, socket.SOCK_STREAM)
+            server.bind((host, port))
+        except OSError:
+            continue  # the host lacks this family
+        with server:
+            server.listen()
+            assert not dist_core.port_is_free(port), family
+    release_port(port)

@@ -187,7 +187,7 @@ SRUN = {
 def test_srun_defaults_the_node_flags(script: str) -> None:
     plan = plan_of(["-n", "4", script], SRUN)
     assert (plan.nnodes, plan.node_rank, plan.master_addr) == (3, 2, "gpu-07")
-    assert plan.master_port == slurm_port("4242") == 15000 + 4242
+    assert plan.master_port == slurm_port("4242") == 12000 + 4242
     line = describe_sources(plan)
     assert "SLURM_NNODES" in line and "SLURM_NODEID" in line and "SLURM_JOB_NODELIST" in line
 
@@ -203,7 +203,7 @@ def test_flags_and_pet_win_over_slurm(script: str) -> None:
 
 def test_srun_c10d_endpoint_from_the_nodelist(script: str) -> None:
     plan = plan_of(["--rdzv-backend", "c10d", script], SRUN)
-    assert plan.rdzv_endpoint == f"gpu-07:{15000 + 4242}"
+    assert plan.rdzv_endpoint == f"gpu-07:{12000 + 4242}"
 
 
 def test_srun_with_a_task_per_gpu_is_refused(script: str) -> None:
@@ -236,3 +236,11 @@ def test_log_line_prefix_template_from_flag_pet_or_torchelastic(script: str) -> 
     assert plan_of([script]).routing.console_prefix(3, 1, "default", "h") == b"[rank3]: "
     rendered = elastic.routing.console_prefix(3, 1, "trainer", "node7")
     assert rendered == b"node7: "
+
+
+def test_srun_master_port_is_the_one_dist_core_derives(script: str) -> None:
+    # One rule for both packages: a worker's DistEnv and its launcher agree.
+    from dist_core import DistEnv
+
+    plan = plan_of(["-n", "4", script], SRUN)
+    assert plan.master_port == DistEnv.from_environ(SRUN).master_port

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from dist_core.env import DistEnv
     from dist_core.errors import DistEnvError
     from dist_core.log import INFOALL, configure_logging
-    from dist_core.ports import get_unused_port, release_port
+    from dist_core.ports import get_unused_port, port_is_free, release_port
     from dist_core.ranks import (
         get_global_rank,
         get_local_rank,
@@ -38,6 +38,7 @@ if TYPE_CHECKING:
         is_initialized,
         is_rank_zero,
     )
+    from dist_core.slurm import slurm_master_port
 
 # Names are imported on first use so that `import dist_core` (and the port and
 # environment helpers a launcher needs) does not pay for importing torch.
@@ -61,7 +62,8 @@ _LAZY: dict[str, str] = {
     "DistEnv": "dist_core.env",
     "DistEnvError": "dist_core.errors",
     **dict.fromkeys(["INFOALL", "configure_logging"], "dist_core.log"),
-    **dict.fromkeys(["get_unused_port", "release_port"], "dist_core.ports"),
+    **dict.fromkeys(["get_unused_port", "port_is_free", "release_port"], "dist_core.ports"),
+    "slurm_master_port": "dist_core.slurm",
     **dict.fromkeys(
         [
             "get_global_rank",
@@ -136,7 +138,9 @@ __all__ = [
     "is_initialized",
     "is_missing",
     "is_rank_zero",
+    "port_is_free",
     "release_port",
     "set_dist",
     "set_distributed_backend",
+    "slurm_master_port",
 ]

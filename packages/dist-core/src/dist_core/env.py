@@ -21,18 +21,12 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from dist_core.errors import DistEnvError
-from dist_core.slurm import expand_hostlist, parse_tasks_per_node
+from dist_core.slurm import expand_hostlist, parse_tasks_per_node, slurm_master_port
 
 EnvSource = Literal["torchrun", "slurm", "openmpi", "default"]
 
 DEFAULT_MASTER_ADDR = "127.0.0.1"
 DEFAULT_MASTER_PORT = 29500
-
-# A SLURM job without MASTER_PORT gets a port derived from its job id, so that every
-# task of the job agrees on it without talking first, and two jobs sharing a node
-# rarely collide. The range sits below Linux's default ephemeral range (32768+).
-SLURM_PORT_BASE = 12000
-SLURM_PORT_SPAN = 20000
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 
@@ -298,7 +292,7 @@ def _slurm_master_port(env: Mapping[str, str]) -> int:
     job_id = _read_optional_int(env, "SLURM_JOB_ID")
     if job_id is None:
         return DEFAULT_MASTER_PORT
-    return SLURM_PORT_BASE + job_id % SLURM_PORT_SPAN
+    return slurm_master_port(job_id)
 
 
 def _from_slurm(env: Mapping[str, str]) -> DistEnv:

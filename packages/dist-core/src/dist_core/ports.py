@@ -41,11 +41,18 @@ _lock = threading.Lock()
 _reservations: dict[int, tuple[socket.socket | IO[bytes], float]] = {}
 
 
-def _is_bindable(port: int) -> bool:
-    """True when a TCP listener could bind ``port`` on every IPv4 (and IPv6) address.
+def port_is_free(port: int) -> bool:
+    """True when a TCP listener could bind ``port`` on every IPv4 (and IPv6) address now.
 
     SO_REUSEADDR matches what torch's TCPStore does, so a port in TIME_WAIT counts as
-    free, as it is for the store.
+    free, as it is for the store. An address family the host lacks is skipped. This
+    checks only: it reserves nothing (see :func:`get_unused_port` for that).
+
+    Args:
+        port: The TCP port to check.
+
+    Returns:
+        False when some process listens on (or holds) the port in either family.
     """
     families = [socket.AF_INET]
     if socket.has_ipv6:
@@ -139,13 +146,13 @@ def get_unused_port(preferred: int = DEFAULT_PORT) -> int:
         candidates: list[int] = [preferred] if preferred > 0 else []
         for attempt in range(_ATTEMPTS):
             port = candidates.pop() if candidates else _kernel_port()
-            if port in _reservations or not _is_bindable(port):
+            if port in _reservations or not port_is_free(port):
                 continue
             holder = _reserve(port)
             if holder is None:
                 continue
             # Re-check after reserving: another host process may have bound it meanwhile.
-            if not _is_bindable(port):
+            if not port_is_free(port):
                 holder.close()
                 continue
             _reservations[port] = (holder, now)

@@ -1,8 +1,12 @@
-"""Parsing of SLURM's compressed host lists and task counts.
+"""SLURM's compressed host lists and task counts, and the master port of a SLURM job.
 
 SLURM writes node lists such as ``gpu[01-04,07],cpu3`` and per-node task counts
 such as ``4(x2),2``; this module expands both. It reads no environment variable
 itself: callers pass the variable's name so that errors can name it.
+
+:func:`slurm_master_port` is the one rule every dist-* package uses for a job that
+names no master port (dist-core's :class:`~dist_core.DistEnv`, dist-launch under
+``srun``), so that every task of a job agrees on it without talking first.
 """
 
 from __future__ import annotations
@@ -11,6 +15,11 @@ import itertools
 import re
 
 from dist_core.errors import DistEnvError
+
+# Below Linux's default ephemeral range (32768-60999), where the kernel picks the local
+# port of every outgoing connection: a port in it may be taken by any client on the node.
+SLURM_PORT_BASE = 12000
+SLURM_PORT_SPAN = 20000
 
 _REPEAT = re.compile(r"^(\d+)(?:\(x(\d+)\))?$")
 _RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
@@ -125,3 +134,20 @@ def parse_tasks_per_node(value: str, variable: str = "SLURM_TASKS_PER_NODE") -> 
         repeat = int(match.group(2)) if match.group(2) is not None else 1
         counts.extend([int(match.group(1))] * repeat)
     return counts
+
+
+def slurm_master_port(job_id: int) -> int:
+    """The master port of a SLURM job that sets no ``MASTER_PORT``.
+
+    ``12000 + job_id % 20000``: every task of a job derives the same port, two jobs
+    sharing a node get different ones unless their ids differ by a multiple of 20000,
+    and every port lies below Linux's ephemeral range. Reads no variable: the caller
+    passes ``SLURM_JOB_ID``.
+
+    Args:
+        job_id: The job's id, ``SLURM_JOB_ID``.
+
+    Returns:
+        A TCP port in ``[12000, 32000)``.
+    """
+    return SLURM_PORT_BASE + job_id % SLURM_PORT_SPAN

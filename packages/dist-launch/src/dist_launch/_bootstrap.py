@@ -20,9 +20,9 @@ import threading
 from types import TracebackType
 from typing import NoReturn
 
+from dist_core.rank_files import RankFiles
+from dist_core.worker_guards import die_quietly_of_sigint, install_worker_guards, record_and_print
 from dist_launch import proctitle
-from dist_launch.guards import die_quietly_of_sigint, install_worker_guards, record_and_print
-from dist_launch.records import RankFiles
 
 RUN_DIR_VARIABLE = "DIST_LAUNCH_RUN_DIR"
 PARENT_PID_VARIABLE = "DIST_LAUNCH_PARENT_PID"

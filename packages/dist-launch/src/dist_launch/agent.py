@@ -22,7 +22,6 @@ script's own start-up but not for a new ``import torch``.
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import os
 import re
@@ -35,6 +34,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from dist_core.ports import port_is_free
+from dist_core.supervisor import GroupOutcome, Supervisor
 from dist_launch.local_group import LocalGroup
 from dist_launch.log_layout import LogLayout
 from dist_launch.plan import LaunchPlan, describe_sources
@@ -46,7 +47,6 @@ from dist_launch.rendezvous import (
 )
 from dist_launch.report import describe_returncode, format_report, group_exit_status
 from dist_launch.signals import DUMP_SIGNAL, SignalInbox
-from dist_launch.supervisor import GroupOutcome, Supervisor
 from dist_launch.worker_env import node_environment
 from dist_launch.zygote import Zygote, start_fork_server
 
@@ -57,19 +57,6 @@ USAGE_EXIT_STATUS = 2
 # How many times an automatically chosen master port that turned out taken is replaced.
 PORT_RETRIES = 3
 _ADDRESS_IN_USE = re.compile(r"EADDRINUSE|address already in use", re.IGNORECASE)
-
-
-def port_is_free(port: int) -> bool:
-    """True when a TCP listener could bind ``port`` on this host now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind(("", port))
-        except OSError as error:
-            if error.errno == errno.EADDRINUSE:
-                return False
-            raise
-    return True
 
 
 def _say(message: str) -> None:

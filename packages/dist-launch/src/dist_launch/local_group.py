@@ -20,14 +20,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
+from dist_core.rank_files import RankFiles
+from dist_core.supervisor import GroupOutcome, Supervisor, Worker
 from dist_launch._bootstrap import PARENT_PID_VARIABLE, RUN_DIR_VARIABLE
 from dist_launch.log_layout import LogLayout, write_torch_error_file
 from dist_launch.output import LineRelay
 from dist_launch.plan import LaunchPlan
-from dist_launch.records import RankFiles
 from dist_launch.rendezvous import Assignment
 from dist_launch.routing import Stream
-from dist_launch.supervisor import GroupOutcome, Supervisor, Worker
 from dist_launch.worker_env import rank_environment, worker_environment
 from dist_launch.workers import start_subprocess_worker
 from dist_launch.zygote import Zygote

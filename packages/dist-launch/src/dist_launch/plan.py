@@ -9,8 +9,8 @@ Each setting comes from the first of these that has it:
    ``SLURM_PROCID``), the node settings: ``--nnodes`` from ``SLURM_NNODES`` (or
    ``SLURM_JOB_NUM_NODES``), ``--node-rank`` from ``SLURM_NODEID``, the master (or
    rendezvous endpoint) host from the first host of ``SLURM_JOB_NODELIST``, and its
-   port from ``SLURM_JOB_ID`` (:func:`slurm_port`), so that two jobs sharing a node do
-   not collide;
+   port from ``SLURM_JOB_ID`` (:func:`slurm_port`: dist-core's rule, the one
+   ``DistEnv`` uses), so that two jobs sharing a node do not collide;
 4. the default, torchrun's except where this module says otherwise.
 
 :attr:`LaunchPlan.sources` records where each of the node settings came from; the
@@ -25,11 +25,9 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from dist_core.slurm import expand_hostlist
+from dist_core.slurm import expand_hostlist, slurm_master_port
 from dist_launch.routing import OutputRouting, parse_local_ranks_filter
 
-SLURM_PORT_BASE = 15000
-SLURM_PORT_SPAN = 20000
 RDZV_BACKENDS = ("static", "c10d")
 DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
 
@@ -108,13 +106,14 @@ class LaunchPlan:
 
 
 def slurm_port(job_id: str) -> int:
-    """The master port of a SLURM job: ``15000 + SLURM_JOB_ID % 20000``.
+    """The master port of a SLURM job, by :func:`dist_core.slurm_master_port`.
 
-    Two jobs sharing a node get different ports unless their ids differ by a multiple
-    of 20000.
+    Args:
+        job_id: ``SLURM_JOB_ID`` as set; only its digits count (none counts as 0), so
+            that an odd id still gives every node of the job the same port.
     """
     digits = "".join(ch for ch in job_id if ch.isdigit())
-    return SLURM_PORT_BASE + (int(digits) if digits else 0) % SLURM_PORT_SPAN
+    return slurm_master_port(int(digits) if digits else 0)
 
 
 def under_srun(environ: Mapping[str, str]) -> bool:

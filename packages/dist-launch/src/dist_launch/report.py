@@ -7,7 +7,7 @@ import signal
 import textwrap
 from collections.abc import Mapping, Sequence
 
-from dist_launch.supervisor import GroupOutcome, RankOutcome
+from dist_core.supervisor import GroupOutcome, RankOutcome
 
 # Exit status of a group stopped by --timeout, as coreutils' timeout(1) uses.
 TIMEOUT_EXIT_STATUS = 124

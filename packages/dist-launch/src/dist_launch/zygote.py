@@ -17,9 +17,8 @@ import subprocess
 import sys
 from typing import Any
 
-from dist_launch.plan import LaunchPlan
+from dist_launch.plan import LaunchPlan, WorkerTarget
 from dist_launch.proctitle import TITLE_ROOM
-from dist_launch.workers import WorkerTarget
 
 # How long the server may take to fork one worker and reply (it may still be
 # importing torch when the first request arrives).
