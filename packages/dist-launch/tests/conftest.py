@@ -20,3 +20,11 @@ def _gloo_unless_testing_gpus(
     # default.
     if request.node.get_closest_marker("cuda") is None:
         monkeypatch.setenv("TORCH_DISTRIBUTED_BACKEND", "gloo")
+
+
+@pytest.fixture
+def script(tmp_path: Path) -> str:
+    """A script file for plans to name (build_plan checks that it exists)."""
+    path = tmp_path / "train.py"
+    path.write_text("print('hi')\n")
+    return str(path)

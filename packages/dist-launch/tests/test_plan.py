@@ -11,13 +11,6 @@ from dist_launch.cli import build_parser
 from dist_launch.plan import LaunchPlan, UsageError, build_plan, describe_sources, slurm_port
 
 
-@pytest.fixture
-def script(tmp_path: Path) -> str:
-    path = tmp_path / "train.py"
-    path.write_text("print('hi')\n")
-    return str(path)
-
-
 def plan_of(argv: list[str], environ: dict[str, str] | None = None) -> LaunchPlan:
     return build_plan(vars(build_parser().parse_args(argv)), environ or {})
 

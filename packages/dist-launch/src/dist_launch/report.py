@@ -44,6 +44,17 @@ def group_exit_status(outcome: GroupOutcome) -> int:
     return exit_status(root.returncode)
 
 
+def one_line_cause(outcome: GroupOutcome) -> str:
+    """``rank 3 failed with exit code 1 (ValueError: ...)``, or the group's status."""
+    root = outcome.root_cause
+    if root is None:
+        return outcome.status
+    what = f"rank {root.rank} failed with {describe_returncode(root.returncode)}"
+    if root.record is not None:
+        what += f" ({root.record.summary})"
+    return what
+
+
 def _who(rank: RankOutcome) -> str:
     return f"rank {rank.rank} (local rank {rank.local_rank}, node {rank.node_rank})"
 

@@ -1,0 +1,272 @@
+"""The rendezvous implementations against a fake store: the shared contract, then each own.
+
+No process is started: the c10d rendezvous runs on :mod:`fake_rendezvous`'s
+dict-backed store and handler, several nodes on threads of this process.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from fake_rendezvous import FakeJob
+
+from dist_launch.c10d_rendezvous import C10dRendezvous, connect_c10d
+from dist_launch.plan import LaunchPlan, build_plan
+from dist_launch.rendezvous import (
+    Assignment,
+    FailureRecord,
+    Rendezvous,
+    RendezvousUsageError,
+    RoundChange,
+)
+from dist_launch.static_rendezvous import StaticRendezvous
+
+BOUND = 5.0  # seconds any thread of these tests may take
+ROUND_0 = "torch.rendezvous.job.0/"  # the fake's store prefix of the first round
+
+
+def plan_of(script: str, **flags: str) -> LaunchPlan:
+    return build_plan({"target": script, **flags}, environ={})
+
+
+def c10d_plan(script: str, nproc: int = 2, **flags: str) -> LaunchPlan:
+    return plan_of(
+        script,
+        rdzv_backend="c10d",
+        rdzv_endpoint="node0:29400",
+        rdzv_id="job",
+        nproc_per_node=str(nproc),
+        **flags,
+    )
+
+
+def record(rank: int, group_rank: int = 0, timestamp: float = 100.0) -> FailureRecord:
+    return FailureRecord(
+        node=f"host{group_rank}",
+        group_rank=group_rank,
+        rank=rank,
+        timestamp=timestamp,
+        summary=f"rank {rank} failed with exit code 3",
+    )
+
+
+def static_one_node(script: str) -> Rendezvous:
+    return StaticRendezvous.open(plan_of(script, nproc_per_node="2"))
+
+
+def c10d_one_node(script: str) -> Rendezvous:
+    return C10dRendezvous(c10d_plan(script), FakeJob().handler(0))
+
+
+@pytest.fixture(params=[static_one_node, c10d_one_node], ids=["static", "c10d"])
+def rendezvous(request: pytest.FixtureRequest, script: str) -> Iterator[Rendezvous]:
+    make: Callable[[str], Rendezvous] = request.param
+    rdzv = make(script)
+    yield rdzv
+    rdzv.close()
+
+
+# -- the contract: what the agent relies on, whichever backend --------------------------
+
+
+def test_a_lone_node_gets_every_rank(rendezvous: Rendezvous) -> None:
+    assignment = rendezvous.next_round()
+    assert (assignment.group_rank, assignment.group_world_size) == (0, 1)
+    assert (assignment.base_rank, assignment.world_size) == (0, 2)
+    assert assignment.restart_count == 0
+    assert 0 < assignment.master_port < 65536
+
+
+def test_each_counted_failure_shows_in_the_next_round(rendezvous: Rendezvous) -> None:
+    for expected in (1, 2):
+        rendezvous.next_round()
+        count = rendezvous.count_failure(record(rank=1))
+        assert count.restarts == expected
+        assert "rank 1 failed with exit code 3" in count.first_failure
+    assert rendezvous.next_round().restart_count == 2
+
+
+def test_a_formed_round_is_not_re_forming(rendezvous: Rendezvous) -> None:
+    rendezvous.next_round()
+    assert not rendezvous.membership_changing()
+
+
+def test_closing_the_job_never_raises_and_keeps_its_reason(rendezvous: Rendezvous) -> None:
+    assert rendezvous.closing_reason() is None
+    rendezvous.next_round()
+    rendezvous.close_job("restart budget spent")
+    assert rendezvous.closing_reason() in (None, "restart budget spent")
+
+
+def test_a_lone_node_passes_the_exit_barrier_at_once(rendezvous: Rendezvous) -> None:
+    rendezvous.next_round()
+    started = time.monotonic()
+    rendezvous.exit_barrier()
+    assert time.monotonic() - started < BOUND
+
+
+def test_a_replaced_master_port_is_the_next_rounds(rendezvous: Rendezvous) -> None:
+    old = rendezvous.next_round().master_port
+    replaced = rendezvous.replace_master_port()
+    if replaced is not None:
+        assert replaced[0] == old and replaced[1] != old
+        assert rendezvous.next_round().master_port == replaced[1]
+
+
+def test_a_watch_stops_when_asked(rendezvous: Rendezvous) -> None:
+    rendezvous.next_round()
+    changes: list[RoundChange] = []
+    watch = rendezvous.watch(0.01, changes.append)
+    watch.stop()
+    watch.stop()
+    assert changes == []
+
+
+def test_close_may_be_called_twice(rendezvous: Rendezvous) -> None:
+    rendezvous.next_round()
+    rendezvous.close()
+    rendezvous.close()
+
+
+# -- static ----------------------------------------------------------------------------
+
+
+def test_static_nodes_take_their_ranks_from_the_plan(script: str) -> None:
+    plan = plan_of(
+        script, nnodes="3", node_rank="2", nproc_per_node="4", master_addr="node0", master_port="1"
+    )
+    assignment = StaticRendezvous.open(plan).next_round()
+    assert (assignment.group_rank, assignment.base_rank, assignment.world_size) == (2, 8, 12)
+    assert (assignment.master_addr, assignment.master_port) == ("node0", 1)
+
+
+def test_static_restarts_are_this_nodes_alone(script: str) -> None:
+    plan = plan_of(script, nnodes="2", node_rank="1", master_addr="node0")
+    count = StaticRendezvous.open(plan).count_failure(record(rank=1, group_rank=1))
+    assert (count.scope, count.restarts) == ("node", 1)
+    assert count.first_failure == "rank 1 failed with exit code 3"
+
+
+def test_static_master_port_taken_on_node_0_is_a_usage_error(script: str) -> None:
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        with pytest.raises(RendezvousUsageError, match=f"--master-port {port} is already in use"):
+            StaticRendezvous.open(plan_of(script, master_port=str(port)))
+
+
+def test_static_port_of_several_nodes_is_fixed(script: str) -> None:
+    plan = plan_of(script, nnodes="2", node_rank="1", master_addr="node0")
+    rdzv = StaticRendezvous.open(plan)
+    assert rdzv.next_round().master_port == 29500
+    assert rdzv.replace_master_port() is None
+
+
+def test_static_port_given_by_the_user_is_never_replaced(script: str) -> None:
+    rdzv = StaticRendezvous.open(plan_of(script, nnodes="2", node_rank="1", master_port="29999"))
+    assert rdzv.replace_master_port() is None
+
+
+# -- c10d ------------------------------------------------------------------------------
+
+
+def join_all(rdzvs: list[C10dRendezvous]) -> list[Assignment]:
+    with ThreadPoolExecutor(len(rdzvs)) as pool:
+        futures = [pool.submit(rdzv.next_round) for rdzv in rdzvs]
+        return [future.result(timeout=BOUND) for future in futures]
+
+
+def test_c10d_ranks_follow_each_nodes_worker_count(script: str) -> None:
+    job = FakeJob(nodes=2)
+    first = C10dRendezvous(c10d_plan(script, nproc=2), job.handler(0))
+    second = C10dRendezvous(c10d_plan(script, nproc=3), job.handler(1))
+    a, b = join_all([first, second])
+    assert (a.base_rank, b.base_rank, a.world_size, b.world_size) == (0, 2, 5, 5)
+    assert (b.master_addr, b.master_port) == ("node0", 29511)
+
+
+def test_c10d_counts_a_failed_round_once_for_the_whole_job(script: str) -> None:
+    job = FakeJob(nodes=2)
+    nodes = [C10dRendezvous(c10d_plan(script), job.handler(r)) for r in range(2)]
+    join_all(nodes)
+    late = nodes[0].count_failure(record(rank=0, group_rank=0, timestamp=200.0))
+    early = nodes[1].count_failure(record(rank=3, group_rank=1, timestamp=100.0))
+    assert (late.scope, late.restarts, early.restarts) == ("job", 1, 1)
+    # Node 1's rank failed first, though node 0 reported first.
+    assert early.first_failure.startswith("rank 3 on node 1 (host1)")
+    job.next_round()
+    assert [a.restart_count for a in join_all(nodes)] == [1, 1]
+
+
+def test_c10d_closing_reaches_every_node(script: str) -> None:
+    job = FakeJob(nodes=2)
+    nodes = [C10dRendezvous(c10d_plan(script), job.handler(r)) for r in range(2)]
+    join_all(nodes)
+    nodes[0].close_job("restart budget spent (0 job-wide)")
+    assert nodes[1].closing_reason() == "restart budget spent (0 job-wide)"
+    assert nodes[1].is_closed()
+    with pytest.raises(RuntimeError, match="closed"):
+        nodes[1].next_round()
+
+
+def test_c10d_exit_barrier_waits_for_the_last_node(
+    script: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    job = FakeJob(nodes=2)
+    nodes = [C10dRendezvous(c10d_plan(script), job.handler(r)) for r in range(2)]
+    join_all(nodes)
+    with ThreadPoolExecutor(1) as pool:
+        first_done = pool.submit(nodes[0].exit_barrier)
+        job.store.wait([ROUND_0 + "dist_launch/succeeded"])  # node 0 is in the barrier
+        assert not first_done.done()
+        nodes[1].exit_barrier()
+        first_done.result(timeout=BOUND)
+    assert "not every node finished" not in caplog.text
+
+
+def test_c10d_re_forms_when_nodes_wait_or_are_lost(script: str) -> None:
+    job = FakeJob(nodes=2)
+    nodes = [C10dRendezvous(c10d_plan(script), job.handler(r)) for r in range(2)]
+    join_all(nodes)
+    assert not nodes[0].membership_changing()
+    job.waiting = 1
+    assert nodes[0].membership_changing()
+    job.waiting, job.participants = 0, 1
+    assert nodes[0].lost_nodes() == 1 and nodes[0].membership_changing()
+
+
+def test_c10d_watch_reports_waiting_nodes_once(script: str) -> None:
+    job = FakeJob(nodes=1)
+    rdzv = C10dRendezvous(c10d_plan(script), job.handler(0))
+    rdzv.next_round()
+    job.waiting = 2
+    changes: list[RoundChange] = []
+    seen = threading.Event()
+
+    def on_change(change: RoundChange) -> None:
+        changes.append(change)
+        seen.set()
+
+    watch = rdzv.watch(0.01, on_change)
+    assert seen.wait(BOUND)
+    watch.stop()
+    assert changes == [RoundChange("membership", "2 node(s) waiting to join")]
+
+
+def test_c10d_close_stops_torchs_heartbeats(script: str) -> None:
+    job = FakeJob()
+    handler = job.handler(0)
+    C10dRendezvous(c10d_plan(script), handler).close()
+    assert handler.shut_down
+
+
+def test_c10d_unreachable_endpoint_names_it(script: str) -> None:
+    plan = plan_of(script, rdzv_backend="c10d", rdzv_endpoint="node0:notaport", nproc_per_node="1")
+    with pytest.raises(ConnectionError, match="cannot reach the rendezvous at node0:notaport"):
+        connect_c10d(plan)
