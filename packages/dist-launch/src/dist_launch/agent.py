@@ -17,7 +17,9 @@ rendezvous (:mod:`dist_launch.rendezvous`), runs this node's workers
 
 The agent works through the :class:`~dist_launch.rendezvous.Rendezvous` interface
 alone: which backend forms the rounds is decided once, by
-:func:`~dist_launch.rendezvous_factory.open_rendezvous`.
+:func:`~dist_launch.rendezvous_factory.open_rendezvous`. Whatever ends the run becomes
+a :class:`~dist_launch.run_outcome.RunOutcome`, printed and turned into the exit
+status in one place (:func:`~dist_launch.run_outcome.report_run_outcome`).
 
 The fork server is started once and kept warm across rounds, so a restart pays for the
 script's own start-up but not for a new ``import torch``.
@@ -48,7 +50,7 @@ from dist_launch.rendezvous import (
     RoundChange,
 )
 from dist_launch.rendezvous_factory import open_rendezvous
-from dist_launch.report import format_report, group_exit_status
+from dist_launch.run_outcome import RunOutcome, report_run_outcome
 from dist_launch.signals import DUMP_SIGNAL, SignalInbox
 from dist_launch.worker_env import node_environment
 from dist_launch.zygote import Zygote, start_fork_server
@@ -56,7 +58,6 @@ from dist_launch.zygote import Zygote, start_fork_server
 logger = logging.getLogger(__name__)
 
 PROG = "dist-launch"
-USAGE_EXIT_STATUS = 2
 # How many times an automatically chosen master port that turned out taken is replaced.
 PORT_RETRIES = 3
 _ADDRESS_IN_USE = re.compile(r"EADDRINUSE|address already in use", re.IGNORECASE)
@@ -69,15 +70,6 @@ _RESTARTING = {
 
 def _say(message: str) -> None:
     print(f"{PROG}: {message}", file=sys.stderr, flush=True)
-
-
-def _end(status: int, message: str, group: GroupOutcome | None = None) -> int:
-    """Prints the group's report, then ``message`` (if any); returns ``status``."""
-    if group is not None:
-        print(format_report(group, PROG), file=sys.stderr, flush=True)
-    if message:
-        _say(message)
-    return status
 
 
 def _address_in_use(outcome: GroupOutcome) -> bool:
@@ -190,7 +182,8 @@ class Agent:
             self.layout = LogLayout.create(plan.log_dir, plan.run_id)
             logger.info("logs of this run: %s", self.layout.run_dir)
         try:
-            return self._run(node_env)
+            # Reported before the cleanup below, which may wait for a silent store.
+            return report_run_outcome(self._run(node_env), PROG)
         finally:
             if self._zygote is not None:
                 self._zygote.close()
@@ -202,66 +195,65 @@ class Agent:
                 with contextlib.suppress(OSError):
                     os.close(fd)
 
-    def _run(self, node_env: dict[str, str]) -> int:
+    def _run(self, node_env: dict[str, str]) -> RunOutcome:
         plan = self.plan
         # Connecting may wait for the endpoint's node (torch's read_timeout): on a
         # thread, so that Ctrl-C is served meanwhile.
         connecting = BackgroundCall(self.selector, lambda: open_rendezvous(plan))
         if not self._wait_for(connecting):
-            return self._interrupted_status(None)
+            return self._interrupted_outcome(None)
         error = connecting.error
         if isinstance(error, RendezvousUsageError):
-            return _end(USAGE_EXIT_STATUS, str(error))
+            return RunOutcome("usage", message=str(error))
         if error is not None:
-            return _end(1, f"error: {error}")
+            return RunOutcome("rendezvous_failed", message=f"error: {error}")
         rdzv: Rendezvous = connecting.result
         self._rdzv = rdzv
         if self._zygote is None:
             self._zygote = start_fork_server(plan, self.selector)
         return self._rounds(rdzv, node_env, self._zygote)
 
-    def _interrupted_status(
+    def _interrupted_outcome(
         self, rdzv: Rendezvous | None, group: GroupOutcome | None = None
-    ) -> int:
+    ) -> RunOutcome:
         signum = self._interrupted
         assert signum is not None
-        name = signal.Signals(signum).name
-        if group is not None:
-            print(format_report(group, PROG), file=sys.stderr, flush=True)
         if rdzv is not None:
+            name = signal.Signals(signum).name
             rdzv.close_job(f"node {socket.gethostname()} was interrupted by {name}")
-        _say(f"interrupted by {name}")
-        return 128 + signum
+        return RunOutcome("interrupted", group, signum=signum)
 
-    def _join(self, rdzv: Rendezvous) -> Assignment | int:
-        """The next round's assignment, or an exit status."""
+    def _join(self, rdzv: Rendezvous) -> Assignment | RunOutcome:
+        """The next round's assignment, or how the run ended."""
         joining = BackgroundCall(self.selector, rdzv.next_round)
         if not self._wait_for(joining):
-            return self._interrupted_status(rdzv)
+            return self._interrupted_outcome(rdzv)
         error = joining.error
         if error is not None:
             reason = rdzv.closing_reason()
             if reason is not None:
-                return _end(1, f"the job was closed: {reason}")
+                return RunOutcome("closed", message=f"the job was closed: {reason}")
             plan = self.plan
-            return _end(
-                1,
-                f"error: rendezvous {plan.rdzv_id!r} at {plan.rdzv_endpoint} failed: "
+            return RunOutcome(
+                "rendezvous_failed",
+                message=f"error: rendezvous {plan.rdzv_id!r} at {plan.rdzv_endpoint} failed: "
                 f"{type(error).__name__}: {error}",
             )
         assignment: Assignment = joining.result
         return assignment
 
-    def _rounds(self, rdzv: Rendezvous, node_env: dict[str, str], zygote: Zygote | None) -> int:
+    def _rounds(
+        self, rdzv: Rendezvous, node_env: dict[str, str], zygote: Zygote | None
+    ) -> RunOutcome:
         plan = self.plan
         deadline = None if plan.timeout is None else time.monotonic() + plan.timeout
         port_retries = 0
         attempt = 0
         while True:
             if self._received() is not None:
-                return self._interrupted_status(rdzv)
+                return self._interrupted_outcome(rdzv)
             joined = self._join(rdzv)
-            if isinstance(joined, int):
+            if isinstance(joined, RunOutcome):
                 return joined
             assignment = joined
             self._change = None
@@ -279,30 +271,35 @@ class Agent:
             try:
                 outcome = group.run(attempt, remaining)
             except (OSError, RuntimeError) as error:
-                return _end(1, f"error: could not start the workers: {error}")
+                return RunOutcome(
+                    "start_failed", message=f"error: could not start the workers: {error}"
+                )
             finally:
                 watch.stop()
                 group.cleanup()
             attempt += 1
             if outcome.status == "succeeded":
                 rdzv.exit_barrier()
-                return 0
+                return RunOutcome("succeeded", outcome)
             if self._received() is not None:
-                return self._interrupted_status(rdzv, outcome)
+                return self._interrupted_outcome(rdzv, outcome)
             change = self._rendezvous_change()
             if change is not None and outcome.status == "interrupted":
                 if change.kind == "closed":
                     reason = rdzv.closing_reason() or "no reason given"
-                    return _end(1, f"the job was closed by another node: {reason}")
+                    return RunOutcome(
+                        "closed", message=f"the job was closed by another node: {reason}"
+                    )
                 if change.kind == "unreachable":
-                    return _end(1, f"error: {change}; this node stops")
+                    return RunOutcome(
+                        "rendezvous_failed", message=f"error: {change}; this node stops"
+                    )
                 logger.info("%s: stopping this node's workers to re-form the job", change)
                 continue
             if outcome.status == "timed_out":
                 outcome.timeout = plan.timeout  # the job's, not this round's remainder
-                print(format_report(outcome, PROG), file=sys.stderr, flush=True)
                 rdzv.close_job(f"node {assignment.group_rank} timed out (--timeout)")
-                return group_exit_status(outcome)
+                return RunOutcome("timed_out", outcome)
             if port_retries < PORT_RETRIES and _address_in_use(outcome):
                 replaced = rdzv.replace_master_port()
                 if replaced is not None:
@@ -315,8 +312,8 @@ class Agent:
 
     def _after_failure(
         self, rdzv: Rendezvous, assignment: Assignment, outcome: GroupOutcome
-    ) -> int | None:
-        """Counts the failure against the budget; None to restart, else the exit status."""
+    ) -> RunOutcome | None:
+        """Counts the failure against the budget; None to restart, else how the run ended."""
         plan = self.plan
         failed = [rank for rank in outcome.ranks if rank.status == "failed"]
         if failed and all(rank.is_peer_failure for rank in failed) and rdzv.membership_changing():
@@ -331,18 +328,21 @@ class Agent:
         try:
             count = rdzv.count_failure(record)
         except Exception as error:
-            message = f"the rendezvous store is unreachable ({error}); cannot restart"
-            return _end(group_exit_status(outcome), message, outcome)
+            return RunOutcome(
+                "failed",
+                outcome,
+                message=f"the rendezvous store is unreachable ({error}); cannot restart",
+            )
         if count.restarts <= plan.max_restarts:
             logger.warning(
                 _RESTARTING[count.scope], count.restarts, plan.max_restarts, count.first_failure
             )
             return None
         if count.scope == "node":
-            return _end(group_exit_status(outcome), "", outcome)
+            return RunOutcome("failed", outcome)
         why = (
             f"restart budget spent ({plan.max_restarts} job-wide); "
             f"first failure: {count.first_failure}"
         )
         rdzv.close_job(why)
-        return _end(group_exit_status(outcome), why, outcome)
+        return RunOutcome("failed", outcome, message=why)

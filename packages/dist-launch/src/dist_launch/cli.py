@@ -12,15 +12,16 @@ runs the plan.
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dist_launch.launcher_log import configure_launcher_logging
 from dist_launch.plan import LaunchPlan, UsageError, build_plan
 
+if TYPE_CHECKING:
+    from dist_launch.run_outcome import RunStatus
+
 PROG = "dist-launch"
-USAGE_EXIT_STATUS = 2
 
 
 def _spellings(name: str) -> list[str]:
@@ -262,14 +263,21 @@ def plan_from_args(argv: Sequence[str] | None = None) -> LaunchPlan:
     return build_plan(vars(args))
 
 
+def _ended_early(status: RunStatus, message: str) -> int:
+    """Reports a run that ended before the agent started; returns its exit status."""
+    # Imported only here: nothing may delay the fork server's start.
+    from dist_launch.run_outcome import RunOutcome, report_run_outcome  # noqa: PLC0415
+
+    return report_run_outcome(RunOutcome(status, message=message), PROG)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``dist-launch`` and ``python -m dist_launch``; returns the exit status."""
     configure_launcher_logging(PROG)
     try:
         plan = plan_from_args(argv)
     except UsageError as error:
-        print(f"{PROG}: error: {error}", file=sys.stderr)
-        return USAGE_EXIT_STATUS
+        return _ended_early("usage", f"error: {error}")
     # The fork server first: its import of torch is the longest step of a start, and
     # it runs while this process imports the rest of the launcher.
     import selectors  # noqa: PLC0415
@@ -280,8 +288,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         zygote = start_fork_server(plan, selector)
     except OSError as error:
-        print(f"{PROG}: error: could not start the fork server: {error}", file=sys.stderr)
-        return 1
+        return _ended_early("start_failed", f"error: could not start the fork server: {error}")
     from dist_launch.agent import Agent  # noqa: PLC0415 - after the fork server started
 
     return Agent(plan, selector=selector, zygote=zygote).run()

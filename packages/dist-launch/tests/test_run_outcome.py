@@ -1,0 +1,157 @@
+"""How a run ended, as one value: its exit status, its report, and the agent's decisions.
+
+No process is started: the group outcomes are built by hand, the rendezvous is the
+static one or the c10d one on :mod:`fake_rendezvous`'s store.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+
+import pytest
+from fake_rendezvous import FakeJob
+
+from dist_core.rank_files import ErrorRecord
+from dist_core.supervisor import GroupOutcome, RankOutcome
+from dist_launch.agent import Agent
+from dist_launch.c10d_rendezvous import C10dRendezvous
+from dist_launch.plan import LaunchPlan, build_plan
+from dist_launch.rendezvous import Assignment, Rendezvous
+from dist_launch.run_outcome import (
+    RunOutcome,
+    format_run_outcome,
+    report_run_outcome,
+    run_exit_status,
+)
+from dist_launch.static_rendezvous import StaticRendezvous
+
+PROG = "dist-launch"
+
+
+def failed_group(returncode: int = 3, rank: int = 1) -> GroupOutcome:
+    ranks = [
+        RankOutcome(r, r, 0, status="stopped", returncode=-15, stop_signal=15) for r in range(2)
+    ]
+    ranks[rank] = RankOutcome(rank, rank, 0, status="failed", returncode=returncode, ended_at=1.0)
+    return GroupOutcome("failed", ranks)
+
+
+@pytest.mark.parametrize(
+    ("outcome", "status"),
+    [
+        (RunOutcome("succeeded"), 0),
+        (RunOutcome("failed", failed_group(returncode=3)), 3),
+        (RunOutcome("failed", failed_group(returncode=-9)), 128 + 9),
+        (RunOutcome("failed"), 1),
+        (RunOutcome("timed_out", GroupOutcome("timed_out", [], timeout=5.0)), 124),
+        (RunOutcome("interrupted", signum=signal.SIGTERM), 143),
+        (RunOutcome("interrupted", failed_group(), signum=signal.SIGINT), 130),
+        (RunOutcome("closed", message="the job was closed: x"), 1),
+        (RunOutcome("rendezvous_failed", message="error: x"), 1),
+        (RunOutcome("start_failed", message="error: x"), 1),
+        (RunOutcome("usage", message="error: x"), 2),
+    ],
+)
+def test_each_outcome_has_its_documented_exit_status(outcome: RunOutcome, status: int) -> None:
+    assert run_exit_status(outcome) == status
+
+
+def test_an_outcome_names_the_rank_and_its_exit_code() -> None:
+    outcome = RunOutcome("failed", failed_group(returncode=7, rank=0))
+    assert (outcome.rank, outcome.returncode) == (0, 7)
+    assert (RunOutcome("closed").rank, RunOutcome("closed").returncode) == (None, None)
+
+
+def test_the_report_comes_first_and_the_launchers_words_last() -> None:
+    text = format_run_outcome(
+        RunOutcome("failed", failed_group(), message="restart budget spent"), PROG
+    )
+    lines = text.splitlines()
+    assert lines[0] == "dist-launch: rank 1 (local rank 1, node 0) failed first with exit code 3"
+    assert lines[-1] == "dist-launch: restart budget spent"
+
+
+def test_an_interruption_ends_with_the_signal_name() -> None:
+    text = format_run_outcome(RunOutcome("interrupted", signum=signal.SIGTERM), PROG)
+    assert text == "dist-launch: interrupted by SIGTERM"
+
+
+def test_a_success_prints_nothing() -> None:
+    stream = io.StringIO()
+    assert (
+        report_run_outcome(RunOutcome("succeeded", GroupOutcome("succeeded", [])), PROG, stream)
+        == 0
+    )
+    assert stream.getvalue() == ""
+
+
+def test_the_report_is_printed_once_with_the_status() -> None:
+    stream = io.StringIO()
+    status = report_run_outcome(RunOutcome("usage", message="error: bad flag"), PROG, stream)
+    assert (status, stream.getvalue()) == (2, "dist-launch: error: bad flag\n")
+
+
+# -- the agent's decision after a failed round --------------------------------------
+
+
+def plan_of(script: str, **flags: str) -> LaunchPlan:
+    return build_plan({"target": script, "nproc_per_node": "2", **flags}, environ={})
+
+
+def decide(plan: LaunchPlan, rdzv: Rendezvous, group: GroupOutcome) -> RunOutcome | None:
+    assignment: Assignment = rdzv.next_round()
+    agent = Agent(plan)
+    try:
+        return agent._after_failure(rdzv, assignment, group)
+    finally:
+        agent.selector.close()
+        os.close(agent._change_read)
+        os.close(agent._change_write)
+
+
+def test_static_restarts_until_this_nodes_budget_is_spent(
+    script: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    plan = plan_of(script, max_restarts="1", master_port="29998")
+    rdzv = StaticRendezvous(plan)
+    assert decide(plan, rdzv, failed_group()) is None
+    assert "restarting the local worker group (restart 1 of 1) after: rank 1 failed" in caplog.text
+    ended = decide(plan, rdzv, failed_group())
+    assert ended is not None and (ended.status, ended.message) == ("failed", "")
+
+
+def test_c10d_spent_budget_closes_the_job_and_says_why(script: str) -> None:
+    plan = plan_of(
+        script, rdzv_backend="c10d", rdzv_endpoint="node0:29400", rdzv_id="job", max_restarts="0"
+    )
+    job = FakeJob()
+    ended = decide(plan, C10dRendezvous(plan, job.handler(0)), failed_group())
+    assert ended is not None and ended.status == "failed"
+    assert ended.message.startswith(
+        "restart budget spent (0 job-wide); first failure: rank 1 on node 0"
+    )
+    assert job.closed
+
+
+def test_c10d_lost_peers_while_re_forming_cost_no_restart(script: str) -> None:
+    plan = plan_of(
+        script, rdzv_backend="c10d", rdzv_endpoint="node0:29400", rdzv_id="job", max_restarts="0"
+    )
+    job = FakeJob(waiting=1)  # a node waits to join: the job re-forms
+    group = failed_group()
+    # Its only failed rank says no more than that a peer vanished.
+    group.ranks[1].record = ErrorRecord(
+        rank=1,
+        timestamp=1.0,
+        exception="RuntimeError",
+        message="Connection reset by peer",
+        traceback="RuntimeError: Connection reset by peer",
+        exitcode=1,
+    )
+    assert group.ranks[1].is_peer_failure
+    assert decide(plan, C10dRendezvous(plan, job.handler(0)), group) is None
+    assert not job.closed
+    job.waiting = 0  # the same failure in a stable job spends the budget
+    assert decide(plan, C10dRendezvous(plan, job.handler(0)), group) is not None
