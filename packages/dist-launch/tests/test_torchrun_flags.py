@@ -327,3 +327,23 @@ def test_c10d_restart_budget_is_job_wide(tmp_path: Path) -> None:
     err = "".join(err for _, err in outputs)
     assert "rank 3" in err and "rank 3 always fails" in err, err
     assert "restart 1 of 1, job-wide" in err, err
+
+
+@pytest.mark.parametrize("spelling", ["--rdzv-endpoint", "--rdzv_endpoint"])
+def test_a_static_endpoint_is_the_workers_master_address_as_under_torchrun(
+    tmp_path: Path, spelling: str
+) -> None:
+    """torchrun's static rendezvous serves its store at the endpoint, whatever --nnodes."""
+    port = get_unused_port()
+    script = tmp_path / "where.py"
+    script.write_text(
+        "import os\n"
+        "import torch.distributed as dist\n"
+        "dist.init_process_group('gloo')\n"
+        "print('master', os.environ['MASTER_ADDR'], os.environ['MASTER_PORT'], flush=True)\n"
+        "dist.destroy_process_group()\n"
+    )
+    argv = ["-n", "2", "--rdzv-backend", "static", spelling, f"127.0.0.1:{port}", str(script)]
+    result = run(argv, tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count(f"master 127.0.0.1 {port}") == 2, result.stdout

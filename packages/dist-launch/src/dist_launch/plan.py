@@ -315,12 +315,14 @@ def build_plan(
         min_nodes = max_nodes
         if node_rank >= min_nodes:
             raise UsageError(f"--node-rank={node_rank}: must lie in [0, --nnodes={min_nodes})")
-        if rdzv_endpoint and min_nodes > 1 and sources.get("master_addr") == "default":
-            # torchrun's static rendezvous takes the endpoint as the master's address.
+        if rdzv_endpoint and sources.get("master_addr") == "default":
+            # torchrun's static rendezvous serves its store at the endpoint, and its
+            # workers get that address and port, on one node as on many.
             host, _, port = rdzv_endpoint.rpartition(":")
             master_addr = host or master_addr
             if port and master_port is None:
                 master_port = _int(port, "--rdzv-endpoint port")
+                sources["master_port"] = "--rdzv-endpoint"
     elif not rdzv_endpoint:
         if "master_addr" in slurm:
             rdzv_endpoint = f"{slurm['master_addr'][0]}:{slurm['master_port'][0]}"
