@@ -407,14 +407,19 @@ def test_srun_environment_without_node_flags(
         ),
     ],
 )
-def test_restart_budget_is_job_wide(kind: str, two_hosts: tuple[Host, Host]) -> None:
-    first, second = two_hosts
+@pytest.mark.parametrize("failing", ["other_node", "store_node"])
+def test_restart_budget_is_job_wide(kind: str, failing: str, two_hosts: tuple[Host, Host]) -> None:
+    store_host, other = two_hosts
+    # On the store's node, the failing node may exit first and take the store with it:
+    # the other node's report must still name the failure.
+    failing_host = store_host if failing == "store_node" else other
     job = Job(kind)
     try:
-        flags = c10d_flags(first, "2", 1, max_restarts=1, conf="last_call_timeout=1")
-        # The worker on the second host fails before it joins the group, in every attempt:
-        # the first host's workers never see a broken collective, only a missing peer.
-        env = {"FAIL_HOST": second.name, "COLLECTIVE_TIMEOUT": "15"}
+        flags = c10d_flags(store_host, "2", 1, max_restarts=1, conf="last_call_timeout=1")
+        # The worker on the failing host fails before it joins the group, in every
+        # attempt: the other host's workers never see a broken collective, only a
+        # missing peer.
+        env = {"FAIL_HOST": failing_host.name, "COLLECTIVE_TIMEOUT": "15"}
         for host in two_hosts:
             job.start(host, flags, env)
         codes = job.wait_exits()
@@ -424,10 +429,12 @@ def test_restart_budget_is_job_wide(kind: str, two_hosts: tuple[Host, Host]) -> 
         for host in two_hosts:
             started = [e.attempt for e in job.events("start") if e.host == host.name]
             assert sorted(started) == [0, 1], f"{host.name}\n{job.outputs()}"
-        failed = [e for e in job.events("start") if e.host == second.name]
+        failed = [e for e in job.events("start") if e.host == failing_host.name]
         # Each launcher's report names the failing node (by name or node rank) and rank.
         for node in job.nodes:
-            named = second.name in node.output or f"node {failed[0].group_rank}" in node.output
+            named = (
+                failing_host.name in node.output or f"node {failed[0].group_rank}" in node.output
+            )
             assert named, job.outputs()
             assert re.search(rf"\brank {failed[0].rank}\b", node.output), job.outputs()
     finally:

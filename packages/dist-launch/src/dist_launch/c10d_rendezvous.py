@@ -42,6 +42,8 @@ logger = logging.getLogger(__name__)
 
 # torch elastic's own default; a node that finished waits this long for the others.
 EXIT_BARRIER_SECONDS = 300.0
+# How long a node waits at exit for the others to have read how the job ended.
+ENDED_WAIT_SECONDS = 15.0
 
 
 class RendezvousStore(Protocol):
@@ -370,6 +372,27 @@ class C10dRendezvous:
             )
 
     def close(self) -> None:
-        """Stops torch's heartbeats (and closes the rendezvous, as torchrun does)."""
+        """Says this node has ended, waits (bounded) for the others, stops heartbeats.
+
+        Called once the node's report is out. The node that serves the rendezvous store
+        takes it away when its process exits; if it ended first (its own rank failed
+        on every attempt), the other nodes could no longer read why the job ended. So
+        every node of the last round marks its end and waits until all have, at most
+        :data:`ENDED_WAIT_SECONDS`; a node whose store is already gone stops waiting at
+        once.
+        """
+        store, assignment = self._round_store, self.assignment
+        if store is not None and assignment is not None:
+            started = time.monotonic()
+            try:
+                if int(store.add("dist_launch/ended", 1)) >= assignment.group_world_size:
+                    store.set("dist_launch/all_ended", "1")
+                store.wait(["dist_launch/all_ended"], timedelta(seconds=ENDED_WAIT_SECONDS))
+            except Exception as error:  # torch raises several kinds
+                logger.info(
+                    "not every node had ended %.1f s after this one (%s)",
+                    time.monotonic() - started,
+                    error,
+                )
         with contextlib.suppress(Exception):
             self.handler.shutdown()
