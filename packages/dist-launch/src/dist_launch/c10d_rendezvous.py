@@ -355,21 +355,9 @@ class C10dRendezvous:
 
         The node serving the rendezvous store must outlive the others' last use of it.
         """
-        store, assignment = self._round_store, self.assignment
-        if store is None or assignment is None:
-            return
-        done = int(store.add("dist_launch/succeeded", 1))
-        if done >= assignment.group_world_size:
-            store.set("dist_launch/all_succeeded", "1")
-        started = time.monotonic()
-        try:
-            store.wait(["dist_launch/all_succeeded"], timedelta(seconds=EXIT_BARRIER_SECONDS))
-        except Exception as error:  # torch raises several kinds
-            logger.warning(
-                "not every node finished within %.0f s of this one (%s)",
-                time.monotonic() - started,
-                error,
-            )
+        waited = self._every_node("succeeded", EXIT_BARRIER_SECONDS)
+        if waited is not None:
+            logger.warning("not every node finished within %.0f s of this one (%s)", *waited)
 
     def close(self) -> None:
         """Says this node has ended, waits (bounded) for the others, stops heartbeats.
@@ -381,18 +369,27 @@ class C10dRendezvous:
         :data:`ENDED_WAIT_SECONDS`; a node whose store is already gone stops waiting at
         once.
         """
-        store, assignment = self._round_store, self.assignment
-        if store is not None and assignment is not None:
-            started = time.monotonic()
-            try:
-                if int(store.add("dist_launch/ended", 1)) >= assignment.group_world_size:
-                    store.set("dist_launch/all_ended", "1")
-                store.wait(["dist_launch/all_ended"], timedelta(seconds=ENDED_WAIT_SECONDS))
-            except Exception as error:  # torch raises several kinds
-                logger.info(
-                    "not every node had ended %.1f s after this one (%s)",
-                    time.monotonic() - started,
-                    error,
-                )
+        waited = self._every_node("ended", ENDED_WAIT_SECONDS)
+        if waited is not None:
+            logger.info("not every node had ended %.1f s after this one (%s)", *waited)
         with contextlib.suppress(Exception):
             self.handler.shutdown()
+
+    def _every_node(self, event: str, seconds: float) -> tuple[float, Exception] | None:
+        """Counts ``event`` for this node; waits until every node of the round has.
+
+        Returns:
+            None once all have, else how long this node waited and why it stopped (a
+            node never came, or the store is gone); None too without a round.
+        """
+        store, assignment = self._round_store, self.assignment
+        if store is None or assignment is None:
+            return None
+        started = time.monotonic()
+        try:
+            if int(store.add(f"dist_launch/{event}", 1)) >= assignment.group_world_size:
+                store.set(f"dist_launch/all_{event}", "1")
+            store.wait([f"dist_launch/all_{event}"], timedelta(seconds=seconds))
+        except Exception as error:  # torch raises several kinds
+            return time.monotonic() - started, error
+        return None
