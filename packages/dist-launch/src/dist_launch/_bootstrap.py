@@ -11,12 +11,17 @@ them) ``DIST_LAUNCH_RUN_DIR`` and ``DIST_LAUNCH_PARENT_PID``; reads ``RANK``.
 from __future__ import annotations
 
 import atexit
+import builtins
 import contextlib
 import gc
+import importlib.machinery
+import io
 import os
 import runpy
 import sys
 import threading
+import types
+import zipfile
 from types import TracebackType
 from typing import NoReturn
 
@@ -66,13 +71,46 @@ def prepare_target(argv: list[str]) -> tuple[str, str]:
     return "script", script
 
 
+def run_script(path: str) -> None:
+    """Runs a script as ``python script.py`` does, with ``__file__`` its absolute path.
+
+    ``sys.argv[0]`` stays as given (as Python leaves it); ``__file__`` and the
+    traceback's file names are absolute, so that a script that changes directory
+    still finds its own files. A directory or zip archive goes to :mod:`runpy`.
+    """
+    absolute = os.path.abspath(path)
+    if not os.path.isfile(absolute) or zipfile.is_zipfile(absolute):
+        runpy.run_path(path, run_name="__main__")
+        return
+    with io.open_code(absolute) as source:
+        # dont_inherit: this module's `from __future__` imports are not the script's.
+        code = compile(source.read(), absolute, "exec", dont_inherit=True)
+    module = types.ModuleType("__main__")
+    module.__dict__.update(
+        __file__=absolute,
+        __cached__=None,
+        __loader__=importlib.machinery.SourceFileLoader("__main__", absolute),
+        __package__=None,
+        __spec__=None,
+        __builtins__=builtins,
+    )
+    # As runpy: the script's module is `__main__` while it runs (pickle finds its classes).
+    saved = sys.modules.get("__main__")
+    sys.modules["__main__"] = module
+    try:
+        exec(code, module.__dict__)
+    finally:
+        if saved is not None:
+            sys.modules["__main__"] = saved
+
+
 def run_target(kind: str, name: str, files: RankFiles, rank: int) -> int:
     """Runs the script or module as ``__main__``; returns the process's exit status."""
     try:
         if kind == "module":
             runpy.run_module(name, run_name="__main__", alter_sys=True)
         else:
-            runpy.run_path(name, run_name="__main__")
+            run_script(name)
     except KeyboardInterrupt:
         die_quietly_of_sigint()
     except SystemExit as error:
