@@ -26,7 +26,7 @@ import sys
 from typing import Any, NoReturn
 
 from dist_core.proc import set_parent_death_signal
-from dist_launch import proctitle
+from dist_launch import import_time_env, proctitle
 
 PRELOAD_VARIABLE = "DIST_LAUNCH_PRELOAD"
 DEFAULT_PRELOAD = "torch,torch.distributed"
@@ -98,7 +98,12 @@ def serve(sock: socket.socket) -> tuple[dict[str, Any], list[int]] | None:
             _send(sock, {"rank": request["rank"], "pid": pid})
 
 
-def _become_worker(request: dict[str, Any], fds: list[int], server_pid: int) -> NoReturn:
+def _become_worker(
+    request: dict[str, Any],
+    fds: list[int],
+    server_pid: int,
+    imported_with: dict[str, str | None],
+) -> NoReturn:
     from dist_launch import _bootstrap  # noqa: PLC0415 - preloaded before the fork
 
     with contextlib.suppress(OSError):
@@ -114,6 +119,8 @@ def _become_worker(request: dict[str, Any], fds: list[int], server_pid: int) -> 
     files, rank = _bootstrap.worker_setup()
     kind, name = _bootstrap.prepare_target(list(request["argv"]))
     proctitle.name_worker(request["argv"], rank)
+    # Last before the script: what it sets before `import torch` must count.
+    import_time_env.apply_at_first_torch_import(imported_with)
     _bootstrap.exit_without_teardown(_bootstrap.run_target(kind, name, files, rank))
 
 
@@ -126,6 +133,7 @@ def main() -> int:
     sock = socket.socket(fileno=int(sys.argv[1]))
     proctitle.set_process_title(proctitle.fork_server_title())
     proctitle.set_thread_name(SERVER_THREAD_NAME)
+    imported_with = import_time_env.snapshot(os.environ)
     _preload()
     import dist_launch._bootstrap  # noqa: F401, PLC0415 - ready for the workers
 
@@ -137,7 +145,7 @@ def main() -> int:
     if got is None:
         return 0
     request, fds = got
-    _become_worker(request, fds, server_pid)
+    _become_worker(request, fds, server_pid, imported_with)
 
 
 if __name__ == "__main__":
