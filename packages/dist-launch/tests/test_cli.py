@@ -246,7 +246,7 @@ def test_no_worker_outlives_a_sigkilled_launcher(tmp_path: Path, method: str) ->
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
-def test_signal_stops_every_rank_with_one_line(tmp_path: Path, signum: int) -> None:
+def test_signal_stops_every_rank_and_says_where_each_was(tmp_path: Path, signum: int) -> None:
     script = _script(tmp_path, "wait.py", WAITING_SCRIPT)
     launcher = subprocess.Popen(
         [*LAUNCH, "-n", "2", script, str(tmp_path / "never")],
@@ -260,8 +260,22 @@ def test_signal_stops_every_rank_with_one_line(tmp_path: Path, signum: int) -> N
         _, raw_stderr = launcher.communicate(timeout=60)
         stderr = raw_stderr.decode()
         assert launcher.returncode == 128 + signum, stderr
-        assert f"interrupted by {signal.Signals(signum).name}" in stderr
+        name = signal.Signals(signum).name
         assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr
+        # What the README shows: the summary, where the ranks were (one stack, or one
+        # per rank when they stood on different lines of their loop), the closing
+        # line; nothing else after the launcher's start line.
+        lines = stderr.splitlines()[1:]
+        assert lines[:2] == [
+            f"dist-launch: interrupted by {name}; stopped 2 rank(s)",
+            "where they were:",
+        ]
+        assert lines[-1] == f"dist-launch: interrupted by {name}", stderr
+        stacks = lines[2:-1]
+        assert re.fullmatch(r"  (ranks 0-1: same stack|rank 0:)", stacks[0]), stderr
+        assert all(
+            line.startswith("      ") or re.fullmatch(r"  rank 1:", line) for line in stacks[1:]
+        ), stderr
         assert _wait_until_gone(pids) == []
     finally:
         launcher.kill()
