@@ -149,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     value("role", "ROLE_NAME of the workers (default 'default')", metavar="ROLE")
     switch("module", "the target is a module, run as python -m", "-m")
     switch("no_python", "run the target as a program, not with python")
-    switch("run_path", "run the script with runpy.run_path (what dist-launch always does)")
+    switch("run_path", "accepted: each worker always runs the script in its own interpreter")
     # Output.
     value(
         "log_dir",
