@@ -183,6 +183,28 @@ def test_a_baby_operation_that_times_out_names_it_like_torchft(store: TCPStore) 
             group.shutdown()
 
 
+def test_a_baby_set_timeout_bounds_the_running_childs_next_operation_and_aborts(
+    store: TCPStore,
+) -> None:
+    # torchft's resiliency tests lower the timeout after configure and expect the next
+    # operation to fail by it, then errored() to say the group was aborted.
+    address = f"localhost:{store.port}/baby-set-timeout"
+    groups = [ProcessGroupBabyGloo(timeout=timedelta(seconds=60)) for _ in range(2)]
+    try:
+        _on_threads(*(lambda r=r: groups[r].configure(address, r, 2) for r in range(2)))
+        groups[0].set_timeout(timedelta(seconds=0.5))
+        work = groups[0].allreduce([torch.ones(1)], dist.ReduceOp.SUM)  # rank 1 never joins
+        with pytest.raises(BabyTimeoutError) as caught:
+            work.wait(timedelta(seconds=30))  # a backstop: the 60 s must no longer apply
+        expected = "ProcessGroupBabyGloo.allreduce timed out after 0.5 seconds"
+        assert str(caught.value).startswith(expected), caught.value
+        errored = groups[0].errored()
+        assert isinstance(errored, RuntimeError) and "aborted" in str(errored), errored
+    finally:
+        for group in groups:
+            group.shutdown()
+
+
 # -- names, reprs, store addresses --------------------------------------------------------
 
 

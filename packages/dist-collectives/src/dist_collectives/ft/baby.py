@@ -335,14 +335,15 @@ class _Pending:
         future: Future[Any],
         originals: list[torch.Tensor],
         shared: list[torch.Tensor],
-        deadline: float,
+        timeout: timedelta,
         slots: list[_Slot],
     ) -> None:
         self.operation = operation
+        self.timeout = timeout  # the group's timeout when the operation was issued
+        self.deadline = time.monotonic() + timeout.total_seconds()
         self.future = future
         self.originals = originals
         self.shared = shared
-        self.deadline = deadline
         self.slots = slots
 
 
@@ -474,6 +475,22 @@ class ProcessGroupBaby(ProcessGroup):
         )
         self._reader.start()
 
+    def set_timeout(self, timeout: timedelta) -> None:
+        """Sets the timeout of the operations issued from now on, and of the next configure.
+
+        Unlike the in-process groups, whose backend fixes its timeout when it is built,
+        this bounds the running child's next operations at once, as torchft's baby
+        groups do: an operation that outlives ``timeout`` aborts the group (its child is
+        killed and :meth:`errored` says so).
+
+        Raises:
+            ValueError: ``timeout`` is not a positive :class:`~datetime.timedelta`.
+        """
+        super().set_timeout(timeout)
+        with self._lock:
+            if self._child_state is not None:
+                self._child_state.timeout = timeout
+
     def error(self) -> BabyProcessError | None:
         """Why the child is gone (it died, hung or was stopped), or None.
 
@@ -549,14 +566,20 @@ class ProcessGroupBaby(ProcessGroup):
             if not ready:
                 now = time.monotonic()
                 with self._lock:
-                    late = [op.operation for op in state.pending.values() if op.deadline < now]
+                    late = [op for op in state.pending.values() if op.deadline < now]
                 if late:
-                    logger.warning("baby process group: %s timed out; killing the child", late[0])
+                    first = late[0]
+                    logger.warning(
+                        "baby process group: %s timed out; killing the child", first.operation
+                    )
+                    # "aborted": torchft's errored() after such a timeout says so, and its
+                    # tests match the word.
                     self._retire(
                         state,
                         BabyTimeoutError(
-                            f"{type(self).__name__}.{late[0]} "
-                            f"{timed_out_after_seconds(state.timeout)}; the child was killed"
+                            f"{type(self).__name__}.{first.operation} "
+                            f"{timed_out_after_seconds(first.timeout)}; the group was aborted "
+                            "and its child killed"
                         ),
                     )
                     return
@@ -628,8 +651,9 @@ class ProcessGroupBaby(ProcessGroup):
             else:
                 shared = [_shared_copy(t) for t in tensors]
                 payload = shared
-            deadline = time.monotonic() + state.timeout.total_seconds()
-            state.pending[op_id] = _Pending(operation, future, tensors, shared, deadline, slots)
+            state.pending[op_id] = _Pending(
+                operation, future, tensors, shared, state.timeout, slots
+            )
             try:
                 state.conn.send((op_id, operation, payload, argument))
             except (OSError, ValueError) as error:
