@@ -127,7 +127,9 @@ def test_a_replica_death_is_told_in_one_line_per_event_without_store_warnings(
             if "hostname of the client socket cannot be retrieved" not in line
         ]
         assert not store_warnings, context
-        assert len(_lines(text, rf"quorum 0 with {replicas} replicas")) == 1, context
+        # One quorum of every replica before the death; on a loaded machine a replica
+        # may start after the first quorum closed and join in the next one.
+        assert len(_lines(text, rf"quorum \d+ with {replicas} replicas")) == 1, context
         assert len(_lines(text, rf"replica {replica}: step {step} failed: \w+")) == 1, context
         assert len(_lines(text, r" failed: ")) == 1, context
         assert len(_lines(text, rf"replica {replica}: step {step} discarded on every replica")) == 1
