@@ -68,6 +68,13 @@ with Progress(console=console, auto_refresh=False) as progress:
         progress.refresh()
 """
 
+# Says it is ready, then waits to be stopped (bounded).
+WAITING_SCRIPT = """\
+import os, time
+print("ready", os.getpid(), flush=True)
+time.sleep(120)
+"""
+
 # Prints its size, waits (bounded) for SIGWINCH, prints its size again.
 RESIZE_SCRIPT = """\
 import os, signal
@@ -259,3 +266,24 @@ def test_rich_live_progress_keeps_its_prefix_when_it_redraws(tmp_path: Path) -> 
     # before it, so it stays on the screen.
     assert re.search(rb"\r\x1b\[2K\[rank0\]: rich-bar", shown), shown
     assert not re.search(rb"\[rank0\]: \x1b\[2K", shown), shown
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def test_sigint_under_a_terminal_stops_every_worker_through_the_launcher(tmp_path: Path) -> None:
+    script = _script(tmp_path, WAITING_SCRIPT)
+    with terminal("-n", "2", script, cwd=tmp_path) as term:
+        shown = term.read_until(lambda shown: shown.count(b"]: ready ") == 2)
+        pids = [int(pid) for pid in re.findall(rb"\]: ready (\d+)", shown)]
+        os.kill(term.process.pid, signal.SIGINT)
+        status, shown = term.finish()
+    assert status == 130, shown
+    assert b"interrupted by SIGINT" in shown, shown
+    # The launcher reaped them before it exited.
+    assert all(_gone(pid) for pid in pids), shown
