@@ -1,4 +1,4 @@
-"""LineRelay on real pipes: line ends, partial lines, console and log switches."""
+"""LineRelay on real pipes and pseudo-terminals: line ends, partial lines, console, log."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from dist_launch.output import MAX_LINE_BYTES, LineRelay
+from dist_launch.worker_terminal import WindowSize, open_output
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -243,3 +244,64 @@ def test_a_live_workers_partial_frame_appears_before_the_worker_goes_on() -> Non
         worker.wait(timeout=20)
         relay.close()
     assert sink.getvalue() == P + b" 10%\r" + P + b" 20%\r" + P + b"100%\n"
+
+
+def _relay_to_end(relay: LineRelay, timeout: float = 30) -> None:
+    """Pumps ``relay`` until end of file (bounded), as the launcher's select loop does."""
+    deadline = time.monotonic() + timeout
+    selector = selectors.DefaultSelector()
+    selector.register(relay.fd, selectors.EVENT_READ)
+    try:
+        while not relay.closed:
+            remaining = deadline - time.monotonic()
+            assert remaining > 0, "the relay did not reach the end of file"
+            if selector.select(remaining) and not relay.pump():
+                break
+    finally:
+        selector.close()
+
+
+def test_terminal_relay_puts_the_prefix_after_a_lines_cursor_controls() -> None:
+    master, slave = open_output(WindowSize(rows=24, columns=80))
+    sink, log = io.BytesIO(), io.BytesIO()
+    relay = LineRelay(master, P, sink, log, terminal=True)
+    # What rich writes for a live display: hide the cursor, draw, go back to column 0,
+    # erase the line, move up and erase, draw again, show the cursor.
+    written = b"\x1b[31mred\x1b[0m\n\x1b[?25l\r\x1b[2K\x1b[1A\x1b[2Kbar 50%\n\x1b[?25h"
+    os.write(slave, written)
+    os.close(slave)
+    _relay_to_end(relay)
+    assert (
+        sink.getvalue()
+        == (
+            P + b"\x1b[31mred\x1b[0m\n"  # a colour is text: the prefix stays uncoloured before it
+            b"\x1b[?25l\r"  # nothing but controls: no prefix to erase or leave behind
+            b"\x1b[2K\x1b[1A\x1b[2K" + P + b"bar 50%\n"
+            b"\x1b[?25h"
+        )
+    )
+    # The log has the bytes as written: no "\r\n" from the pseudo-terminal (ONLCR off).
+    assert log.getvalue() == written
+
+
+def test_pipe_relay_keeps_the_prefix_first_whatever_the_line_holds(pipe: Pipe) -> None:
+    pipe.send(b"\x1b[2Kbar\n\x1b[?25l\r")
+    assert pipe.end() == P + b"\x1b[2Kbar\n" + P + b"\x1b[?25l\r"
+
+
+def test_terminal_relay_reads_everything_before_the_end_of_file() -> None:
+    # After the worker exits, reading the launcher's end fails with EIO: that is the end
+    # of file, and what the worker wrote before it is all there.
+    master, slave = open_output(WindowSize(rows=24, columns=80))
+    sink = io.BytesIO()
+    relay = LineRelay(master, P, sink, terminal=True)
+    lines = 20000
+    code = f"import sys\nfor i in range({lines}): sys.stdout.write(f'line {{i}}\\n')\n"
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=slave)
+    os.close(slave)
+    try:
+        _relay_to_end(relay)
+    finally:
+        assert child.wait(30) == 0
+    assert relay.closed
+    assert sink.getvalue() == b"".join(P + b"line %d\n" % i for i in range(lines))

@@ -27,8 +27,9 @@ from dist_launch.log_layout import LogLayout, write_torch_error_file
 from dist_launch.output import LineRelay
 from dist_launch.plan import LaunchPlan
 from dist_launch.rendezvous import Assignment
-from dist_launch.routing import Stream
+from dist_launch.routing import STREAMS, Stream
 from dist_launch.worker_env import rank_environment, worker_environment
+from dist_launch.worker_terminal import WindowSizeFollower, WorkerTerminals, worker_terminals
 from dist_launch.workers import start_subprocess_worker
 from dist_launch.zygote import Zygote
 
@@ -142,14 +143,23 @@ class LocalGroup:
         env[RUN_DIR_VARIABLE] = self.run_dir
         env[PARENT_PID_VARIABLE] = str(os.getpid())
         try:
-            with Supervisor(
-                grace_period=plan.grace_period, timeout=timeout, selector=selector
-            ) as supervisor:
+            with (
+                WindowSizeFollower() as follower,
+                Supervisor(
+                    grace_period=plan.grace_period, timeout=timeout, selector=selector
+                ) as supervisor,
+            ):
                 supervisor.add_timer(lambda now: _flush_partial_lines(relays, now))
                 for local_rank in range(plan.nproc):
-                    worker, out_fd, err_fd = self._start(env, local_rank)
+                    terminals = self._terminals(local_rank)
+                    worker, out_fd, err_fd = self._start(env, local_rank, terminals)
                     supervisor.add(worker, self.files[worker.rank])
-                    relays.extend(self._relays(worker.rank, local_rank, out_fd, err_fd, logs))
+                    relays.extend(
+                        self._relays(worker.rank, local_rank, out_fd, err_fd, logs, terminals)
+                    )
+                    for fd, stream in zip((out_fd, err_fd), STREAMS, strict=True):
+                        if terminals.of(stream) is not None:
+                            follower.add(fd, stream, self._prefix_width(local_rank), worker.pid)
                 self.on_supervisor(supervisor)
                 outcome = supervisor.run()
                 self._drain(relays)
@@ -164,7 +174,20 @@ class LocalGroup:
             for log in logs.values():
                 log.close()
 
-    def _start(self, env: dict[str, str], local_rank: int) -> tuple[Worker, int, int]:
+    def _prefix_width(self, local_rank: int) -> int:
+        """How many columns the rank prefix takes on the console."""
+        rank = self.assignment.base_rank + local_rank
+        prefix = self.routing.console_prefix(rank, local_rank, self.plan.role, self._hostname)
+        return len(prefix.decode(errors="replace"))
+
+    def _terminals(self, local_rank: int) -> WorkerTerminals:
+        """Which of the worker's streams get a pseudo-terminal (shown ones, on a terminal)."""
+        shown = {stream: self.routing.route(local_rank, stream).console for stream in STREAMS}
+        return worker_terminals(shown, self._prefix_width(local_rank))
+
+    def _start(
+        self, env: dict[str, str], local_rank: int, terminals: WorkerTerminals
+    ) -> tuple[Worker, int, int]:
         """Starts one worker; returns it and the read ends of its stdout and stderr."""
         plan, node = self.plan, self.assignment.group_rank
         rank = self.assignment.base_rank + local_rank
@@ -172,8 +195,10 @@ class LocalGroup:
         self.files[rank] = RankFiles.for_rank(self.run_dir, rank)
         rank_env["TORCHELASTIC_ERROR_FILE"] = str(self.files[rank].torchelastic_error)
         if self.zygote is not None:  # none is started for a --no-python target
-            return self.zygote.start(plan.target, rank_env, rank, local_rank, node)
-        return start_subprocess_worker(plan.target, rank_env, rank, local_rank, node)
+            return self.zygote.start(plan.target, rank_env, rank, local_rank, node, terminals)
+        return start_subprocess_worker(
+            plan.target, rank_env, rank, local_rank, node, terminals=terminals
+        )
 
     def _relays(
         self,
@@ -182,6 +207,7 @@ class LocalGroup:
         out_fd: int,
         err_fd: int,
         logs: dict[tuple[int, str], BinaryIO],
+        terminals: WorkerTerminals,
     ) -> list[LineRelay]:
         """A relay per stream, registered on the selector, routed as the flags say."""
         prefix = self.routing.console_prefix(rank, local_rank, self.plan.role, self._hostname)
@@ -197,6 +223,7 @@ class LocalGroup:
                 sink,
                 logs.get((local_rank, stream)),
                 console=self.routing.route(local_rank, stream).console,
+                terminal=terminals.of(stream) is not None,
             )
             relays.append(relay)
             self.selector.register(fd, selectors.EVENT_READ, _pump_callback(self.selector, relay))

@@ -7,8 +7,14 @@ is forwarded :data:`PARTIAL_LINE_SECONDS` after its first byte arrived; the rest
 that line follows later without a second prefix, since the prefix marks where a line
 starts on the console.
 
+When the worker writes to a pseudo-terminal (:mod:`dist_launch.worker_terminal`), a
+line may start by moving the cursor or erasing the line it is on (rich redraws its live
+display with ``\r`` then "erase line" and "cursor up" sequences); the prefix then goes
+after those sequences, so that erasing the line does not erase the prefix drawn just
+before it.
+
 The rank's log file, when there is one, receives exactly the bytes the worker wrote,
-as they arrive, with no prefix.
+as they arrive, with no prefix (escape sequences included).
 """
 
 from __future__ import annotations
@@ -30,6 +36,10 @@ PARTIAL_LINE_SECONDS = 0.1
 
 _READ_BYTES = 65536
 _LINE_END = re.compile(rb"\r\n|\r|\n")
+# Control sequences that move the cursor, erase, or show/hide the cursor (CSI ... A-H,
+# J, K, h, l), at the start of a line; colours (CSI ... m) are not among them, so a
+# coloured line keeps its prefix uncoloured.
+_LEADING_CURSOR_CONTROLS = re.compile(rb"(?:\x1b\[\??[0-9;]*[A-HJKhl])*")
 
 
 class LineRelay:
@@ -46,6 +56,8 @@ class LineRelay:
         console: Whether the output goes to ``sink`` at all (False for a rank hidden by
             ``--local-ranks-filter`` or a stream sent to its file only by
             ``--redirects``).
+        terminal: Whether the worker writes to a pseudo-terminal and ``sink`` is a
+            terminal: the prefix then follows a line's leading cursor controls.
     """
 
     def __init__(
@@ -56,12 +68,14 @@ class LineRelay:
         log: BinaryIO | None = None,
         *,
         console: bool = True,
+        terminal: bool = False,
     ) -> None:
         self.fd = fd
         self.prefix = prefix
         self.sink = sink
         self.log = log
         self.console = console
+        self.terminal = terminal
         self.closed = False
         # Bytes of the current line not yet shown on the console.
         self._pending = b""
@@ -111,8 +125,7 @@ class LineRelay:
             # An empty "\r" line showed nothing; if it turns out to be "\r\n", show it.
             self._lf_after_cr = b"\n" if out else self.prefix + b"\r\n"
         else:
-            out = self._start() + pending
-            self._line_started = True
+            out = self._started(pending)
         self._console(out)
 
     def close(self) -> None:
@@ -123,11 +136,7 @@ class LineRelay:
         out = b""
         if self._pending:
             pending, self._pending, self._pending_since = self._pending, b"", None
-            if pending.endswith(b"\r"):
-                out = self._line(pending)
-            else:
-                out = self._start() + pending
-                self._line_started = True
+            out = self._line(pending) if pending.endswith(b"\r") else self._started(pending)
         if self._line_started:
             out += b"\n"
             self._line_started = False
@@ -165,7 +174,7 @@ class LineRelay:
     def _cut(self, body: bytes, out: list[bytes]) -> bytes:
         """Appends to ``out`` the overlong head of a line's ``body``; returns the rest."""
         while len(body) > MAX_LINE_BYTES:
-            out.append(self._start() + body[:MAX_LINE_BYTES] + b"\n")
+            out.append(self._started(body[:MAX_LINE_BYTES]) + b"\n")
             self._line_started = False
             body = body[MAX_LINE_BYTES:]
         return body
@@ -179,10 +188,32 @@ class LineRelay:
             # An empty line ended by "\r" (a bar redrawing itself from column 0) would
             # only print a bare prefix, once per redraw, in a captured log.
             return b""
-        return self.prefix + line
+        return self._labelled(line)
 
-    def _start(self) -> bytes:
-        return b"" if self._line_started else self.prefix
+    def _started(self, part: bytes) -> bytes:
+        """The console bytes of the first or next ``part`` of an unfinished line."""
+        if self._line_started:
+            return part
+        if self._prefix_at(part) is None:
+            return part  # cursor controls only: the prefix waits for the line's text
+        self._line_started = True
+        return self._labelled(part)
+
+    def _labelled(self, line: bytes) -> bytes:
+        """``line`` with the prefix where :meth:`_prefix_at` puts it (or none)."""
+        at = self._prefix_at(line)
+        return line if at is None else line[:at] + self.prefix + line[at:]
+
+    def _prefix_at(self, line: bytes) -> int | None:
+        """Where the prefix goes in ``line``; None for a line of cursor controls only.
+
+        At 0, or on a terminal after the line's leading cursor controls.
+        """
+        if not self.terminal:
+            return 0
+        controls = _LEADING_CURSOR_CONTROLS.match(line)
+        at = 0 if controls is None else controls.end()
+        return at if at == 0 or line[at:].strip(b"\r\n") else None
 
     def _console(self, data: bytes) -> None:
         if not data:

@@ -11,6 +11,7 @@ import sys
 
 from dist_core.supervisor import PopenWorker
 from dist_launch.plan import WorkerTarget
+from dist_launch.worker_terminal import PIPES_ONLY, WorkerTerminals, open_outputs
 
 __all__ = ["PopenWorker", "WorkerTarget", "start_subprocess_worker"]
 
@@ -22,20 +23,21 @@ def start_subprocess_worker(
     local_rank: int,
     node_rank: int,
     cwd: str | None = None,
+    terminals: WorkerTerminals = PIPES_ONLY,
 ) -> tuple[PopenWorker, int, int]:
     """Starts one worker interpreter; returns it and the read ends of its stdout and stderr.
 
     A ``--no-python`` target runs as the program it names, without the bootstrap (and
     so without an error record: the report has its exit status). The worker gets its
     own process group, so that a terminal's Ctrl-C reaches it once, through the
-    launcher, and not twice.
+    launcher, and not twice. Its stdout and stderr are pipes, or pseudo-terminals
+    where ``terminals`` gives them a size (:mod:`dist_launch.worker_terminal`).
     """
     if target.no_python:
         argv = [target.name, *target.args]
     else:
         argv = [sys.executable, "-m", "dist_launch._bootstrap", *target.bootstrap_argv()]
-    out_read, out_write = os.pipe()
-    err_read, err_write = os.pipe()
+    (out_read, out_write), (err_read, err_write) = open_outputs(terminals)
     try:
         popen = subprocess.Popen(
             argv,

@@ -19,6 +19,7 @@ from typing import Any
 
 from dist_launch.plan import LaunchPlan, WorkerTarget
 from dist_launch.proctitle import TITLE_ROOM
+from dist_launch.worker_terminal import PIPES_ONLY, WorkerTerminals, open_outputs
 
 # How long the server may take to fork one worker and reply (it may still be
 # importing torch when the first request arrives).
@@ -115,15 +116,23 @@ class Zygote:
                 worker.status = -signal.SIGKILL
 
     def start(
-        self, target: WorkerTarget, env: dict[str, str], rank: int, local_rank: int, node_rank: int
+        self,
+        target: WorkerTarget,
+        env: dict[str, str],
+        rank: int,
+        local_rank: int,
+        node_rank: int,
+        terminals: WorkerTerminals = PIPES_ONLY,
     ) -> tuple[ZygoteWorker, int, int]:
         """Forks one worker; returns it and the read ends of its stdout and stderr.
+
+        The worker's stdout and stderr are pipes, or pseudo-terminals where
+        ``terminals`` gives them a size (:mod:`dist_launch.worker_terminal`).
 
         Raises:
             RuntimeError: The server died or did not answer in time.
         """
-        out_read, out_write = os.pipe()
-        err_read, err_write = os.pipe()
+        (out_read, out_write), (err_read, err_write) = open_outputs(terminals)
         worker = ZygoteWorker(rank, local_rank, node_rank)
         self.workers[rank] = worker
         request = {"rank": rank, "env": env, "cwd": os.getcwd(), "argv": target.bootstrap_argv()}
