@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import IO
 
 import pytest
+from launcher_signals import default_signal_handling
 
 from dist_core.ports import get_unused_port
 
@@ -253,6 +254,7 @@ def test_signal_stops_every_rank_and_says_where_each_was(tmp_path: Path, signum:
         cwd=tmp_path,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
+        preexec_fn=default_signal_handling,
     )
     try:
         pids = _read_ready_pids(launcher, 2)
@@ -527,6 +529,7 @@ def test_second_sigint_does_not_wait_for_the_grace_period(tmp_path: Path) -> Non
         cwd=tmp_path,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
+        preexec_fn=default_signal_handling,
     )
     try:
         pids = _read_ready_pids(launcher, 2)
@@ -596,6 +599,7 @@ def _hung_launcher(tmp_path: Path, ranks: int) -> tuple[subprocess.Popen[bytes],
         cwd=tmp_path,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
+        preexec_fn=default_signal_handling,
     )
     return launcher, fifo
 

@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from launcher_signals import default_signal_handling
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -111,6 +112,7 @@ class Terminal:
                 stdout=slave,
                 stderr=slave if stderr is None else stderr,
                 start_new_session=True,
+                preexec_fn=default_signal_handling,
             )
         finally:
             os.close(slave)
