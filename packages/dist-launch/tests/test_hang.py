@@ -1,0 +1,187 @@
+"""Hang detection with real processes: stuck ranks, the report, restarts, torch's timers."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(240)
+
+LAUNCH = [sys.executable, "-m", "dist_launch"]
+# The launcher's exit status after a hang with no restart left (run_outcome.HANG_EXIT_STATUS).
+HUNG = 75
+# Short enough for a quick test, long enough for a loaded machine's start-up.
+TIMEOUT = "5"
+
+# Rank 1 waits for a batch for ever; the others block in the next all_reduce.
+SLEEPER = """\
+import time
+import torch
+import torch.distributed as dist
+
+def load_next_batch():
+    time.sleep(100_000)
+
+dist.init_process_group("gloo")
+value = torch.ones(1)
+dist.all_reduce(value)
+print("warm", flush=True)
+if dist.get_rank() == 1:
+    load_next_batch()
+dist.all_reduce(value)
+"""
+
+# Ranks 0 and 1 wait in an all_reduce of the world; rank 2 in a barrier of a group it
+# shares with rank 1, which never comes.
+OTHER_COLLECTIVE = """\
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+pair = dist.new_group([1, 2])
+print("warm", flush=True)
+if dist.get_rank() == 2:
+    dist.barrier(group=pair)
+else:
+    dist.all_reduce(torch.ones(1))
+"""
+
+# Training steps of busy work, every 20th ten times longer (an evaluation pass) and
+# longer than the hang timeout; nothing is printed until the end.
+EVALUATION = """\
+import sys, time
+
+step_seconds = float(sys.argv[1])
+
+def work(seconds):
+    end = time.monotonic() + seconds
+    total = 0
+    while time.monotonic() < end:
+        total += sum(range(100))
+    return total
+
+def train_step():
+    return work(step_seconds)
+
+def evaluate():
+    return sum(work(step_seconds) for _ in range(10))
+
+for step in range(22):
+    if step % 20 == 19:
+        evaluate()
+    else:
+        train_step()
+print("finished", flush=True)
+"""
+
+# Rank 1 overstays a torch elastic timer; the others wait in an all_reduce.
+FILE_TIMER = """\
+import os, time
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic import timer
+
+timer.configure(timer.FileTimerClient(os.environ["TORCHELASTIC_TIMER_FILE"]))
+dist.init_process_group("gloo")
+print("warm", flush=True)
+if dist.get_rank() == 1:
+    with timer.expires(after=1, scope="read_shard"):
+        time.sleep(100_000)
+dist.all_reduce(torch.ones(1))
+"""
+
+
+def _launch(
+    tmp_path: Path,
+    text: str,
+    *args: str,
+    env: dict[str, str] | None = None,
+    script_args: tuple[str, ...] = (),
+) -> subprocess.CompletedProcess[str]:
+    script = tmp_path / "train.py"
+    script.write_text(text)
+    return subprocess.run(
+        [*LAUNCH, *args, str(script), *script_args],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def _summary(stderr: str) -> str:
+    """The one-line summary under the first hang report."""
+    lines = stderr.splitlines()
+    index = next(i for i, line in enumerate(lines) if line.startswith("dist-launch: hang on "))
+    return lines[index + 1].strip()
+
+
+def test_a_rank_sleeping_for_ever_is_named_and_the_exit_status_says_hung(tmp_path: Path) -> None:
+    log_dir = tmp_path / "logs"
+    result = _launch(
+        tmp_path,
+        SLEEPER,
+        "-n", "3", "--hang-timeout", TIMEOUT, "--log-dir", str(log_dir), "--run-id", "r",
+    )  # fmt: skip
+    assert result.returncode == HUNG, result.stderr
+    assert _summary(result.stderr) == (
+        "ranks 0, 2 wait in all_reduce at train.py:14; "
+        "rank 1 is elsewhere: train.py:6 in load_next_batch"
+    ), result.stderr
+    assert "exit status 75" in result.stderr
+    assert (log_dir / "r" / "attempt_0" / "hang.txt").read_text().startswith("dist-launch: hang")
+    error = json.loads((log_dir / "r" / "attempt_0" / "1" / "error.json").read_text())
+    assert "rank 1 is elsewhere" in error["message"]["message"]
+    assert "load_next_batch" in error["message"]["extraInfo"]["py_callstack"]
+
+
+def test_a_hang_restarts_the_group_within_max_restarts(tmp_path: Path) -> None:
+    result = _launch(tmp_path, SLEEPER, "-n", "2", "--hang-timeout", TIMEOUT, "--max-restarts", "1")
+    assert result.returncode == HUNG, result.stderr
+    assert "restarting the local worker group (restart 1 of 1) after: hang:" in result.stderr
+    assert result.stderr.count("dist-launch: hang on ") == 2
+    assert result.stdout.count("warm") == 4  # two ranks, two attempts
+
+
+def test_pet_hang_timeout_is_read(tmp_path: Path) -> None:
+    result = _launch(tmp_path, SLEEPER, "-n", "2", env={"PET_HANG_TIMEOUT": TIMEOUT})
+    assert result.returncode == HUNG, result.stderr
+    assert "(--hang-timeout 5)" in result.stderr
+
+
+def test_a_rank_in_another_collective_is_named(tmp_path: Path) -> None:
+    result = _launch(tmp_path, OTHER_COLLECTIVE, "-n", "3", "--hang_timeout", TIMEOUT)
+    assert result.returncode == HUNG, result.stderr
+    assert _summary(result.stderr) == (
+        "ranks 0-1 wait in all_reduce at train.py:10; rank 2 is elsewhere: barrier at train.py:8"
+    ), result.stderr
+
+
+def test_an_evaluation_pass_longer_than_the_timeout_is_not_a_hang(tmp_path: Path) -> None:
+    # Steps of 0.5 s, the evaluation 5 s: a detector watching the step rate alone
+    # would call the evaluation hung at 4 s.
+    result = _launch(tmp_path, EVALUATION, "-n", "2", "--hang-timeout", "4", script_args=("0.5",))
+    assert result.returncode == 0, result.stderr
+    assert "dist-launch: hang" not in result.stderr
+    assert result.stdout.count("finished") == 2
+
+
+def test_an_expired_torch_elastic_timer_is_handled_as_a_hang(tmp_path: Path) -> None:
+    result = _launch(
+        tmp_path,
+        FILE_TIMER,
+        "-n", "2", "--hang-timeout", "off",
+        env={"TORCHELASTIC_ENABLE_FILE_TIMER": "1"},
+    )  # fmt: skip
+    assert result.returncode == HUNG, result.stderr
+    assert "rank 1's torch elastic timer 'read_shard' expired" in result.stderr
+    assert _summary(result.stderr) == (
+        "rank 0 waits in all_reduce at train.py:12; rank 1 is elsewhere: train.py:11 in <module>"
+    ), result.stderr
