@@ -185,3 +185,42 @@ def test_an_expired_torch_elastic_timer_is_handled_as_a_hang(tmp_path: Path) -> 
     assert _summary(result.stderr) == (
         "rank 0 waits in all_reduce at train.py:12; rank 1 is elsewhere: train.py:11 in <module>"
     ), result.stderr
+
+
+# Every step is one call that keeps the stack as it is for longer than the timeout (a
+# native call, here a sleep): only report_progress() tells the launcher it is alive.
+ONE_LONG_CALL_PER_STEP = """\
+import sys, time
+import dist_launch
+
+for step in range(4):
+    time.sleep(3)
+    if sys.argv[1] == "report":
+        dist_launch.report_progress()
+print("finished", flush=True)
+"""
+
+
+@pytest.mark.parametrize("report", [True, False], ids=["reported", "silent"])
+def test_report_progress_keeps_a_rank_of_long_native_calls_alive(
+    tmp_path: Path, report: bool
+) -> None:
+    result = _launch(
+        tmp_path,
+        ONE_LONG_CALL_PER_STEP,
+        "-n", "2", "--hang-timeout", "5",
+        script_args=("report" if report else "silent",),
+    )  # fmt: skip
+    if report:
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.count("finished") == 2
+    else:
+        # The limit report_progress() is for: the same stack, step after step.
+        assert result.returncode == HUNG, result.stderr
+
+
+def test_report_progress_outside_dist_launch_does_nothing() -> None:
+    import dist_launch
+
+    assert "report_progress" in dist_launch.__all__
+    assert dist_launch.report_progress() is None

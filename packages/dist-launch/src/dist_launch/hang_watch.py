@@ -95,7 +95,7 @@ class HangWatch:
 
     def due(self, now: float) -> float | None:
         """The supervisor's timer: looks when a look is due; returns when the next one is."""
-        if self.reason is not None:
+        if self.reason is not None or (self.timers is None and not self.watches_progress):
             return None
         if now < self._next_look:
             return self._next_look
