@@ -224,3 +224,51 @@ def test_report_progress_outside_dist_launch_does_nothing() -> None:
 
     assert "report_progress" in dist_launch.__all__
     assert dist_launch.report_progress() is None
+
+
+# Rank 0 (node 0) evaluates alone for longer than the timeout; rank 1 (node 1) waits
+# for it in a barrier, its stack unchanged.
+ONE_NODE_EVALUATES = """\
+import time
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+if dist.get_rank() == 0:
+    end = time.monotonic() + 8
+    while time.monotonic() < end:
+        sum(range(1000))
+dist.barrier()
+print("finished", flush=True)
+"""
+
+
+def test_a_node_waiting_for_another_nodes_progress_is_not_hung(tmp_path: Path) -> None:
+    from dist_core.ports import get_unused_port
+
+    script = tmp_path / "train.py"
+    script.write_text(ONE_NODE_EVALUATES)
+    common = [
+        "-n", "1", "--nnodes", "2", "--rdzv-backend", "c10d",
+        "--rdzv-endpoint", f"127.0.0.1:{get_unused_port()}", "--rdzv-id", "eval",
+        "--hang-timeout", "4",
+    ]  # fmt: skip
+    nodes = [
+        subprocess.Popen(
+            [*LAUNCH, *common, str(script)],
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    try:
+        outputs = [node.communicate(timeout=150) for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+            node.wait(30)
+    for node, (stdout, stderr) in zip(nodes, outputs, strict=True):
+        assert node.returncode == 0, stderr
+        assert "dist-launch: hang" not in stderr
+        assert "finished" in stdout

@@ -278,6 +278,11 @@ class Agent:
             assignment = joined
             self._change = None
             watch = rdzv.watch(plan.monitor_interval, self._on_change)
+            board = (
+                rdzv.progress_board(plan.hang_policy.look_period)
+                if plan.hang_policy.enabled
+                else None
+            )
             group = LocalGroup(
                 plan,
                 assignment,
@@ -288,6 +293,7 @@ class Agent:
                 self.layout,
                 self._timers,
                 self._longest_quiet,
+                board,
             )
             remaining = None if deadline is None else max(0.01, deadline - time.monotonic())
             try:
@@ -298,6 +304,8 @@ class Agent:
                 )
             finally:
                 watch.stop()
+                if board is not None:
+                    board.stop()
                 group.cleanup()
                 self._longest_quiet = group.watch.quiet.longest_quiet
             attempt += 1

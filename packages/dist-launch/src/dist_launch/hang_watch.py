@@ -27,6 +27,7 @@ from dist_launch.progress import (
     map_progress_file,
     read_progress,
 )
+from dist_launch.progress_board import ProgressBoard
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +41,8 @@ class HangWatch:
         node: How the report names this node (``host (node 1)``).
         timers: The torch elastic timer server, if one is served.
         longest_quiet: What ``auto`` learned in earlier rounds.
+        board: The job's progress board (several nodes sharing a store): progress
+            on another node counts here too.
     """
 
     def __init__(
@@ -49,11 +52,13 @@ class HangWatch:
         node: str,
         timers: FileTimerWatch | None = None,
         longest_quiet: float = 0.0,
+        board: ProgressBoard | None = None,
     ) -> None:
         self.policy = policy
         self.run_dir = run_dir
         self.node = node
         self.timers = timers
+        self.board = board
         self.quiet = QuietWatch(policy, time.monotonic(), longest_quiet)
         self.on_hang: Callable[[str], None] = lambda reason: None
         self.reason: str | None = None  # why the group was found hung, once it was
@@ -115,17 +120,31 @@ class HangWatch:
         for rank, shared in self._shared.items():
             with contextlib.suppress(ValueError, OSError):
                 self.quiet.saw(rank, read_progress(shared), now)
+        if self.board is not None:
+            self._share(now)
         if self.quiet.hung(now):
             timeout = self.quiet.timeout()
             assert timeout is not None
+            where = "of the job" if self.board is not None else "on this node"
             self._alarm(
-                f"no rank on this node made progress for {self.quiet.quiet_for(now):.0f} s "
+                f"no rank {where} made progress for {self.quiet.quiet_for(now):.0f} s "
                 f"({self.policy.describe()}"
                 + (f": {timeout:g} s" if self.policy.mode == "auto" else "")
                 + ")"
             )
             return None
         return self._next_look
+
+    def _share(self, now: float) -> None:
+        """Publishes this node's latest progress; takes a later one of another node."""
+        assert self.board is not None
+        wall_now = time.time()
+        self.board.publish(wall_now - self.quiet.quiet_for(now))
+        elsewhere = self.board.latest_elsewhere()
+        if elsewhere is not None:
+            at = min(now, now - (wall_now - elsewhere))
+            if at > self.quiet.last_progress:
+                self.quiet.progress(at)
 
     def close(self) -> None:
         """Unmaps the progress files."""

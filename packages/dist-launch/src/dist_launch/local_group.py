@@ -30,6 +30,7 @@ from dist_launch.hang_watch import HangWatch, node_name
 from dist_launch.log_layout import LogLayout, write_torch_error_file
 from dist_launch.output import LineRelay
 from dist_launch.plan import LaunchPlan
+from dist_launch.progress_board import ProgressBoard
 from dist_launch.rendezvous import Assignment
 from dist_launch.report import without_launcher_frames
 from dist_launch.routing import Stream
@@ -78,6 +79,7 @@ class LocalGroup:
         layout: The run's log directory, when some stream goes to a file.
         timers: torch elastic's timer server, when the launcher serves one.
         longest_quiet: What ``--hang-timeout auto`` learned in earlier rounds.
+        board: The job's progress board, when the nodes share one.
 
     Attributes:
         hang: The report of a hang found in the round, else None.
@@ -95,6 +97,7 @@ class LocalGroup:
         layout: LogLayout | None,
         timers: FileTimerWatch | None = None,
         longest_quiet: float = 0.0,
+        board: ProgressBoard | None = None,
     ) -> None:
         self.plan = plan
         self.assignment = assignment
@@ -117,6 +120,7 @@ class LocalGroup:
             node_name(self._hostname, assignment.group_rank),
             timers,
             longest_quiet,
+            board,
         )
         self.hang: HangReport | None = None
 

@@ -7,7 +7,8 @@ two counters, each with one writer:
 - slot 0, the *stack* counter: a daemon thread started by the bootstrap looks at the
   main thread's Python stack every ``DIST_LAUNCH_PROGRESS_PERIOD`` seconds and adds
   one when it differs from the last look (another place in the code, or the same
-  place entered anew);
+  place entered anew), or when the main thread ran Python code meanwhile (see
+  :class:`_PythonRunning`);
 - slot 1, the *explicit* counter: :func:`report_progress` adds one.
 
 The launcher only asks whether either counter moved. Looking at a stack costs a few
@@ -29,6 +30,7 @@ import os
 import struct
 import sys
 import threading
+import time
 from types import FrameType
 
 PROGRESS_FILE_VARIABLE = "DIST_LAUNCH_PROGRESS_FILE"
@@ -96,14 +98,53 @@ def _stack_key(frame: FrameType | None) -> int:
     return hash(tuple(parts))
 
 
+def _cpu_clock(thread_id: int) -> int | None:
+    """The CPU-time clock of a thread of this process, where the platform has one."""
+    try:
+        return time.pthread_getcpuclockid(thread_id)
+    except (AttributeError, OSError):
+        return None
+
+
+class _PythonRunning:
+    """Tells whether the main thread ran Python code since the last look.
+
+    A look sees the main thread only where it lets go of the GIL, which, in a loop of
+    Python code, is the same few instructions every time: the stack looks the same
+    although the loop runs. Two signs together say it ran: taking the GIL back after
+    releasing it took a switch interval (some thread held it, running Python), and the
+    main thread used CPU time meanwhile. A rank blocked in a collective, a sleep or a
+    lock holds no GIL; one spinning in native code (a CUDA synchronisation) uses CPU
+    time but holds no GIL either.
+    """
+
+    def __init__(self, main_id: int) -> None:
+        self._clock = _cpu_clock(main_id)
+        self._threshold = sys.getswitchinterval() / 2
+        self._cpu = self._cpu_time()
+
+    def _cpu_time(self) -> float:
+        return 0.0 if self._clock is None else time.clock_gettime(self._clock)
+
+    def since_last_look(self) -> bool:
+        if self._clock is None:
+            return False
+        start = time.perf_counter()
+        time.sleep(0)  # lets go of the GIL and takes it back
+        contended = time.perf_counter() - start >= self._threshold
+        cpu, self._cpu = self._cpu, self._cpu_time()
+        return contended and self._cpu - cpu >= self._threshold
+
+
 def _sample_main_thread(shared: mmap.mmap, period: float, main_id: int) -> None:
     last: int | None = None
+    running = _PythonRunning(main_id)
     wake = threading.Event()  # never set: a wait that sleeps without a busy loop
     while True:
         frame = sys._current_frames().get(main_id)
         key = _stack_key(frame)
         del frame  # hold no frame between looks: it would keep the frame's locals alive
-        if key != last:
+        if running.since_last_look() or key != last:
             last = key
             _bump(shared, 0)
         wake.wait(period)
