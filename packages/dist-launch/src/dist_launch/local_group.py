@@ -25,6 +25,7 @@ from dist_core.rank_files import RankFiles
 from dist_core.supervisor import GroupOutcome, Supervisor, Worker
 from dist_launch._bootstrap import PARENT_PID_VARIABLE, RUN_DIR_VARIABLE
 from dist_launch.file_timer import FILE_VARIABLE, FileTimerWatch
+from dist_launch.hang_detection import HangPolicy
 from dist_launch.hang_report import HangReport
 from dist_launch.hang_watch import HangWatch, node_name
 from dist_launch.log_layout import LogLayout, write_torch_error_file
@@ -113,7 +114,7 @@ class LocalGroup:
         self._hostname = socket.gethostname()
         policy = plan.hang_policy
         if plan.target.no_python and policy.mode == "auto":
-            policy = type(policy)("off")  # no bootstrap: no stack to watch (documented)
+            policy = HangPolicy("off")  # no bootstrap: no stack to watch (documented)
         self.watch = HangWatch(
             policy,
             self.run_dir,
