@@ -26,7 +26,7 @@ Hangs (benchmarks/_lib/hang.py):
 - ``hang``: 4 ranks, one sleeping for ever while the others block in an all_reduce: its
   onset to dist-launch's report (``--hang-timeout 10``) and to the restarted group's
   first all_reduce, beside torchrun, which waits for the job's gloo timeout (60 s here);
-- ``hang-cost``: the time per step with hang detection off, ``auto`` and ``3``.
+- ``hang-cost``: the time per step with hang detection off and ``auto``.
 
 Run: ``python benchmarks/launch.py [--ranks 2 4 8] [--repeat N] [--only PART ...]``
 (``nox -s bench``); the parts are start, crash, netns, rdzv, restart, hang, hang-cost.

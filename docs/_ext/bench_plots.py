@@ -77,8 +77,8 @@ def draw_launch(data: Data) -> Figure:
     """Start-up time against ranks, the ratio to torchrun, and crash-to-exit time."""
     hang = data.get("hang_to_restart_s")
     if hang:
-        figure = Figure(figsize=(13.5, 3.6), layout="constrained")
-        seconds, ratio, crash, hung = figure.subplots(1, 4, width_ratios=[1.3, 1, 0.9, 1.1])
+        figure = Figure(figsize=(15, 3.6), layout="constrained")
+        seconds, ratio, crash, hung = figure.subplots(1, 4, width_ratios=[1.3, 1, 0.9, 1.2])
         _draw_hang(hung, data)
     else:
         figure = Figure(figsize=(10, 3.6), layout="constrained")
@@ -176,10 +176,9 @@ def _draw_hang(axes: Axes, data: Data) -> None:
         axes.text(value, index, f" {value:.1f} s", va="center", fontsize=8.5)
     axes.invert_yaxis()
     axes.set(
-        xlabel="seconds from the hang's onset",
-        title=f"Hang, {data['hang_ranks']} ranks: --hang-timeout "
-        f"{data['hang_timeout_s']:g}\nvs torchrun on a gloo timeout of "
-        f"{data['hang_gloo_timeout_s']:g} s",
+        xlabel=f"seconds from the onset\n(--hang-timeout {data['hang_timeout_s']:g};\n"
+        f"torchrun: gloo timeout {data['hang_gloo_timeout_s']:g} s)",
+        title=f"Hang: report, restart ({data['hang_ranks']} ranks)",
     )
     axes.set_xlim(0, max([value for _, value, _ in present], default=1) * 1.35)
 
