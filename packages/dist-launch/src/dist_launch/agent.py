@@ -366,11 +366,14 @@ class Agent:
         self, rdzv: Rendezvous, assignment: Assignment, outcome: GroupOutcome, hang: HangReport
     ) -> RunOutcome | None:
         """Counts a hang as a failure; None to restart (after its report), else the end."""
+        # The odd rank out, else this node's first rank: the record names a rank.
         odd = hang.odd_rank
+        if odd is None:
+            odd = min(hang.stacks, default=assignment.base_rank)
         record = FailureRecord(
             node=socket.gethostname(),
             group_rank=assignment.group_rank,
-            rank=-1 if odd is None else odd,
+            rank=odd,
             timestamp=time.time(),
             summary=f"hang: {hang.summary}",
         )
