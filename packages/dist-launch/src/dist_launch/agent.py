@@ -12,7 +12,8 @@ rendezvous (:mod:`dist_launch.rendezvous`), runs this node's workers
 - nodes wait to join (a late node under ``--nnodes MIN:MAX``, or a restarted one): the
   workers are stopped and the round re-formed; this is not a failure and costs no
   restart;
-- no rank made progress for ``--hang-timeout`` (or a torch elastic timer expired):
+- no rank made progress for ``--hang-timeout`` (or a torch elastic timer expired; its
+  server runs when ``TORCHELASTIC_ENABLE_FILE_TIMER=1`` is in the environment):
   every rank's stack is taken and grouped, the ranks elsewhere named
   (:mod:`dist_launch.hang_report`), and the hang counts against ``--max-restarts`` as
   a failure does; past the budget the run ends ``hung``;
