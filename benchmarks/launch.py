@@ -21,9 +21,16 @@ Across nodes, on torch elastic's c10d rendezvous, both launchers with the same f
 - ``restart``: ``--max-restarts 1``, 4 ranks, a rank's crash to the restarted group's
   first all_reduce, beside the script's own start-up (``import torch``).
 
+Hangs (benchmarks/_lib/hang.py):
+
+- ``hang``: 4 ranks, one sleeping for ever while the others block in an all_reduce: its
+  onset to dist-launch's report (``--hang-timeout 10``) and to the restarted group's
+  first all_reduce, beside torchrun, which waits for the job's gloo timeout (60 s here);
+- ``hang-cost``: the time per step with hang detection off and ``auto``.
+
 Run: ``python benchmarks/launch.py [--ranks 2 4 8] [--repeat N] [--only PART ...]``
-(``nox -s bench``); the parts are start, crash, netns, rdzv, restart. The measurements
-also go to ``docs/_data/bench/launch.json`` (``--json``), which the docs draw as a
+(``nox -s bench``); the parts are start, crash, netns, rdzv, restart, hang, hang-cost.
+The measurements also go to ``docs/_data/bench/launch.json`` (``--json``), which the docs draw as a
 figure; a run of some parts updates only their keys there.
 """
 
@@ -62,7 +69,7 @@ dist.barrier()
 """
 
 
-PARTS = ("start", "crash", "netns", "rdzv", "restart")
+PARTS = ("start", "crash", "netns", "rdzv", "restart", "hang", "hang-cost")
 
 
 def _default_rdzv_limit() -> int:
@@ -174,7 +181,7 @@ def main() -> None:
         help="skip rendezvous points with more agents than this "
         "(default: what half the available memory holds at ~120 MiB each)",
     )
-    from _lib import multinode
+    from _lib import hang, multinode
     from _lib.results import add_json_argument, write_results
 
     add_json_argument(parser, "launch")
@@ -206,6 +213,10 @@ def main() -> None:
             results.update(multinode.rdzv_part(env, args.rdzv_agents, args.rdzv_limit))
         if "restart" in args.only:
             results.update(multinode.restart_part(Path(scratch), env))
+        if "hang" in args.only:
+            results.update(hang.hang_part(Path(scratch), env))
+        if "hang-cost" in args.only:
+            results.update(hang.cost_part(Path(scratch), env))
     if args.json != "-" and set(args.only) != set(PARTS) and Path(args.json).exists():
         # Some parts only: keep the others' last measurements for the docs' figures.
         kept = json.loads(Path(args.json).read_text())

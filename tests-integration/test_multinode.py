@@ -439,3 +439,30 @@ def test_restart_budget_is_job_wide(kind: str, failing: str, two_hosts: tuple[Ho
             assert re.search(rf"\brank {failed[0].rank}\b", node.output), job.outputs()
     finally:
         job.stop()
+
+
+def test_hang_on_one_node_names_the_node_and_rank(
+    two_hosts: tuple[Host, Host], dist_launch_job: Job
+) -> None:
+    """Rank 3 waits for ever after its first step; every other rank blocks in the next.
+
+    No node's ranks make progress, so both nodes find the hang; the node holding rank 3
+    names itself and rank 3 as the odd one, and both end with the hang's exit status.
+    """
+    first, _ = two_hosts
+    job = dist_launch_job
+    flags = [*c10d_flags(first, "2", 2), "--hang-timeout", "8"]
+    for host in two_hosts:
+        job.start(host, flags, {"HANG_RANK": "3", "MAX_STEPS": "1000", "FINISH_FILE": "/none"})
+    codes = job.wait_exits()
+    assert codes == [75, 75], job.outputs()
+    (stuck,) = [e for e in job.events("start") if e.rank == 3]
+    node = next(n for n in job.nodes if n.host.name == stuck.host)
+    assert f"dist-launch: hang on node {stuck.host} (node {stuck.group_rank})" in node.output, (
+        job.outputs()
+    )
+    assert re.search(
+        r"rank 2 waits in all_reduce at elastic_steps\.py:\d+; "
+        r"rank 3 is elsewhere: elastic_steps\.py:\d+ in <module>",
+        node.output,
+    ), job.outputs()

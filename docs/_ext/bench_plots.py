@@ -75,8 +75,14 @@ def _ranks_axis(axes: Axes, ranks: Sequence[int]) -> None:
 
 def draw_launch(data: Data) -> Figure:
     """Start-up time against ranks, the ratio to torchrun, and crash-to-exit time."""
-    figure = Figure(figsize=(10, 3.6), layout="constrained")
-    seconds, ratio, crash = figure.subplots(1, 3, width_ratios=[1.3, 1, 0.9])
+    hang = data.get("hang_to_restart_s")
+    if hang:
+        figure = Figure(figsize=(15, 3.6), layout="constrained")
+        seconds, ratio, crash, hung = figure.subplots(1, 4, width_ratios=[1.3, 1, 0.9, 1.2])
+        _draw_hang(hung, data)
+    else:
+        figure = Figure(figsize=(10, 3.6), layout="constrained")
+        seconds, ratio, crash = figure.subplots(1, 3, width_ratios=[1.3, 1, 0.9])
     ranks = data["ranks"]
     for name, color in (("dist-launch", OURS), ("torchrun", PEER)):
         xs, ys = _present(ranks, data["start_to_exit_s"][name])
@@ -151,6 +157,30 @@ def draw_launch(data: Data) -> Figure:
     crash.legend(loc="upper right")
     _footer(figure, data)
     return figure
+
+
+def _draw_hang(axes: Axes, data: Data) -> None:
+    """A hang's onset to dist-launch's report, and to the restarted group's first step."""
+    rows = [
+        ("dist-launch: report", data["hang_to_report_s"].get("dist-launch"), OURS),
+        ("dist-launch: restarted", data["hang_to_restart_s"].get("dist-launch"), OURS),
+        ("torchrun: restarted", data["hang_to_restart_s"].get("torchrun"), PEER),
+    ]
+    present = [(name, value, color) for name, value, color in rows if value is not None]
+    axes.barh(
+        [name for name, _, _ in present],
+        [value for _, value, _ in present],
+        color=[color for _, _, color in present],
+    )
+    for index, (_, value, _) in enumerate(present):
+        axes.text(value, index, f" {value:.1f} s", va="center", fontsize=8.5)
+    axes.invert_yaxis()
+    axes.set(
+        xlabel=f"seconds from the onset\n(--hang-timeout {data['hang_timeout_s']:g};\n"
+        f"torchrun: gloo timeout {data['hang_gloo_timeout_s']:g} s)",
+        title=f"Hang: report, restart ({data['hang_ranks']} ranks)",
+    )
+    axes.set_xlim(0, max([value for _, value, _ in present], default=1) * 1.35)
 
 
 WORKSPACE_METHODS = {

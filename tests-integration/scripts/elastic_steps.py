@@ -20,6 +20,8 @@ Read from the environment:
     FAIL_HOST: the workers on the host of this name exit 1 before joining the group,
         in every attempt.
     COLLECTIVE_TIMEOUT: seconds gloo waits for a peer (default 60).
+    HANG_RANK: after its first step, this rank waits for ever (a hang, for dist-launch's
+        --hang-timeout); its peers block in the next all_reduce.
 """
 
 import datetime
@@ -68,6 +70,8 @@ while step < steps:
     value = torch.tensor([float(rank + 1)])
     dist.all_reduce(value)
     say(f"step {ids} step={step} sum={int(value.item())} time={time.time():.6f}")
+    if os.environ.get("HANG_RANK") == str(rank):
+        time.sleep(100_000)  # a data loader that never answers
     time.sleep(pause)  # the training step itself
 if not finishing:
     say(f"never broken {ids}: {steps} steps and no peer went away", 2)

@@ -17,9 +17,11 @@ from dist_core.rank_files import ErrorRecord
 from dist_core.supervisor import GroupOutcome, RankOutcome
 from dist_launch.agent import Agent
 from dist_launch.c10d_rendezvous import C10dRendezvous
+from dist_launch.hang_report import HangReport
 from dist_launch.plan import LaunchPlan, build_plan
 from dist_launch.rendezvous import Assignment, Rendezvous
 from dist_launch.run_outcome import (
+    HANG_EXIT_STATUS,
     RunOutcome,
     format_run_outcome,
     report_run_outcome,
@@ -52,6 +54,7 @@ def failed_group(returncode: int = 3, rank: int = 1) -> GroupOutcome:
         (RunOutcome("rendezvous_failed", message="error: x"), 1),
         (RunOutcome("start_failed", message="error: x"), 1),
         (RunOutcome("usage", message="error: x"), 2),
+        (RunOutcome("hung", failed_group(returncode=-15)), 75),
     ],
 )
 def test_each_outcome_has_its_documented_exit_status(outcome: RunOutcome, status: int) -> None:
@@ -155,3 +158,50 @@ def test_c10d_lost_peers_while_re_forming_cost_no_restart(script: str) -> None:
     assert not job.closed
     job.waiting = 0  # the same failure in a stable job spends the budget
     assert decide(plan, C10dRendezvous(plan, job.handler(0)), group) is not None
+
+
+def decide_hang(
+    plan: LaunchPlan, rdzv: Rendezvous, group: GroupOutcome, hang: HangReport
+) -> RunOutcome | None:
+    assignment: Assignment = rdzv.next_round()
+    agent = Agent(plan)
+    try:
+        return agent._after_hang(rdzv, assignment, group, hang)
+    finally:
+        agent.selector.close()
+        os.close(agent._change_read)
+        os.close(agent._change_write)
+
+
+SLEEPING = 'Thread 0x1 (most recent call first):\n  File "/job/loader.py", line 4 in load\n'
+WAITING = 'Thread 0x2 (most recent call first):\n  File "/job/train.py", line 9 in step\n'
+
+
+def test_a_hang_restarts_within_the_budget_then_ends_hung(
+    script: str, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
+) -> None:
+    plan = plan_of(script, max_restarts="1", master_port="29997")
+    rdzv = StaticRendezvous(plan)
+    hang = HangReport(
+        "no rank made progress for 3 s", "h (node 0)", {0: WAITING, 1: SLEEPING, 2: WAITING}
+    )
+    assert decide_hang(plan, rdzv, failed_group(), hang) is None
+    assert "restart 1 of 1) after: hang: ranks 0, 2 are at train.py:9 in step" in caplog.text
+    assert "rank 1 is elsewhere: loader.py:4 in load" in caplog.text
+    assert "dist-launch: hang on node h (node 0)" in capsys.readouterr().err
+    ended = decide_hang(plan, rdzv, failed_group(), hang)
+    assert ended is not None and ended.status == "hung"
+    assert run_exit_status(ended) == HANG_EXIT_STATUS
+    assert format_run_outcome(ended, PROG).endswith(f"exit status {HANG_EXIT_STATUS}")
+
+
+def test_a_hang_on_c10d_names_the_odd_rank_to_every_node(script: str) -> None:
+    plan = plan_of(
+        script, rdzv_backend="c10d", rdzv_endpoint="node0:29400", rdzv_id="job", max_restarts="0"
+    )
+    job = FakeJob()
+    hang = HangReport("why", "h (node 0)", {0: WAITING, 1: SLEEPING, 2: WAITING})
+    ended = decide_hang(plan, C10dRendezvous(plan, job.handler(0)), failed_group(), hang)
+    assert ended is not None and ended.status == "hung"
+    assert ended.message.startswith("restart budget spent (0 job-wide); first failure: rank 1 ")
+    assert job.closed

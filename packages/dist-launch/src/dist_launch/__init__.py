@@ -1,7 +1,8 @@
 """dist-launch: start N workers fast, stop them all when one fails, name the root cause.
 
 Library: :func:`launch_subprocesses` and :func:`init_and_run`. Command line:
-``dist-launch -n 4 train.py ARGS`` or ``python -m dist_launch ...``.
+``dist-launch -n 4 train.py ARGS`` or ``python -m dist_launch ...``; a script it runs
+may call :func:`report_progress` for its hang detection.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
 from dist_launch.errors import LaunchError
+from dist_launch.progress import report_progress
 
 if TYPE_CHECKING:
     from dist_launch.spawn import init_and_run, launch_subprocesses
@@ -45,4 +47,4 @@ def __dir__() -> list[str]:
     return sorted({*globals(), *_LAZY, "__version__"})
 
 
-__all__ = ["LaunchError", "__version__", "init_and_run", "launch_subprocesses"]
+__all__ = ["LaunchError", "__version__", "init_and_run", "launch_subprocesses", "report_progress"]

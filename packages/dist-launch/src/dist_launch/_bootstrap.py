@@ -5,7 +5,8 @@ exactly as ``python`` would (``sys.argv``, ``sys.path[0]``, ``__main__``), after
 installing the worker guards (:mod:`dist_launch.guards`), and records an uncaught
 exception or a non-zero ``sys.exit`` in the rank's error file with the worker's own
 timestamp. Reads (and removes from ``os.environ``, so grandchildren do not inherit
-them) ``DIST_LAUNCH_RUN_DIR`` and ``DIST_LAUNCH_PARENT_PID``; reads ``RANK``.
+them) ``DIST_LAUNCH_RUN_DIR`` and ``DIST_LAUNCH_PARENT_PID``, and the progress
+beacon's variables (:mod:`dist_launch.progress`); reads ``RANK``.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import NoReturn
 from dist_core.rank_files import RankFiles
 from dist_core.worker_guards import die_quietly_of_sigint, install_worker_guards, record_and_print
 from dist_launch import proctitle
+from dist_launch.progress import start_progress_beacon
 
 RUN_DIR_VARIABLE = "DIST_LAUNCH_RUN_DIR"
 PARENT_PID_VARIABLE = "DIST_LAUNCH_PARENT_PID"
@@ -155,6 +157,7 @@ def worker_setup() -> tuple[RankFiles, int]:
     rank = int(os.environ.get("RANK", "0"))
     files = RankFiles.for_rank(run_dir, rank)
     install_worker_guards(files, int(parent) if parent else None)
+    start_progress_beacon()
     return files, rank
 
 

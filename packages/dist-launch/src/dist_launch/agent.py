@@ -12,6 +12,11 @@ rendezvous (:mod:`dist_launch.rendezvous`), runs this node's workers
 - nodes wait to join (a late node under ``--nnodes MIN:MAX``, or a restarted one): the
   workers are stopped and the round re-formed; this is not a failure and costs no
   restart;
+- no rank made progress for ``--hang-timeout`` (or a torch elastic timer expired; its
+  server runs when ``TORCHELASTIC_ENABLE_FILE_TIMER=1`` is in the environment):
+  every rank's stack is taken and grouped, the ranks elsewhere named
+  (:mod:`dist_launch.hang_report`), and the hang counts against ``--max-restarts`` as
+  a failure does; past the budget the run ends ``hung``;
 - a handled signal (``--signals-to-handle``) stops the workers with that signal and
   closes the rendezvous; ``SIGQUIT`` prints every rank's stack and stops nothing.
 
@@ -36,9 +41,12 @@ import signal
 import socket
 import sys
 import time
+from dataclasses import replace
 
 from dist_core.supervisor import GroupOutcome, Supervisor
 from dist_launch.background import BackgroundCall
+from dist_launch.file_timer import FileTimerWatch, file_timer_requested
+from dist_launch.hang_report import HangReport
 from dist_launch.local_group import LocalGroup
 from dist_launch.log_layout import LogLayout
 from dist_launch.plan import LaunchPlan, describe_sources
@@ -50,7 +58,7 @@ from dist_launch.rendezvous import (
     RoundChange,
 )
 from dist_launch.rendezvous_factory import open_rendezvous
-from dist_launch.run_outcome import RunOutcome, report_run_outcome
+from dist_launch.run_outcome import HANG_EXIT_STATUS, RunOutcome, report_run_outcome
 from dist_launch.signals import DUMP_SIGNAL, SignalInbox
 from dist_launch.worker_env import node_environment
 from dist_launch.zygote import Zygote, start_fork_server
@@ -104,6 +112,8 @@ class Agent:
         self._change: RoundChange | None = None  # why the rendezvous asked for a new round
         self._change_read, self._change_write = os.pipe()
         os.set_blocking(self._change_read, False)
+        self._timers: FileTimerWatch | None = None  # torch elastic's timer server
+        self._longest_quiet = 0.0  # what --hang-timeout auto learned, over every round
 
     # -- events ---------------------------------------------------------------------
 
@@ -185,6 +195,8 @@ class Agent:
             # Reported before the cleanup below, which may wait for a silent store.
             return report_run_outcome(self._run(node_env), PROG)
         finally:
+            if self._timers is not None:
+                self._timers.close()
             if self._zygote is not None:
                 self._zygote.close()
             if self._rdzv is not None:
@@ -209,6 +221,15 @@ class Agent:
             return RunOutcome("rendezvous_failed", message=f"error: {error}")
         rdzv: Rendezvous = connecting.result
         self._rdzv = rdzv
+        if file_timer_requested(os.environ):
+            try:
+                self._timers = FileTimerWatch(plan.run_id)
+            except (ImportError, OSError) as error:
+                return RunOutcome(
+                    "start_failed",
+                    message=f"error: TORCHELASTIC_ENABLE_FILE_TIMER=1, but torch's "
+                    f"FileTimerServer could not be started: {error}",
+                )
         if self._zygote is None:
             self._zygote = start_fork_server(plan, self.selector)
         return self._rounds(rdzv, node_env, self._zygote)
@@ -258,6 +279,11 @@ class Agent:
             assignment = joined
             self._change = None
             watch = rdzv.watch(plan.monitor_interval, self._on_change)
+            board = (
+                rdzv.progress_board(plan.hang_policy.look_period)
+                if plan.hang_policy.enabled
+                else None
+            )
             group = LocalGroup(
                 plan,
                 assignment,
@@ -266,6 +292,9 @@ class Agent:
                 zygote,
                 self._set_supervisor,
                 self.layout,
+                self._timers,
+                self._longest_quiet,
+                board,
             )
             remaining = None if deadline is None else max(0.01, deadline - time.monotonic())
             try:
@@ -276,13 +305,21 @@ class Agent:
                 )
             finally:
                 watch.stop()
+                if board is not None:
+                    board.stop()
                 group.cleanup()
+                self._longest_quiet = group.watch.quiet.longest_quiet
             attempt += 1
             if outcome.status == "succeeded":
                 rdzv.exit_barrier()
                 return RunOutcome("succeeded", outcome)
             if self._received() is not None:
                 return self._interrupted_outcome(rdzv, outcome)
+            if group.hang is not None:
+                ended = self._after_hang(rdzv, assignment, outcome, group.hang)
+                if ended is not None:
+                    return ended
+                continue
             change = self._rendezvous_change()
             if change is not None and outcome.status == "interrupted":
                 if change.kind == "closed":
@@ -314,7 +351,6 @@ class Agent:
         self, rdzv: Rendezvous, assignment: Assignment, outcome: GroupOutcome
     ) -> RunOutcome | None:
         """Counts the failure against the budget; None to restart, else how the run ended."""
-        plan = self.plan
         failed = [rank for rank in outcome.ranks if rank.status == "failed"]
         if failed and all(rank.is_peer_failure for rank in failed) and rdzv.membership_changing():
             # Peers went away because the job is re-forming (a node restarted or
@@ -325,13 +361,42 @@ class Agent:
             )
             return None
         record = FailureRecord.of_round(outcome, assignment.group_rank)
+        return self._count(rdzv, record, RunOutcome("failed", outcome))
+
+    def _after_hang(
+        self, rdzv: Rendezvous, assignment: Assignment, outcome: GroupOutcome, hang: HangReport
+    ) -> RunOutcome | None:
+        """Counts a hang as a failure; None to restart (after its report), else the end."""
+        # The odd rank out, else this node's first rank: the record names a rank.
+        odd = hang.odd_rank
+        if odd is None:
+            odd = min(hang.stacks, default=assignment.base_rank)
+        record = FailureRecord(
+            node=socket.gethostname(),
+            group_rank=assignment.group_rank,
+            rank=odd,
+            timestamp=time.time(),
+            summary=f"hang: {hang.summary}",
+        )
+        print(hang.format(PROG), file=sys.stderr, flush=True)
+        final = RunOutcome(
+            "hung",
+            outcome,
+            message=f"the group hung and no restart is left (--max-restarts "
+            f"{self.plan.max_restarts}): exit status {HANG_EXIT_STATUS}",
+        )
+        return self._count(rdzv, record, final)
+
+    def _count(
+        self, rdzv: Rendezvous, record: FailureRecord, final: RunOutcome
+    ) -> RunOutcome | None:
+        """Counts ``record`` against the budget; None to restart, else ``final``."""
+        plan = self.plan
         try:
             count = rdzv.count_failure(record)
         except Exception as error:
-            return RunOutcome(
-                "failed",
-                outcome,
-                message=f"the rendezvous store is unreachable ({error}); cannot restart",
+            return replace(
+                final, message=f"the rendezvous store is unreachable ({error}); cannot restart"
             )
         if count.restarts <= plan.max_restarts:
             logger.warning(
@@ -339,10 +404,10 @@ class Agent:
             )
             return None
         if count.scope == "node":
-            return RunOutcome("failed", outcome)
+            return final
         why = (
             f"restart budget spent ({plan.max_restarts} job-wide); "
             f"first failure: {count.first_failure}"
         )
         rdzv.close_job(why)
-        return RunOutcome("failed", outcome, message=why)
+        return replace(final, message=why)

@@ -30,6 +30,7 @@ from typing import Any, Protocol
 
 from dist_launch.membership_watch import MembershipWatch
 from dist_launch.plan import LaunchPlan
+from dist_launch.progress_board import ProgressBoard
 from dist_launch.rendezvous import (
     Assignment,
     FailureCount,
@@ -347,6 +348,15 @@ class C10dRendezvous:
             if self._job_store.check([key]):
                 return bytes(self._job_store.get(key)).decode(errors="replace")
         return None
+
+    def progress_board(self, period: float) -> ProgressBoard | None:
+        """The round's progress board in its store; None for a round of one node."""
+        assignment = self.assignment
+        if self._round_store is None or assignment is None or assignment.group_world_size < 2:
+            return None
+        return ProgressBoard(
+            self._round_store, assignment.group_rank, assignment.group_world_size, period
+        )
 
     # -- the end ----------------------------------------------------------------------
 

@@ -15,6 +15,7 @@ import argparse
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from dist_launch.hang_detection import AUTO_FACTOR, AUTO_FLOOR_SECONDS, HANG_EXIT_STATUS
 from dist_launch.launcher_log import configure_launcher_logging
 from dist_launch.plan import LaunchPlan, UsageError, build_plan
 
@@ -240,6 +241,16 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
     )
     value("timeout", "stop the job after this long, showing where each rank was", metavar="SECONDS")
+    value(
+        "hang_timeout",
+        "a job none of whose ranks on a node makes progress (a new Python stack, output, "
+        "dist_launch.report_progress()) for this long is hung: every rank's stack is "
+        "shown, the odd ranks named, then the group restarts (--max-restarts) or the "
+        f"launcher exits with status {HANG_EXIT_STATUS}. auto (the default): "
+        f"{AUTO_FACTOR:g} x the longest quiet interval seen, at least "
+        f"{AUTO_FLOOR_SECONDS:g} s; off: never",
+        metavar="SECONDS|auto|off",
+    )
     value(
         "run_id", "TORCHELASTIC_RUN_ID (default: --rdzv-id, else random on one node)", metavar="ID"
     )

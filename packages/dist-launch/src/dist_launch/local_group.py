@@ -12,6 +12,7 @@ import contextlib
 import os
 import selectors
 import shutil
+import signal
 import socket
 import sys
 import tempfile
@@ -23,10 +24,16 @@ from typing import BinaryIO
 from dist_core.rank_files import RankFiles
 from dist_core.supervisor import GroupOutcome, Supervisor, Worker
 from dist_launch._bootstrap import PARENT_PID_VARIABLE, RUN_DIR_VARIABLE
+from dist_launch.file_timer import FILE_VARIABLE, FileTimerWatch
+from dist_launch.hang_detection import HangPolicy
+from dist_launch.hang_report import HangReport
+from dist_launch.hang_watch import HangWatch, node_name
 from dist_launch.log_layout import LogLayout, write_torch_error_file
 from dist_launch.output import LineRelay
 from dist_launch.plan import LaunchPlan
+from dist_launch.progress_board import ProgressBoard
 from dist_launch.rendezvous import Assignment
+from dist_launch.report import without_launcher_frames
 from dist_launch.routing import STREAMS, Stream
 from dist_launch.worker_env import rank_environment, worker_environment
 from dist_launch.worker_terminal import WindowSizeFollower, WorkerTerminals, worker_terminals
@@ -48,8 +55,11 @@ def _flush_partial_lines(relays: list[LineRelay], now: float) -> float | None:
     return min(due, default=None)
 
 
-def _pump_callback(selector: selectors.BaseSelector, relay: LineRelay) -> Callable[[], None]:
+def _pump_callback(
+    selector: selectors.BaseSelector, relay: LineRelay, on_output: Callable[[], None]
+) -> Callable[[], None]:
     def pump() -> None:
+        on_output()
         if not relay.pump():
             with contextlib.suppress(KeyError, ValueError):
                 selector.unregister(relay.fd)
@@ -69,6 +79,13 @@ class LocalGroup:
         zygote: The warm fork server, or None to start fresh interpreters.
         on_supervisor: Called with the supervisor once it exists (signals reach it).
         layout: The run's log directory, when some stream goes to a file.
+        timers: torch elastic's timer server, when the launcher serves one.
+        longest_quiet: What ``--hang-timeout auto`` learned in earlier rounds.
+        board: The job's progress board, when the nodes share one.
+
+    Attributes:
+        hang: The report of a hang found in the round, else None.
+        watch: The round's hang watch (``auto`` reads what it learned from it).
     """
 
     def __init__(
@@ -80,6 +97,9 @@ class LocalGroup:
         zygote: Zygote | None,
         on_supervisor: Callable[[Supervisor | None], None],
         layout: LogLayout | None,
+        timers: FileTimerWatch | None = None,
+        longest_quiet: float = 0.0,
+        board: ProgressBoard | None = None,
     ) -> None:
         self.plan = plan
         self.assignment = assignment
@@ -93,6 +113,18 @@ class LocalGroup:
         self.files: dict[int, RankFiles] = {}
         # The short name, as torchrun's ${hostname} (r12i0n8, not its FQDN).
         self._hostname = socket.gethostname()
+        policy = plan.hang_policy
+        if plan.target.no_python and policy.mode == "auto":
+            policy = HangPolicy("off")  # no bootstrap: no stack to watch (documented)
+        self.watch = HangWatch(
+            policy,
+            self.run_dir,
+            node_name(self._hostname, assignment.group_rank),
+            timers,
+            longest_quiet,
+            board,
+        )
+        self.hang: HangReport | None = None
 
     def _open_logs(self, attempt: int) -> dict[tuple[int, str], BinaryIO]:
         """Each (local rank, stream) that goes to a file, opened in the attempt's directory."""
@@ -126,6 +158,30 @@ class LocalGroup:
                 timestamp=record.timestamp,
             )
 
+    def _write_hang_files(self, attempt: int, hang: HangReport) -> None:
+        """The hang report in the attempt's directory, and each rank's error.json."""
+        if self.layout is None:
+            return
+        # The attempt's directories exist: _open_logs made them.
+        (self.layout.attempt_dir(attempt) / "hang.txt").write_text(hang.format() + "\n")
+        now = time.time()
+        base = self.assignment.base_rank
+        for local_rank in range(self.plan.nproc):
+            stack = without_launcher_frames(hang.stacks.get(base + local_rank, ""))
+            write_torch_error_file(
+                self.layout.error_file(attempt, local_rank),
+                message=f"HangError: {hang.reason}; {hang.summary}",
+                traceback=stack,
+                timestamp=now,
+            )
+
+    def _hang_report(self, outcome: GroupOutcome) -> HangReport | None:
+        reason = self.watch.reason
+        if reason is None:
+            return None
+        stacks = {rank.rank: rank.live_stack for rank in outcome.ranks if rank.live_stack}
+        return HangReport(reason, self.watch.node, stacks)
+
     def run(self, attempt: int, timeout: float | None) -> GroupOutcome:
         """Starts the workers, waits for the outcome, cleans up; returns the outcome.
 
@@ -142,6 +198,8 @@ class LocalGroup:
         env = worker_environment(plan, assignment, self.node_env)
         env[RUN_DIR_VARIABLE] = self.run_dir
         env[PARENT_PID_VARIABLE] = str(os.getpid())
+        if self.watch.timers is not None:
+            env[FILE_VARIABLE] = self.watch.timers.path
         try:
             with (
                 WindowSizeFollower() as follower,
@@ -150,10 +208,14 @@ class LocalGroup:
                 ) as supervisor,
             ):
                 supervisor.add_timer(lambda now: _flush_partial_lines(relays, now))
+                # A hang is stopped as a signal is: every rank's stack first, then SIGTERM.
+                self.watch.on_hang = lambda reason: supervisor.interrupt(signal.SIGTERM)
+                supervisor.add_timer(self.watch.due)
                 for local_rank in range(plan.nproc):
                     terminals = self._terminals(local_rank)
                     worker, out_fd, err_fd = self._start(env, local_rank, terminals)
                     supervisor.add(worker, self.files[worker.rank])
+                    self.watch.started(worker.rank, worker.pid)
                     relays.extend(
                         self._relays(worker.rank, local_rank, out_fd, err_fd, logs, terminals)
                     )
@@ -163,9 +225,14 @@ class LocalGroup:
                 self.on_supervisor(supervisor)
                 outcome = supervisor.run()
                 self._drain(relays)
-            self._write_error_files(attempt, outcome)
+            self.hang = self._hang_report(outcome)
+            if self.hang is not None:
+                self._write_hang_files(attempt, self.hang)
+            else:
+                self._write_error_files(attempt, outcome)
             return outcome
         finally:
+            self.watch.close()
             self.on_supervisor(None)
             for relay in relays:
                 with contextlib.suppress(KeyError, ValueError):
@@ -192,6 +259,8 @@ class LocalGroup:
         plan, node = self.plan, self.assignment.group_rank
         rank = self.assignment.base_rank + local_rank
         rank_env = rank_environment(plan, env, rank, local_rank)
+        if not plan.target.no_python:
+            rank_env.update(self.watch.worker_variables(rank))
         self.files[rank] = RankFiles.for_rank(self.run_dir, rank)
         rank_env["TORCHELASTIC_ERROR_FILE"] = str(self.files[rank].torchelastic_error)
         if self.zygote is not None:  # none is started for a --no-python target
@@ -226,7 +295,9 @@ class LocalGroup:
                 terminal=terminals.of(stream) is not None,
             )
             relays.append(relay)
-            self.selector.register(fd, selectors.EVENT_READ, _pump_callback(self.selector, relay))
+            self.selector.register(
+                fd, selectors.EVENT_READ, _pump_callback(self.selector, relay, self.watch.output)
+            )
         return relays
 
     def _drain(self, relays: list[LineRelay]) -> None:

@@ -26,6 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from dist_core.slurm import expand_hostlist, slurm_master_port
+from dist_launch.hang_detection import DEFAULT_HANG_TIMEOUT, HangPolicy, parse_hang_timeout
 from dist_launch.routing import OutputRouting, parse_local_ranks_filter
 
 RDZV_BACKENDS = ("static", "c10d")
@@ -88,6 +89,10 @@ class LaunchPlan:
     virtual_local_rank: bool
     standalone: bool
     sources: Mapping[str, str] = field(default_factory=dict)
+    # --hang-timeout (dist_launch.hang_detection).
+    hang_policy: HangPolicy = field(
+        default_factory=lambda: parse_hang_timeout(DEFAULT_HANG_TIMEOUT)
+    )
 
     @property
     def nnodes(self) -> int:
@@ -389,6 +394,12 @@ def build_plan(
         )
     else:
         grace_period = 5.0
+    try:
+        hang_policy = parse_hang_timeout(get("hang_timeout", DEFAULT_HANG_TIMEOUT) or "auto")
+    except ValueError as error:
+        source = sources.get("hang_timeout", "flag")
+        where = "" if source == "flag" else f" (from {source})"
+        raise UsageError(f"{error}{where}") from None
     raw_timeout = values.get("timeout")
     timeout = None if raw_timeout is None else _float(str(raw_timeout), "--timeout")
     run_id = str(values.get("run_id") or "")
@@ -436,6 +447,7 @@ def build_plan(
         virtual_local_rank=flag("virtual_local_rank"),
         standalone=standalone,
         sources=sources,
+        hang_policy=hang_policy,
     )
 
 

@@ -12,7 +12,6 @@ one is cut. ``ps -o comm`` and ``top`` show the thread name instead
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 import os
 import sys
@@ -116,7 +115,9 @@ def set_thread_name(name: str) -> bool:
         return False
     data = name.encode(errors="replace")[:NAME_BYTES].decode(errors="ignore").encode()
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        # The symbols the process already has (libc's prctl among them): find_library
+        # would run ldconfig in a subprocess, at every worker's start.
+        libc = ctypes.CDLL(None, use_errno=True)
         return bool(libc.prctl(_PR_SET_NAME, ctypes.c_char_p(data), 0, 0, 0) == 0)
     except Exception:  # a name is cosmetic
         logger.debug("prctl(PR_SET_NAME) is unavailable", exc_info=True)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Literal, Protocol
 
 from dist_core.supervisor import GroupOutcome
+from dist_launch.progress_board import ProgressBoard
 from dist_launch.report import one_line_cause
 
 
@@ -154,6 +155,13 @@ class Rendezvous(Protocol):
 
     def closing_reason(self) -> str | None:
         """What the node that closed the job said, if one did."""
+
+    def progress_board(self, period: float) -> ProgressBoard | None:
+        """This round's job-wide progress board, exchanging every ``period`` seconds.
+
+        None when the nodes share no store (static rendezvous) or the round has one
+        node: the hang watch then judges this node's ranks alone.
+        """
 
     def exit_barrier(self) -> None:
         """After success, waits (bounded) until every node of the round finished."""

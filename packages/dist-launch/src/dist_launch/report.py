@@ -68,9 +68,26 @@ def _indent(text: str) -> str:
     return textwrap.indent(text.rstrip(), "    ")
 
 
+# The thread of a worker's progress beacon (dist_launch.progress): the launcher's, not
+# the script's.
+_BEACON_FRAME = re.compile(r'File "[^"]*/dist_launch/progress\.py"')
+_THREAD_HEADER_LINE = re.compile(r"^(?:Current thread|Thread) ")
+
+
+def _without_beacon_thread(lines: list[str]) -> list[str]:
+    blocks: list[list[str]] = [[]]
+    for line in lines:
+        if _THREAD_HEADER_LINE.match(line):
+            blocks.append([])
+        blocks[-1].append(line)
+    kept = [block for block in blocks if not any(_BEACON_FRAME.search(line) for line in block)]
+    return [line for block in kept for line in block]
+
+
 def without_launcher_frames(stack: str) -> str:
-    """A faulthandler dump without the lines of runpy and dist-launch's bootstrap."""
-    return "\n".join(line for line in stack.splitlines() if not _LAUNCHER_FRAMES.search(line))
+    """A faulthandler dump without runpy's and dist-launch's own frames and threads."""
+    lines = _without_beacon_thread(stack.splitlines())
+    return "\n".join(line for line in lines if not _LAUNCHER_FRAMES.search(line))
 
 
 def _short(text: str) -> str:

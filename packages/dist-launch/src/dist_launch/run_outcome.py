@@ -8,6 +8,10 @@ means, and its exit status:
 - ``failed``: a rank failed and no restart was left; the rank's own exit code, or
   128 + N after signal N (1 when it has none).
 - ``timed_out``: ``--timeout`` expired; 124, as coreutils' timeout(1).
+- ``hung``: the group was found hung (``--hang-timeout``, or an expired torch elastic
+  timer) and no restart was left; :data:`HANG_EXIT_STATUS` (75, ``EX_TEMPFAIL`` of
+  sysexits.h: a temporary failure, worth a retry), whatever the stopped ranks' own
+  statuses.
 - ``interrupted``: a handled signal N stopped the run; 128 + N.
 - ``closed``: another node (or the end of the restart budget) closed the job; 1.
 - ``rendezvous_failed``: the rendezvous could not be reached or formed; 1.
@@ -23,12 +27,24 @@ from dataclasses import dataclass
 from typing import Literal, TextIO
 
 from dist_core.supervisor import GroupOutcome
+from dist_launch.hang_detection import HANG_EXIT_STATUS
 from dist_launch.report import format_report, group_exit_status
+
+__all__ = [
+    "HANG_EXIT_STATUS",
+    "USAGE_EXIT_STATUS",
+    "RunOutcome",
+    "RunStatus",
+    "format_run_outcome",
+    "report_run_outcome",
+    "run_exit_status",
+]
 
 RunStatus = Literal[
     "succeeded",
     "failed",
     "timed_out",
+    "hung",
     "interrupted",
     "closed",
     "rendezvous_failed",
@@ -39,6 +55,7 @@ RunStatus = Literal[
 USAGE_EXIT_STATUS = 2
 _EXIT_STATUS: dict[RunStatus, int] = {
     "succeeded": 0,
+    "hung": HANG_EXIT_STATUS,
     "closed": 1,
     "rendezvous_failed": 1,
     "start_failed": 1,
@@ -93,7 +110,8 @@ def format_run_outcome(outcome: RunOutcome, prog: str) -> str:
     Empty for a run that succeeded.
     """
     lines: list[str] = []
-    if outcome.group is not None and outcome.status != "succeeded":
+    if outcome.group is not None and outcome.status not in ("succeeded", "hung"):
+        # A hang's report (the grouped stacks) is printed when the hang is found.
         lines.append(format_report(outcome.group, prog))
     if outcome.status == "interrupted":
         assert outcome.signum is not None

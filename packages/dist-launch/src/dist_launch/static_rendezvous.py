@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 from dist_core.ports import DEFAULT_PORT, get_unused_port, port_is_free, release_port
 from dist_launch.plan import LaunchPlan
+from dist_launch.progress_board import ProgressBoard
 from dist_launch.rendezvous import (
     Assignment,
     FailureCount,
@@ -107,6 +108,10 @@ class StaticRendezvous:
 
     def closing_reason(self) -> str | None:
         """None: no node can close a static job for the others."""
+        return None
+
+    def progress_board(self, period: float) -> ProgressBoard | None:
+        """None: static nodes share no store, each judges its own ranks."""
         return None
 
     def exit_barrier(self) -> None:

@@ -1,0 +1,274 @@
+"""Hang detection with real processes: stuck ranks, the report, restarts, torch's timers."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(240)
+
+LAUNCH = [sys.executable, "-m", "dist_launch"]
+# The launcher's exit status after a hang with no restart left (run_outcome.HANG_EXIT_STATUS).
+HUNG = 75
+# Short enough for a quick test, long enough for a loaded machine's start-up.
+TIMEOUT = "8"
+
+# Rank 1 waits for a batch for ever; the others block in the next all_reduce.
+SLEEPER = """\
+import time
+import torch
+import torch.distributed as dist
+
+def load_next_batch():
+    time.sleep(100_000)
+
+dist.init_process_group("gloo")
+value = torch.ones(1)
+dist.all_reduce(value)
+print("warm", flush=True)
+if dist.get_rank() == 1:
+    load_next_batch()
+dist.all_reduce(value)
+"""
+
+# Ranks 0 and 1 wait in an all_reduce of the world; rank 2 in a barrier of a group it
+# shares with rank 1, which never comes.
+OTHER_COLLECTIVE = """\
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+pair = dist.new_group([1, 2])
+print("warm", flush=True)
+if dist.get_rank() == 2:
+    dist.barrier(group=pair)
+else:
+    dist.all_reduce(torch.ones(1))
+"""
+
+# Training steps of busy work, every 20th ten times longer (an evaluation pass) and
+# longer than the hang timeout; nothing is printed until the end.
+EVALUATION = """\
+import sys, time
+
+step_seconds = float(sys.argv[1])
+
+def work(seconds):
+    end = time.monotonic() + seconds
+    total = 0
+    while time.monotonic() < end:
+        total += sum(range(100))
+    return total
+
+def train_step():
+    return work(step_seconds)
+
+def evaluate():
+    return sum(work(step_seconds) for _ in range(10))
+
+for step in range(22):
+    if step % 20 == 19:
+        evaluate()
+    else:
+        train_step()
+print("finished", flush=True)
+"""
+
+# Rank 1 overstays a torch elastic timer; the others wait in an all_reduce.
+FILE_TIMER = """\
+import os, time
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic import timer
+
+timer.configure(timer.FileTimerClient(os.environ["TORCHELASTIC_TIMER_FILE"]))
+dist.init_process_group("gloo")
+print("warm", flush=True)
+if dist.get_rank() == 1:
+    with timer.expires(after=1, scope="read_shard"):
+        time.sleep(100_000)
+dist.all_reduce(torch.ones(1))
+"""
+
+
+def _launch(
+    tmp_path: Path,
+    text: str,
+    *args: str,
+    env: dict[str, str] | None = None,
+    script_args: tuple[str, ...] = (),
+) -> subprocess.CompletedProcess[str]:
+    script = tmp_path / "train.py"
+    script.write_text(text)
+    return subprocess.run(
+        [*LAUNCH, *args, str(script), *script_args],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def _summary(stderr: str) -> str:
+    """The one-line summary under the first hang report."""
+    lines = stderr.splitlines()
+    index = next(i for i, line in enumerate(lines) if line.startswith("dist-launch: hang on "))
+    return lines[index + 1].strip()
+
+
+def test_a_rank_sleeping_for_ever_is_named_and_the_exit_status_says_hung(tmp_path: Path) -> None:
+    log_dir = tmp_path / "logs"
+    result = _launch(
+        tmp_path,
+        SLEEPER,
+        "-n", "3", "--hang-timeout", TIMEOUT, "--log-dir", str(log_dir), "--run-id", "r",
+    )  # fmt: skip
+    assert result.returncode == HUNG, result.stderr
+    assert _summary(result.stderr) == (
+        "ranks 0, 2 wait in all_reduce at train.py:14; "
+        "rank 1 is elsewhere: train.py:6 in load_next_batch"
+    ), result.stderr
+    assert "exit status 75" in result.stderr
+    assert (log_dir / "r" / "attempt_0" / "hang.txt").read_text().startswith("dist-launch: hang")
+    error = json.loads((log_dir / "r" / "attempt_0" / "1" / "error.json").read_text())
+    assert "rank 1 is elsewhere" in error["message"]["message"]
+    assert "load_next_batch" in error["message"]["extraInfo"]["py_callstack"]
+
+
+def test_a_hang_restarts_the_group_within_max_restarts(tmp_path: Path) -> None:
+    result = _launch(tmp_path, SLEEPER, "-n", "2", "--hang-timeout", TIMEOUT, "--max-restarts", "1")
+    assert result.returncode == HUNG, result.stderr
+    assert "restarting the local worker group (restart 1 of 1) after: hang:" in result.stderr
+    assert result.stderr.count("dist-launch: hang on ") == 2
+    assert result.stdout.count("warm") == 4  # two ranks, two attempts
+
+
+def test_pet_hang_timeout_is_read(tmp_path: Path) -> None:
+    result = _launch(tmp_path, SLEEPER, "-n", "2", env={"PET_HANG_TIMEOUT": TIMEOUT})
+    assert result.returncode == HUNG, result.stderr
+    assert f"(--hang-timeout {TIMEOUT})" in result.stderr
+
+
+def test_a_rank_in_another_collective_is_named(tmp_path: Path) -> None:
+    result = _launch(tmp_path, OTHER_COLLECTIVE, "-n", "3", "--hang_timeout", TIMEOUT)
+    assert result.returncode == HUNG, result.stderr
+    assert _summary(result.stderr) == (
+        "ranks 0-1 wait in all_reduce at train.py:10; rank 2 is elsewhere: barrier at train.py:8"
+    ), result.stderr
+
+
+def test_an_evaluation_pass_longer_than_the_timeout_is_not_a_hang(tmp_path: Path) -> None:
+    # Steps of 0.5 s, the evaluation 5 s: a detector watching the step rate alone
+    # would call the evaluation hung at 4 s.
+    result = _launch(tmp_path, EVALUATION, "-n", "2", "--hang-timeout", "4", script_args=("0.5",))
+    assert result.returncode == 0, result.stderr
+    assert "dist-launch: hang" not in result.stderr
+    assert result.stdout.count("finished") == 2
+
+
+def test_an_expired_torch_elastic_timer_is_handled_as_a_hang(tmp_path: Path) -> None:
+    result = _launch(
+        tmp_path,
+        FILE_TIMER,
+        "-n", "2", "--hang-timeout", "off",
+        env={"TORCHELASTIC_ENABLE_FILE_TIMER": "1"},
+    )  # fmt: skip
+    assert result.returncode == HUNG, result.stderr
+    assert "rank 1's torch elastic timer 'read_shard' expired" in result.stderr
+    assert _summary(result.stderr) == (
+        "rank 0 waits in all_reduce at train.py:12; rank 1 is elsewhere: train.py:11 in <module>"
+    ), result.stderr
+
+
+# Every step is one call that keeps the stack as it is for longer than the timeout (a
+# native call, here a sleep): only report_progress() tells the launcher it is alive.
+ONE_LONG_CALL_PER_STEP = """\
+import sys, time
+import dist_launch
+
+for step in range(4):
+    time.sleep(3)
+    if sys.argv[1] == "report":
+        dist_launch.report_progress()
+print("finished", flush=True)
+"""
+
+
+@pytest.mark.parametrize("report", [True, False], ids=["reported", "silent"])
+def test_report_progress_keeps_a_rank_of_long_native_calls_alive(
+    tmp_path: Path, report: bool
+) -> None:
+    result = _launch(
+        tmp_path,
+        ONE_LONG_CALL_PER_STEP,
+        "-n", "2", "--hang-timeout", "5",
+        script_args=("report" if report else "silent",),
+    )  # fmt: skip
+    if report:
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.count("finished") == 2
+    else:
+        # The limit report_progress() is for: the same stack, step after step.
+        assert result.returncode == HUNG, result.stderr
+
+
+def test_report_progress_outside_dist_launch_does_nothing() -> None:
+    import dist_launch
+
+    assert "report_progress" in dist_launch.__all__
+    assert dist_launch.report_progress() is None
+
+
+# Rank 0 (node 0) evaluates alone for longer than the timeout; rank 1 (node 1) waits
+# for it in a barrier, its stack unchanged.
+ONE_NODE_EVALUATES = """\
+import time
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+if dist.get_rank() == 0:
+    end = time.monotonic() + 8
+    while time.monotonic() < end:
+        sum(range(1000))
+dist.barrier()
+print("finished", flush=True)
+"""
+
+
+def test_a_node_waiting_for_another_nodes_progress_is_not_hung(tmp_path: Path) -> None:
+    from dist_core.ports import get_unused_port
+
+    script = tmp_path / "train.py"
+    script.write_text(ONE_NODE_EVALUATES)
+    common = [
+        "-n", "1", "--nnodes", "2", "--rdzv-backend", "c10d",
+        "--rdzv-endpoint", f"127.0.0.1:{get_unused_port()}", "--rdzv-id", "eval",
+        "--hang-timeout", "4",
+    ]  # fmt: skip
+    nodes = [
+        subprocess.Popen(
+            [*LAUNCH, *common, str(script)],
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    try:
+        outputs = [node.communicate(timeout=150) for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+            node.wait(30)
+    for node, (stdout, stderr) in zip(nodes, outputs, strict=True):
+        assert node.returncode == 0, stderr
+        assert "dist-launch: hang" not in stderr
+        assert "finished" in stdout
