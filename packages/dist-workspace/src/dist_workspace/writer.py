@@ -66,6 +66,7 @@ class PreparedRecord:
     header_size: int
     total_size: int
     checksums: bool
+    header: bytes  # as encoded by the layout; final when not ``checksums``
 
     @property
     def data_start(self) -> int:
@@ -276,7 +277,7 @@ def prepare_record(
             f"{len(entries)} entries; write fewer, larger tensors or a smaller config"
         )
     return PreparedRecord(
-        tuple(entries), metadata, layout, len(header), 8 + len(header) + offset, checksums
+        tuple(entries), metadata, layout, len(header), 8 + len(header) + offset, checksums, header
     )
 
 
@@ -323,10 +324,10 @@ def write_record(fd: int, record: PreparedRecord) -> None:
                 write_all(fd, chunk, position + begin)
         position += entry.nbytes
         crcs[entry.name] = f"{hasher.result():08x}"
-    layout = record.layout
-    if record.checksums:
-        layout = dataclasses.replace(layout, crc32=crcs)
-    header = encode_header(record.entries, record.metadata, layout)
+    header = record.header
+    if record.checksums:  # the placeholders are replaced by the CRCs now known
+        layout = dataclasses.replace(record.layout, crc32=crcs)
+        header = encode_header(record.entries, record.metadata, layout)
     if len(header) != record.header_size:  # pragma: no cover - guarded by fixed-width CRCs
         raise AssertionError("record header changed size between layout and write")
     length_and_header = struct.pack("<Q", len(header)) + header
