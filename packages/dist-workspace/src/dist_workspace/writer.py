@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import struct
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -301,6 +302,21 @@ def write_record(fd: int, record: PreparedRecord) -> None:
     once the checksums are known (the placeholders keep its size unchanged), and the
     header's digest into the last entry.
     """
+    _write_with(lambda data, position: write_all(fd, data, position), record)
+
+
+def record_bytes(record: PreparedRecord) -> bytearray:
+    """``record`` as the bytes :func:`write_record` would write to a file."""
+    buffer = bytearray(record.total_size)
+
+    def put(data: memoryview | bytes, position: int) -> None:
+        buffer[position : position + len(data)] = data
+
+    _write_with(put, record)
+    return buffer
+
+
+def _write_with(put: Callable[[memoryview | bytes, int], object], record: PreparedRecord) -> None:
     position = record.data_start
     digest_position = -1
     crcs: dict[str, str] = {}
@@ -311,7 +327,7 @@ def write_record(fd: int, record: PreparedRecord) -> None:
             position += entry.nbytes
             continue
         if entry.data is None:
-            write_all(fd, memoryview(zeros)[: entry.nbytes], position)
+            put(memoryview(zeros)[: entry.nbytes], position)
             position += entry.nbytes
             continue
         hasher = OverlappedCrc(entry.nbytes if record.checksums else 0)
@@ -321,7 +337,7 @@ def write_record(fd: int, record: PreparedRecord) -> None:
                 chunk = view[begin : begin + CHUNK_BYTES]
                 if record.checksums:
                     hasher.feed(chunk)
-                write_all(fd, chunk, position + begin)
+                put(chunk, position + begin)
         position += entry.nbytes
         crcs[entry.name] = f"{hasher.result():08x}"
     header = record.header
@@ -331,5 +347,5 @@ def write_record(fd: int, record: PreparedRecord) -> None:
     if len(header) != record.header_size:  # pragma: no cover - guarded by fixed-width CRCs
         raise AssertionError("record header changed size between layout and write")
     length_and_header = struct.pack("<Q", len(header)) + header
-    write_all(fd, memoryview(length_and_header), 0)
-    write_all(fd, header_digest(length_and_header), digest_position)
+    put(memoryview(length_and_header), 0)
+    put(header_digest(length_and_header), digest_position)
