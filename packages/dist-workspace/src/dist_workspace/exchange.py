@@ -77,7 +77,7 @@ import torch.distributed as dist
 from dist_workspace.errors import WorkspaceError
 from dist_workspace.jobid import current_job_id, short_tag
 from dist_workspace.own_value import own_config, own_tensor
-from dist_workspace.store_reader import StoreReader, reader_for
+from dist_workspace.store_reader import StoreReader, frees_deleted_values, reader_for
 from dist_workspace.transport import CallId, Parcel, Transport
 from dist_workspace.transports import open_transport
 
@@ -193,7 +193,7 @@ def _start(
         prefix=f"dist_workspace/{job}/{group_tag}/{ranks_tag}",
         seq=seq,
         timeout=seconds,
-        transport=open_transport(workspace_path, call),
+        transport=open_transport(workspace_path, call, inline=frees_deleted_values(store)),
     )
 
 

@@ -4,6 +4,8 @@ A record of at most :func:`inline_limit` bytes skips the segment: it travels ins
 the sender's status, through the store, and the receiver copies it into private
 memory. Below that size creating, mapping and removing a segment cost more than
 the copy; the record is the same (header, digest, padding checked the same way).
+Only where the store frees what the receiver deletes (a TCPStore, the default): a
+FileStore keeps every value in its file for the rest of the job.
 """
 
 from __future__ import annotations
@@ -86,8 +88,9 @@ class SharedMemoryTransport:
 
     one_host = True
 
-    def __init__(self, call: CallId) -> None:
+    def __init__(self, call: CallId, *, inline: bool = True) -> None:
         self._call = call
+        self._inline = inline  # small records may travel in the status
 
     def send(self, weights: dict[str, torch.Tensor], config: Any) -> _SegmentParcel | _InlineParcel:
         """Writes the record into a new segment (unlinked again if writing fails).
@@ -96,7 +99,7 @@ class SharedMemoryTransport:
         """
         call = self._call
         record = prepare_record(weights, config, rank=call.rank, job=call.job, checksums=False)
-        if record.total_size <= inline_limit():
+        if self._inline and record.total_size <= inline_limit():
             return _InlineParcel(record_bytes(record))
         segment = create_segment(
             record.total_size, job=call.job, group=call.group, seq=call.seq, rank=call.rank

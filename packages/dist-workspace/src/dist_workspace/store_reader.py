@@ -35,6 +35,24 @@ class StoreReader:
 _readers: weakref.WeakKeyDictionary[Any, StoreReader] = weakref.WeakKeyDictionary()
 
 
+def frees_deleted_values(store: Any) -> bool:
+    """Whether deleting a key of ``store`` frees its value (a TCPStore or HashStore does).
+
+    A FileStore appends every value to its file and never shrinks it: values posted
+    on every call would grow the file for as long as the job runs.
+    """
+    # Public, not re-exported in the stubs; imported when asked, as the rest of torch here.
+    from torch.distributed import (  # type: ignore[attr-defined]  # noqa: PLC0415
+        HashStore,
+        PrefixStore,
+        TCPStore,
+    )
+
+    while isinstance(store, PrefixStore):
+        store = store.underlying_store
+    return isinstance(store, TCPStore | HashStore)
+
+
 def reader_for(store: Any) -> StoreReader:
     """The reader of ``store``, made at the first call and kept while the store lives."""
     reader = _readers.get(store)
