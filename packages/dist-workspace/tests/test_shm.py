@@ -187,7 +187,6 @@ def test_a_tmpfs_filled_while_writing_is_the_same_error_and_leaves_nothing(
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(shm_transport, "write_record", full)
-    monkeypatch.setenv("DIST_WORKSPACE_INLINE_BYTES", "0")  # this record goes to a segment
     before = {path for path, _ in list_segments()}
     transport = shm_transport.SharedMemoryTransport(
         CallId("get_tensors_parallel", 3, "0123abcd", "cafe", 0, 30.0)

@@ -206,8 +206,7 @@ def _parse_text(
         or last.dtype_name != "U8"
     ):
         raise foreign(where, f"its last entry is not the {DIGEST_BYTES}-byte {INTEGRITY_ENTRY}")
-    header_bytes = length_bytes + raw
-    _check_digest(read_at, last, header_bytes, where)
+    _check_digest(read_at, last, length_bytes + raw, where)
 
     if set(metadata) != _METADATA_KEYS or not all(isinstance(v, str) for v in metadata.values()):
         raise foreign(

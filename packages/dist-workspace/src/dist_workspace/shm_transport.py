@@ -88,14 +88,15 @@ class SharedMemoryTransport:
 
     one_host = True
 
-    def __init__(self, call: CallId, *, inline: bool = True) -> None:
+    def __init__(self, call: CallId, *, inline: bool = False) -> None:
         self._call = call
-        self._inline = inline  # small records may travel in the status
+        self._inline = inline  # small records may travel in the status (the caller says)
 
     def send(self, weights: dict[str, torch.Tensor], config: Any) -> _SegmentParcel | _InlineParcel:
         """Writes the record into a new segment (unlinked again if writing fails).
 
-        Reads ``DIST_WORKSPACE_INLINE_BYTES`` (see :func:`inline_limit`).
+        With ``inline`` set, a record of at most ``DIST_WORKSPACE_INLINE_BYTES`` (see
+        :func:`inline_limit`) becomes the parcel's payload instead.
         """
         call = self._call
         record = prepare_record(weights, config, rank=call.rank, job=call.job, checksums=False)
