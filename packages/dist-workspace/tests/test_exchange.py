@@ -15,6 +15,14 @@ from dist_workspace import WorkspaceError, get_configs_parallel, get_tensors_par
 pytestmark = pytest.mark.usefixtures("private_shm_dir")
 
 
+@pytest.fixture(params=["inline", "segments"])
+def record_path(request: pytest.FixtureRequest) -> str:
+    """Small records inline in the status (the default), then every record in a segment."""
+    if request.param == "segments":
+        os.environ["DIST_WORKSPACE_INLINE_BYTES"] = "0"  # the ranks inherit it
+    return str(request.param)
+
+
 def _own_segments() -> list[str]:
     directory = os.environ["DIST_WORKSPACE_SHM_DIR"]
     return [
@@ -58,6 +66,7 @@ def _exchanges(directory: str) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.usefixtures("record_path")
 def test_values_arrive_in_ranks_order(tmp_path: Path) -> None:
     results = run_ranks(_exchanges, 3, str(tmp_path), timeout=120)
     base = torch.arange(12, dtype=torch.float32).reshape(3, 4)
@@ -151,6 +160,7 @@ def _shape_mismatch() -> str:
     return _catch(call)
 
 
+@pytest.mark.usefixtures("record_path")
 def test_tensors_of_different_shapes_fail_everywhere() -> None:
     results = run_ranks(_shape_mismatch, 3, timeout=90)
     for result in results:
@@ -173,6 +183,7 @@ def _failing_writer() -> str:
     return _catch(call)
 
 
+@pytest.mark.usefixtures("record_path")
 def test_failing_writer_makes_every_peer_fail_naming_it() -> None:
     results = run_ranks(_failing_writer, 3, timeout=90)
     assert results[1].startswith("TypeError: config['ok'] is a builtins.set")
@@ -193,6 +204,7 @@ def _missing_rank() -> str:
     return _catch(call)
 
 
+@pytest.mark.usefixtures("record_path")
 def test_a_rank_that_never_writes_is_named() -> None:
     results = run_ranks(_missing_rank, 3, timeout=90)
     assert "rank(s) [2] never wrote" in results[0]
@@ -252,11 +264,11 @@ def test_the_transport_is_chosen_once_from_workspace_path(tmp_path: Path) -> Non
     assert directory.directory == tmp_path / "exchange-0123abcd-cafe-4"
 
 
-def _where_received_tensors_live() -> dict[str, Any]:
+def _where_received_tensors_live(elements: int = 1 << 20) -> dict[str, Any]:
     import torch.distributed as dist
 
     rank = dist.get_rank()
-    tensor = torch.full((1 << 20,), float(rank))  # 4 MiB
+    tensor = torch.full((elements,), float(rank))  # 4 MiB by default
     with get_tensors_parallel(tensor, [0, 1, 2]) as tensors:
         if not tensors:
             return {}
@@ -286,6 +298,26 @@ def test_the_receiver_maps_the_senders_segments_instead_of_copying() -> None:
         assert f"/dist-workspace.{os.getuid()}." in path and f".r{rank}." in path, path
     assert "dist-workspace." not in result["own"]  # its own value is a private copy
     assert _own_segments() == []
+
+
+def test_small_records_travel_in_the_status_not_in_segments() -> None:
+    result = run_ranks(_where_received_tensors_live, 3, 64, timeout=120)[0]
+    assert result["values"] == [0.0, 1.0, 2.0]
+    for path in result["peers"]:  # private copies: no segment was made for them
+        assert "dist-workspace." not in path, path
+
+
+def _with_inline_bytes(text: str) -> str:
+    import torch.distributed as dist
+
+    os.environ["DIST_WORKSPACE_INLINE_BYTES"] = text
+    return _catch(lambda: _exchange_once(dist.get_rank(), timeout=60))
+
+
+def test_a_malformed_inline_limit_is_named() -> None:
+    results = run_ranks(_with_inline_bytes, 2, "lots", timeout=120)
+    assert "DIST_WORKSPACE_INLINE_BYTES='lots'" in results[1]  # the sender reads it
+    assert "failed to write" in results[0] and "DIST_WORKSPACE_INLINE_BYTES" in results[0]
 
 
 def _a_sender_late_for_a_call_the_receiver_gave_up() -> list[str]:

@@ -412,3 +412,39 @@ def test_filesystem_type_reads_mountinfo() -> None:
     assert filesystem_type("/proc/self") == "proc"
     if Path("/dev/shm").is_dir():
         assert filesystem_type("/dev/shm") == "tmpfs" and is_local_filesystem("/dev/shm")
+
+
+def _record_bytes(tmp_path: Path, config: object) -> bytearray:
+    """A shared-memory style record (no CRCs) of one small tensor, as bytes."""
+    record = writer.prepare_record(
+        {"t": torch.arange(6.0)}, config, rank=2, job="j", checksums=False
+    )
+    path = tmp_path / f"record-{len(list(tmp_path.iterdir()))}"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        writer.write_record(fd, record)
+    finally:
+        os.close(fd)
+    return bytearray(path.read_bytes())
+
+
+def test_a_header_seen_before_still_has_its_digest_and_padding_checked(tmp_path: Path) -> None:
+    from dist_workspace.reader import parse_header
+
+    def parse(raw: bytearray) -> object:
+        return parse_header(lambda at, length: bytes(raw[at : at + length]), len(raw), "seg")
+
+    config = {"call": "seen-before"}
+    assert parse(_record_bytes(tmp_path, config)).rank == 2  # type: ignore[attr-defined]
+    # The same header bytes again (a loop of calls of one shape sends exactly this) ...
+    forged_digest = _record_bytes(tmp_path, config)
+    forged_digest[-1] ^= 0x01
+    with pytest.raises(WorkspaceError, match="seg: header checksum mismatch"):
+        parse(forged_digest)
+    dirty_padding = _record_bytes(tmp_path, config)
+    (header_size,) = struct.unpack("<Q", dirty_padding[:8])
+    header = json.loads(dirty_padding[8 : 8 + header_size])
+    pad = next(spec for name, spec in header.items() if name.startswith("dist_workspace.pad"))
+    dirty_padding[8 + header_size + pad["data_offsets"][0]] = 1
+    with pytest.raises(WorkspaceError, match=r"seg: padding .* is not zeros"):
+        parse(dirty_padding)

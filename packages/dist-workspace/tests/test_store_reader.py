@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from dist_core.testing import run_ranks
 from dist_workspace import get_configs_parallel, get_tensors_parallel
-from dist_workspace.store_reader import reader_for
+from dist_workspace.store_reader import frees_deleted_values, reader_for
 
 
 @pytest.fixture(params=["tcp", "file"])
@@ -50,6 +50,11 @@ def _over_a_file_store(path: str) -> list[Any]:
             got.append([t.tolist() for t in tensors])
     with get_configs_parallel({"rank": rank}, [2, 1, 0], None) as configs:
         got.append(configs)
+    # A FileStore keeps every value it was given: even a small record goes through a
+    # segment, which the receiver maps (visible in its maps while the context lasts).
+    with get_tensors_parallel(torch.ones(2), [0, 1, 2]) as tensors:
+        maps = Path("/proc/self/maps").read_text().splitlines()
+        got.append(len([line for line in maps if "/dist-workspace." in line]) if tensors else 0)
     return got
 
 
@@ -59,3 +64,12 @@ def test_an_exchange_over_a_file_store(tmp_path: Path) -> None:
     assert results[0][:3] == [[[float(r + step)] * 2 for r in range(3)] for step in range(3)]
     assert results[1][:3] == [[], [], []]
     assert results[2][3] == [{"rank": 2}, {"rank": 1}, {"rank": 0}]
+    assert results[0][4] >= 2  # both senders' segments mapped
+
+
+def test_small_records_ride_in_the_store_only_where_deleting_frees_them(store: Any) -> None:
+    # A FileStore's file keeps every value ever set: records posted on every call
+    # would grow it for the whole job, so its exchanges use segments only.
+    expected = isinstance(store, dist.TCPStore)
+    assert frees_deleted_values(store) is expected
+    assert frees_deleted_values(dist.PrefixStore("job", store)) is expected

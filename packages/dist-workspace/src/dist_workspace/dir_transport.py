@@ -25,6 +25,9 @@ class _FileParcel:
     def status(self) -> dict[str, Any]:
         return {}
 
+    def payload(self) -> bytes:
+        return b""
+
     def release(self) -> None:
         """The file stays until the receiver has read it (it removes the directory)."""
 
@@ -50,7 +53,9 @@ class DirectoryTransport:
         )
         return _FileParcel()
 
-    def receive(self, sender: int, status: dict[str, Any]) -> tuple[Any, dict[str, torch.Tensor]]:
+    def receive(
+        self, sender: int, status: dict[str, Any], payload: bytes
+    ) -> tuple[Any, dict[str, torch.Tensor]]:
         """Reads and CRC-checks the sender's file, retrying until it is visible."""
         workspace = NFSWorkspace(self.directory)
         deadline = time.monotonic() + self._call.timeout

@@ -6,11 +6,15 @@ Protocol (every wait bounded by ``timeout``):
    record (see :mod:`dist_workspace.format`) through the call's transport (see
    :mod:`dist_workspace.transport`, chosen once per call by
    :mod:`dist_workspace.transports`): into a fresh shared-memory
-   segment when ``workspace_path`` is None, else into a file of a per-exchange
+   segment when ``workspace_path`` is None (a record of at most 64 KiB,
+   ``DIST_WORKSPACE_INLINE_BYTES``, goes inside the status instead, see
+   :mod:`dist_workspace.shm_transport`), else into a file of a per-exchange
    subdirectory of ``workspace_path``. It then posts a status to the process group's
    store: what the transport needs to find the record (a segment's name and size),
    shape and dtype, host, ``ranks`` and, when anything failed (a config that is not
-   JSON, a full /dev/shm, ...), the error instead.
+   JSON, a full /dev/shm, ...), the error instead. The status is posted after the
+   record's last byte is written, and nothing writes the record again: a receiver
+   never sees a half-written one.
 2. The receiver waits for every status at once. A missing one after ``timeout``
    raises naming the ranks that never wrote; an error status raises naming its rank
    (as soon as every sender has posted, else at the timeout). It checks the statuses
@@ -28,14 +32,24 @@ costs in store round trips: a sender posts (a ``set``, which waits for no reply)
 waits for the verdict (one read, through :mod:`dist_workspace.store_reader`); the
 receiver deletes the keys of earlier calls it no longer needs while the senders
 write, waits for the statuses, reads them in one ``multi_get`` and posts the verdict.
-The job id is agreed once per store.
+The job id, the host id and this process's start time are read once per process,
+and a header byte for byte like one already validated (a loop of calls of one
+shape sends the same one) is not parsed again (:func:`dist_workspace.reader.parse_header`).
 
-Values given to the receiver from shared memory are zero-copy, copy-on-write
+Why the store and fresh segments: the process group cannot carry the handshake,
+because only ``ranks`` call (a subset of ``group`` makes any collective on it hang)
+and a collective's wait is bounded by the group's timeout, not the call's, so a
+missing rank could not be named. A segment is never reused across calls because
+the receiver's tensors map it and stay valid after the context: writing the next
+call's value into it would change them.
+
+Values given to the receiver from segments are zero-copy, copy-on-write
 mappings of the writers' segments (nothing is copied or pre-faulted: the page tables
 fill as the tensors are read): writing to them never affects the writer, and they
 stay valid after the context exits (the memory is freed when the last tensor is
-dropped). Segments are unlinked before the context body runs and, on every error
-path, in ``finally`` blocks.
+dropped); values of inline records are over a private copy of their bytes. Segments
+are unlinked before the context body runs and, on every error path, in ``finally``
+blocks.
 
 Device rule: every value the receiver gets is on CPU, its own included, whatever
 device the tensors were on. The receiver's own value is copied as a peer's record
@@ -48,6 +62,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -62,7 +77,7 @@ import torch.distributed as dist
 from dist_workspace.errors import WorkspaceError
 from dist_workspace.jobid import current_job_id, short_tag
 from dist_workspace.own_value import own_config, own_tensor
-from dist_workspace.store_reader import StoreReader, reader_for
+from dist_workspace.store_reader import StoreReader, frees_deleted_values, reader_for
 from dist_workspace.transport import CallId, Parcel, Transport
 from dist_workspace.transports import open_transport
 
@@ -79,6 +94,7 @@ def _timeout_seconds(timeout: float | None) -> float:
     return float(os.environ.get("DIST_WORKSPACE_TIMEOUT", DEFAULT_TIMEOUT_SECONDS))
 
 
+@functools.cache  # neither the host's name nor its boot changes while a process runs
 def _host_id() -> str:
     try:
         with open("/proc/sys/kernel/random/boot_id") as handle:
@@ -177,7 +193,7 @@ def _start(
         prefix=f"dist_workspace/{job}/{group_tag}/{ranks_tag}",
         seq=seq,
         timeout=seconds,
-        transport=open_transport(workspace_path, call),
+        transport=open_transport(workspace_path, call, inline=frees_deleted_values(store)),
     )
 
 
@@ -185,14 +201,18 @@ def _error_text(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
 
-def _post(exchange: _Exchange, name: str, value: dict[str, Any]) -> None:
+def _post(exchange: _Exchange, name: str, value: dict[str, Any], payload: bytes = b"") -> None:
     # A set waits for no reply from the store's server: posting costs no round trip.
-    exchange.store.set(exchange.key(name), json.dumps(value))
+    # The JSON (which never holds a raw newline) comes first, then any payload.
+    text = json.dumps(value).encode()
+    exchange.store.set(exchange.key(name), text + b"\n" + payload if payload else text)
 
 
-def _decoded(raw: bytes | str) -> dict[str, Any]:
-    value: dict[str, Any] = json.loads(raw.decode() if isinstance(raw, bytes) else raw)
-    return value
+def _decoded(raw: bytes | str) -> tuple[dict[str, Any], bytes]:
+    """A posted value: its JSON and the payload after the first newline."""
+    text, _, payload = (raw if isinstance(raw, bytes) else raw.encode()).partition(b"\n")
+    value: dict[str, Any] = json.loads(text)
+    return value, payload
 
 
 def _forget_earlier_calls(exchange: _Exchange) -> None:
@@ -230,7 +250,7 @@ def _send(exchange: _Exchange, weights: dict[str, torch.Tensor], config: Any) ->
         except BaseException as error:
             _post(exchange, f"status/{exchange.rank}", {"ok": False, "error": _error_text(error)})
             raise
-        _post(exchange, f"status/{exchange.rank}", status)
+        _post(exchange, f"status/{exchange.rank}", status, parcel.payload())
         _await_verdict(exchange)
     finally:
         if parcel is not None:
@@ -249,7 +269,7 @@ def _await_verdict(exchange: _Exchange) -> None:
             f"waiting for receiver rank {receiver} to read the values (did rank {receiver} "
             f"call {exchange.kind} with ranks={exchange.ranks}?)"
         )
-    verdict = _decoded(raw)
+    verdict, _ = _decoded(raw)
     if not verdict.get("ok"):
         raise WorkspaceError(
             f"rank {exchange.rank}: {exchange.kind} failed on receiver rank {receiver}: "
@@ -260,7 +280,8 @@ def _await_verdict(exchange: _Exchange) -> None:
 # ---------------------------------------------------------------- receiver
 
 
-def _collect_statuses(exchange: _Exchange) -> dict[int, dict[str, Any]]:
+def _collect_statuses(exchange: _Exchange) -> dict[int, tuple[dict[str, Any], bytes]]:
+    """Every sender's status and payload, by rank."""
     # One wait for every sender's status, then one read of them all. A failed sender
     # posts its error as its status: it is raised once every sender has posted, or at
     # the timeout beside the ranks that never did.
@@ -270,21 +291,21 @@ def _collect_statuses(exchange: _Exchange) -> dict[int, dict[str, Any]]:
     except RuntimeError:  # DistStoreError on timeout: read those that came
         keys = {sender: key for sender, key in keys.items() if exchange.store.check([key])}
     values = exchange.store.multi_get(list(keys.values())) if keys else []
-    statuses = {sender: _decoded(raw) for sender, raw in zip(keys, values, strict=True)}
-    for sender, status in statuses.items():
+    posted = {sender: _decoded(raw) for sender, raw in zip(keys, values, strict=True)}
+    for sender, (status, _) in posted.items():
         if not status.get("ok"):
             raise WorkspaceError(
                 f"{exchange.kind}: rank {sender} failed to write its value: {status.get('error')}"
             )
-    missing = [r for r in exchange.senders if r not in statuses]
+    missing = [r for r in exchange.senders if r not in posted]
     if missing:
         raise WorkspaceError(
             f"{exchange.kind}: receiver rank {exchange.rank} timed out after "
             f"{exchange.timeout:g} s: rank(s) {missing} never wrote their value (ranks "
-            f"{sorted(statuses)} did). Did they call {exchange.kind} with "
+            f"{sorted(posted)} did). Did they call {exchange.kind} with "
             f"ranks={exchange.ranks}? Set DIST_WORKSPACE_TIMEOUT for slower ranks"
         )
-    return statuses
+    return posted
 
 
 def _check_statuses(
@@ -309,7 +330,7 @@ def _check_statuses(
             exchange.rank: (list(own_tensor.shape), str(own_tensor.dtype))
         }
         shapes.update({r: (s.get("shape"), s.get("dtype")) for r, s in statuses.items()})
-        if len({json.dumps(value) for value in shapes.values()}) > 1:
+        if any(value != shapes[exchange.rank] for value in shapes.values()):
             described = ", ".join(
                 f"rank {r} has shape {tuple(shapes[r][0] or ())} {shapes[r][1]}"
                 for r in exchange.ranks
@@ -327,10 +348,10 @@ def _receive(
         own = own_value()
         own_tensor = own[1].get("tensor")
         _forget_earlier_calls(exchange)
-        statuses = _collect_statuses(exchange)
-        _check_statuses(exchange, statuses, own_tensor)
+        posted = _collect_statuses(exchange)
+        _check_statuses(exchange, {r: status for r, (status, _) in posted.items()}, own_tensor)
         values = [
-            own if r == exchange.rank else exchange.transport.receive(r, statuses[r])
+            own if r == exchange.rank else exchange.transport.receive(r, *posted[r])
             for r in exchange.ranks
         ]
     except BaseException as error:
@@ -371,7 +392,9 @@ def get_tensors_parallel(
     Every rank in ``ranks`` (and only those) calls it; the others get an empty list.
     The tensors must have one shape and dtype. Exchanges through shared memory, so
     all of ``ranks`` must be on one host. Reads ``DIST_WORKSPACE_TIMEOUT`` (seconds,
-    300 by default) when ``timeout`` is None, and ``DIST_WORKSPACE_SHM_DIR``.
+    300 by default) when ``timeout`` is None, ``DIST_WORKSPACE_SHM_DIR`` and
+    ``DIST_WORKSPACE_INLINE_BYTES`` (records up to this size, 64 KiB by default, travel
+    inside the handshake instead of a segment).
 
     Args:
         tensor: This rank's tensor, on any device (any dtype safetensors stores).
@@ -381,7 +404,8 @@ def get_tensors_parallel(
 
     Yields:
         On the first rank, the tensors, all on CPU whatever device they were on
-        (peers' ones zero-copy views of shared memory that stay valid after the
+        (peers' ones zero-copy views of shared memory, or private copies of records
+        small enough to travel inline, that stay valid after the
         context; its own a CPU copy that never aliases ``tensor``); on the other
         ranks an empty list.
 
@@ -415,7 +439,8 @@ def get_configs_parallel(
     A config is any JSON value (tuples come back as lists), tensors inside included.
     Exchanges through shared memory on one host when ``workspace_path`` is None,
     else through files in a subdirectory of ``workspace_path`` that the receiver
-    removes afterwards. Reads ``DIST_WORKSPACE_TIMEOUT`` and ``DIST_WORKSPACE_SHM_DIR``.
+    removes afterwards. Reads ``DIST_WORKSPACE_TIMEOUT``, ``DIST_WORKSPACE_SHM_DIR`` and
+    ``DIST_WORKSPACE_INLINE_BYTES``.
 
     Args:
         config: This rank's config.

@@ -16,7 +16,7 @@ import os
 import re
 import struct
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -128,6 +128,40 @@ def _parse(
     raw = bytes(read_at(8, header_size))
     if len(raw) != header_size:
         raise WorkspaceError(f"{where}: truncated while its header was read. Write it again")
+    key = (raw, size, require_checksums)
+    known = _validated.get(key)
+    if known is not None:
+        _check_digest(read_at, known[0].entries[-1], length_bytes + raw, where)
+        _check_padding(read_at, known[0].entries, where)
+        return known
+    known = _parse_text(read_at, length_bytes, raw, size, where, require_checksums)
+    if header_size <= _VALIDATED_MAX_HEADER_BYTES:
+        if len(_validated) >= _VALIDATED_MAX:
+            del _validated[next(iter(_validated))]  # the oldest
+        _validated[key] = known
+    return known
+
+
+# Headers already validated, by their exact bytes and the record's size: a record
+# whose header is byte for byte one parsed before describes the same entries (the
+# validation is a function of those bytes and the size alone), so only what lies
+# outside the header (its digest, the padding) is checked again. A loop of calls
+# exchanging tensors of one shape sends the same header every time: parsing it again
+# was most of a small call's cost on the receiver.
+_VALIDATED_MAX = 256
+_VALIDATED_MAX_HEADER_BYTES = 16 * 1024
+_validated: dict[tuple[bytes, int, bool], tuple[RecordHeader, dict[str, str]]] = {}
+
+
+def _parse_text(
+    read_at: Callable[[int, int], bytes],
+    length_bytes: bytes,
+    raw: bytes,
+    size: int,
+    where: str,
+    require_checksums: bool,
+) -> tuple[RecordHeader, dict[str, str]]:
+    """Validates the header ``raw`` of a record of ``size`` bytes, and its digest and padding."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as error:
@@ -145,7 +179,7 @@ def _parse(
         raise foreign(where, f"it has no safetensors metadata, so no {META_FORMAT}")
     _check_format(metadata.get(META_FORMAT), where)
 
-    data_start = 8 + header_size
+    data_start = 8 + len(raw)
     if data_start % ALIGNMENT:
         raise foreign(where, f"its data starts at byte {data_start}, not a multiple of 64")
     entries = [
@@ -172,13 +206,7 @@ def _parse(
         or last.dtype_name != "U8"
     ):
         raise foreign(where, f"its last entry is not the {DIGEST_BYTES}-byte {INTEGRITY_ENTRY}")
-    if bytes(read_at(last.begin, DIGEST_BYTES)) != header_digest(length_bytes + raw):
-        raise WorkspaceError(
-            f"{where}: header checksum mismatch: the SHA-256 of its header differs from the "
-            f"one recorded in {INTEGRITY_ENTRY}, so a name, dtype, shape, offset, the "
-            "config or the layout changed after it was written (corruption or tampering). "
-            "Nothing from it was loaded. Write it again"
-        )
+    _check_digest(read_at, last, length_bytes + raw, where)
 
     if set(metadata) != _METADATA_KEYS or not all(isinstance(v, str) for v in metadata.values()):
         raise foreign(
@@ -189,12 +217,7 @@ def _parse(
         raise foreign(where, f"{META_RANK} is {rank_text!r:.40}, not a rank")
     layout = Layout.from_json(metadata[META_LAYOUT], where)
     _check_references(entries, layout, where, require_checksums)
-    for entry in entries:
-        if entry.name.startswith(PAD_PREFIX) and any(read_at(entry.begin, entry.end - entry.begin)):
-            raise WorkspaceError(
-                f"{where}: padding {entry.name!r} is not zeros: the file changed after "
-                "it was written. Write it again"
-            )
+    _check_padding(read_at, entries, where)
     header = RecordHeader(
         entries=tuple(entries),
         layout=layout,
@@ -205,6 +228,36 @@ def _parse(
         total_size=size,
     )
     return header, metadata
+
+
+def _check_digest(
+    read_at: Callable[[int, int], bytes],
+    last: StoredEntry,
+    length_and_header: bytes,
+    where: str,
+) -> None:
+    """The digest recorded in the integrity entry (``last``) is the header's."""
+    if bytes(read_at(last.begin, DIGEST_BYTES)) != header_digest(length_and_header):
+        raise WorkspaceError(
+            f"{where}: header checksum mismatch: the SHA-256 of its header differs from the "
+            f"one recorded in {INTEGRITY_ENTRY}, so a name, dtype, shape, offset, the "
+            "config or the layout changed after it was written (corruption or tampering). "
+            "Nothing from it was loaded. Write it again"
+        )
+
+
+def _check_padding(
+    read_at: Callable[[int, int], bytes],
+    entries: Sequence[StoredEntry],
+    where: str,
+) -> None:
+    """Every padding entry is zeros."""
+    for entry in entries:
+        if entry.name.startswith(PAD_PREFIX) and any(read_at(entry.begin, entry.end - entry.begin)):
+            raise WorkspaceError(
+                f"{where}: padding {entry.name!r} is not zeros: the file changed after "
+                "it was written. Write it again"
+            )
 
 
 def _begin_end(entry: StoredEntry) -> tuple[int, int]:

@@ -81,6 +81,13 @@ def _has_lone_surrogate(value: Any) -> bool:
     return False
 
 
+# Made once: json.loads with hooks builds a decoder (and its scanner) on every call,
+# which cost more than parsing a small header.
+_DECODER = json.JSONDecoder(
+    object_pairs_hook=_unique_object, parse_constant=_no_constant, parse_float=_finite_float
+)
+
+
 def loads(text: str, *, max_depth: int) -> Any:
     """Parses ``text`` as strict JSON nested at most ``max_depth`` deep.
 
@@ -91,12 +98,7 @@ def loads(text: str, *, max_depth: int) -> Any:
     if not nesting_within(text, max_depth):
         raise JsonRefused(f"unbalanced, or nested deeper than {max_depth} levels")
     try:
-        value = json.loads(
-            text,
-            object_pairs_hook=_unique_object,
-            parse_constant=_no_constant,
-            parse_float=_finite_float,
-        )
+        value = _DECODER.decode(text)
     except JsonRefused:
         raise
     except (ValueError, RecursionError) as error:  # JSONDecodeError is a ValueError

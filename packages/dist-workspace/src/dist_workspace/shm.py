@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 from dist_workspace.errors import WorkspaceError
-from dist_workspace.jobid import process_start_time
+from dist_workspace.jobid import own_start_time, process_start_time
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +53,14 @@ _last_sweep: dict[Path, float] = {}
 
 def shm_directory() -> Path:
     """Where segments live: ``DIST_WORKSPACE_SHM_DIR`` or ``/dev/shm``."""
-    return Path(os.environ.get("DIST_WORKSPACE_SHM_DIR", "/dev/shm"))
+    text = os.environ.get("DIST_WORKSPACE_SHM_DIR", "/dev/shm")
+    known = _directories.get(text)
+    if known is None:  # made once per value: a Path costs a visible part of a small call
+        known = _directories[text] = Path(text)
+    return known
+
+
+_directories: dict[str, Path] = {}
 
 
 def free_bytes(directory: Path) -> int:
@@ -167,10 +174,9 @@ def create_segment(size: int, *, job: str, group: str, seq: int, rank: int) -> S
         _sweep(directory)
         if size > free_bytes(directory):
             raise too_small(rank, size, directory)
-    pid = os.getpid()
     name = (
-        f"{SEGMENT_PREFIX}.{os.getuid()}.{job}.{group}.{seq}.r{rank}.{pid}."
-        f"{process_start_time(pid) or 0}.{secrets.token_hex(16)}"
+        f"{SEGMENT_PREFIX}.{os.getuid()}.{job}.{group}.{seq}.r{rank}.{os.getpid()}."
+        f"{own_start_time() or 0}.{secrets.token_hex(16)}"
     )
     path = directory / name
     flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -212,7 +218,7 @@ def map_segment(name: str, expected_size: int, where: str) -> mmap.mmap:
     parsed = SegmentName.parse(name)
     if parsed is None or parsed.uid != os.getuid():
         raise WorkspaceError(f"{where}: {name!r} is not one of this user's segments")
-    path = shm_directory() / name
+    path = os.path.join(shm_directory(), name)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as error:

@@ -35,6 +35,24 @@ class StoreReader:
 _readers: weakref.WeakKeyDictionary[Any, StoreReader] = weakref.WeakKeyDictionary()
 
 
+def frees_deleted_values(store: Any) -> bool:
+    """Whether deleting a key of ``store`` frees its value (a TCPStore or HashStore does).
+
+    Looks through PrefixStores (``underlying_store``) to the store that holds values.
+
+    A FileStore appends every value to its file and never shrinks it: values posted
+    on every call would grow the file for as long as the job runs.
+    """
+    # Public, not re-exported in the stubs; imported when asked, as the rest of torch here.
+    from torch.distributed import HashStore, TCPStore  # type: ignore[attr-defined]  # noqa: PLC0415
+
+    # A store that wraps another (a PrefixStore, or a wrapper that forwards its
+    # attributes) keeps its values where the wrapped one does.
+    while (wrapped := getattr(store, "underlying_store", None)) is not None:
+        store = wrapped
+    return isinstance(store, TCPStore | HashStore)
+
+
 def reader_for(store: Any) -> StoreReader:
     """The reader of ``store``, made at the first call and kept while the store lives."""
     reader = _readers.get(store)

@@ -34,6 +34,10 @@ class Parcel(Protocol):
         """JSON fields the receiver needs to find and check the record."""
         ...
 
+    def payload(self) -> bytes:
+        """Bytes posted with the status (a small record itself), or none."""
+        ...
+
     def release(self) -> None:
         """Frees what the sender still holds; called once, on every path."""
         ...
@@ -49,8 +53,10 @@ class Transport(Protocol):
         """Writes this rank's record; raises (TypeError, WorkspaceError) before posting."""
         ...
 
-    def receive(self, sender: int, status: dict[str, Any]) -> tuple[Any, dict[str, torch.Tensor]]:
-        """The sender's ``(config, weights)``, from the status it posted."""
+    def receive(
+        self, sender: int, status: dict[str, Any], payload: bytes
+    ) -> tuple[Any, dict[str, torch.Tensor]]:
+        """The sender's ``(config, weights)``, from the status and payload it posted."""
         ...
 
     def close(self) -> None:

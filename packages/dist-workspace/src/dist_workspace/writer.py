@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import struct
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -66,6 +67,7 @@ class PreparedRecord:
     header_size: int
     total_size: int
     checksums: bool
+    header: bytes  # as encoded by the layout; final when not ``checksums``
 
     @property
     def data_start(self) -> int:
@@ -276,7 +278,7 @@ def prepare_record(
             f"{len(entries)} entries; write fewer, larger tensors or a smaller config"
         )
     return PreparedRecord(
-        tuple(entries), metadata, layout, len(header), 8 + len(header) + offset, checksums
+        tuple(entries), metadata, layout, len(header), 8 + len(header) + offset, checksums, header
     )
 
 
@@ -300,6 +302,21 @@ def write_record(fd: int, record: PreparedRecord) -> None:
     once the checksums are known (the placeholders keep its size unchanged), and the
     header's digest into the last entry.
     """
+    _write_with(lambda data, position: write_all(fd, data, position), record)
+
+
+def record_bytes(record: PreparedRecord) -> bytearray:
+    """``record`` as the bytes :func:`write_record` would write to a file."""
+    buffer = bytearray(record.total_size)
+
+    def put(data: memoryview | bytes, position: int) -> None:
+        buffer[position : position + len(data)] = data
+
+    _write_with(put, record)
+    return buffer
+
+
+def _write_with(put: Callable[[memoryview | bytes, int], object], record: PreparedRecord) -> None:
     position = record.data_start
     digest_position = -1
     crcs: dict[str, str] = {}
@@ -310,7 +327,7 @@ def write_record(fd: int, record: PreparedRecord) -> None:
             position += entry.nbytes
             continue
         if entry.data is None:
-            write_all(fd, memoryview(zeros)[: entry.nbytes], position)
+            put(memoryview(zeros)[: entry.nbytes], position)
             position += entry.nbytes
             continue
         hasher = OverlappedCrc(entry.nbytes if record.checksums else 0)
@@ -320,15 +337,15 @@ def write_record(fd: int, record: PreparedRecord) -> None:
                 chunk = view[begin : begin + CHUNK_BYTES]
                 if record.checksums:
                     hasher.feed(chunk)
-                write_all(fd, chunk, position + begin)
+                put(chunk, position + begin)
         position += entry.nbytes
         crcs[entry.name] = f"{hasher.result():08x}"
-    layout = record.layout
-    if record.checksums:
-        layout = dataclasses.replace(layout, crc32=crcs)
-    header = encode_header(record.entries, record.metadata, layout)
+    header = record.header
+    if record.checksums:  # the placeholders are replaced by the CRCs now known
+        layout = dataclasses.replace(record.layout, crc32=crcs)
+        header = encode_header(record.entries, record.metadata, layout)
     if len(header) != record.header_size:  # pragma: no cover - guarded by fixed-width CRCs
         raise AssertionError("record header changed size between layout and write")
     length_and_header = struct.pack("<Q", len(header)) + header
-    write_all(fd, memoryview(length_and_header), 0)
-    write_all(fd, header_digest(length_and_header), digest_position)
+    put(memoryview(length_and_header), 0)
+    put(header_digest(length_and_header), digest_position)
