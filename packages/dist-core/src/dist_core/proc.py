@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
 import logging
 import os
 import signal
@@ -27,9 +26,10 @@ def set_parent_death_signal(signum: int = signal.SIGKILL) -> bool:
     """
     if not sys.platform.startswith("linux"):
         return False
-    libc_name = ctypes.util.find_library("c") or "libc.so.6"
     try:
-        libc = ctypes.CDLL(libc_name, use_errno=True)
+        # The symbols the process already has (libc's prctl among them): find_library
+        # would run ldconfig in a subprocess, at every worker's start.
+        libc = ctypes.CDLL(None, use_errno=True)
         return bool(libc.prctl(_PR_SET_PDEATHSIG, int(signum), 0, 0, 0) == 0)
     except OSError:
         logger.debug("prctl(PR_SET_PDEATHSIG) is unavailable", exc_info=True)
