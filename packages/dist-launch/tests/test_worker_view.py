@@ -31,8 +31,12 @@ with open(os.path.join(os.path.dirname(__file__), "data.txt")) as f:
 THREADS_SCRIPT = """\
 import os
 os.environ["{name}"] = "{value}"
+import sys
 from torch import get_num_threads
-print("threads", get_num_threads())
+# One write: under torchrun both workers share the test's pipe, and print's separate
+# writes of words and newline can interleave between the two.
+sys.stdout.write(f"threads {{get_num_threads()}}\\n")
+sys.stdout.flush()
 """
 
 
