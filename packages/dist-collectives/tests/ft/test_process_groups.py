@@ -204,6 +204,24 @@ def test_store_client_shares_one_connection_per_host_port() -> None:
     assert parse_store_addr("[::1]:5/p").host == "::1"
 
 
+def test_a_store_restarted_on_the_same_port_gets_a_fresh_shared_connection() -> None:
+    # A job's store restarted on its port (a launcher's restart), or a test's store
+    # closed and its port reused: the cached connection to the old server is dead.
+    import gc
+
+    port = get_unused_port()
+    first = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    # A short timeout on the connection that gets cached: a call on it fails, not hangs.
+    old = create_store_client(f"127.0.0.1:{port}/old", timeout=timedelta(seconds=5))
+    old.set("k", "old")
+    del first, old
+    gc.collect()
+    second = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    client = create_store_client(f"127.0.0.1:{port}/new", timeout=timedelta(seconds=5))
+    client.set("k", "new")
+    assert second.check(["new/k"]), "the write went to the old server's dead connection"
+
+
 def test_a_rendezvous_blocked_on_the_shared_connection_does_not_block_the_next() -> None:
     import threading
 

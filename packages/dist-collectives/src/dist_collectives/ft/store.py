@@ -134,12 +134,29 @@ def connect_tcp_store(
     key = (host, port, os.getpid())
     with _lock:
         cached = _clients.get(key)
-        if cached is not None and cached[0] is TCPStore:
+    if cached is not None and cached[0] is TCPStore:
+        if _answers(cached[1]):
             return cached[1]
+        # The server this connection reached is gone (a job's store restarted on the
+        # same port, a test's store closed): its socket would fail every call.
+        logger.debug("the store connection to %s:%d is closed; reconnecting", host, port)
+    with _lock:
+        current = _clients.get(key)
+        if current is not None and current is not cached and current[0] is TCPStore:
+            return current[1]  # another thread reconnected meanwhile
         logger.debug("connecting to the store at %s:%d", host, port)
         client = _new_client(host, port, timeout)
         _clients[key] = (TCPStore, client)
         return client
+
+
+def _answers(client: TCPStore) -> bool:
+    """Whether ``client``'s connection still reaches a live server (one round trip)."""
+    try:
+        client.num_keys()
+    except (DistNetworkError, RuntimeError):
+        return False
+    return True
 
 
 def _new_client(host: str, port: int, timeout: timedelta) -> TCPStore:
