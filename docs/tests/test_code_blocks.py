@@ -23,6 +23,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -146,6 +147,17 @@ def _environment(shims: Path) -> dict[str, str]:
     return env
 
 
+def _as_from_a_terminal() -> None:
+    """``preexec_fn``: SIGINT and SIGQUIT at their default, as in a user's terminal.
+
+    A CI script that starts ``nox`` in the background (a shell without job control)
+    hands pytest, and every block it runs, SIGINT and SIGQUIT ignored; a launcher keeps
+    an ignored signal ignored, so a block that shows Ctrl-C would wait for nothing.
+    """
+    for signum in (signal.SIGINT, signal.SIGQUIT):
+        signal.signal(signum, signal.SIG_DFL)
+
+
 def _run(command: list[str], cwd: Path, env: dict[str, str], block: Block) -> None:
     try:
         done = subprocess.run(
@@ -156,6 +168,7 @@ def _run(command: list[str], cwd: Path, env: dict[str, str], block: Block) -> No
             text=True,
             timeout=BLOCK_TIMEOUT,
             check=False,
+            preexec_fn=_as_from_a_terminal,
         )
     except subprocess.TimeoutExpired as error:
         output = f"{error.stdout}{error.stderr}"
