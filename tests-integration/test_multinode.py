@@ -455,9 +455,17 @@ def test_hang_on_one_node_names_the_node_and_rank(
     for host in two_hosts:
         job.start(host, flags, {"HANG_RANK": "3", "MAX_STEPS": "1000", "FINISH_FILE": "/none"})
     codes = job.wait_exits()
-    assert codes == [75, 75], job.outputs()
     (stuck,) = [e for e in job.events("start") if e.rank == 3]
     node = next(n for n in job.nodes if n.host.name == stuck.host)
+    # The node that found the hang exits 75. The other node may see its own rank's
+    # collective break (the hung node's ranks were stopped) before it reads the close,
+    # as on torch 2.11: it then exits 1, its report still naming the hang first.
+    assert node.process.returncode == 75, job.outputs()
+    assert all(code in (1, 75) for code in codes), job.outputs()
+    for other in job.nodes:
+        assert f"first failure: rank 3 on node {stuck.group_rank}" in other.output or (
+            other is node
+        ), job.outputs()
     assert f"dist-launch: hang on node {stuck.host} (node {stuck.group_rank})" in node.output, (
         job.outputs()
     )
