@@ -68,6 +68,16 @@ def test_the_first_look_at_a_worker_that_has_not_started_is_not_progress() -> No
     assert watch.hung(3.0)
 
 
+def test_the_time_spent_starting_ranks_is_neither_silence_nor_learned() -> None:
+    # A loaded host: the launcher took 400 s to start the ranks.
+    watch = QuietWatch(HangPolicy("auto"), now=0.0)
+    watch.begin(400.0)
+    assert not watch.hung(400.0 + AUTO_FLOOR_SECONDS - 1)
+    watch.progress(401.0)
+    assert watch.timeout() == AUTO_FLOOR_SECONDS
+    assert watch.longest_quiet == 1.0
+
+
 def test_off_is_never_hung() -> None:
     watch = QuietWatch(HangPolicy("off"), now=0.0)
     assert watch.timeout() is None

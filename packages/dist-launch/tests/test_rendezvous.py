@@ -45,13 +45,16 @@ def c10d_plan(script: str, nproc: int = 2, **flags: str) -> LaunchPlan:
     )
 
 
-def record(rank: int, group_rank: int = 0, timestamp: float = 100.0) -> FailureRecord:
+def record(
+    rank: int, group_rank: int = 0, timestamp: float = 100.0, consequence: bool = False
+) -> FailureRecord:
     return FailureRecord(
         node=f"host{group_rank}",
         group_rank=group_rank,
         rank=rank,
         timestamp=timestamp,
         summary=f"rank {rank} failed with exit code 3",
+        consequence=consequence,
     )
 
 
@@ -202,6 +205,51 @@ def test_c10d_counts_a_failed_round_once_for_the_whole_job(script: str) -> None:
     assert early.first_failure.startswith("rank 3 on node 1 (host1)")
     job.next_round()
     assert [a.restart_count for a in join_all(nodes)] == [1, 1]
+
+
+def test_c10d_consequence_waits_for_the_cause_from_another_node(script: str) -> None:
+    """Node 0's ranks only wait on a peer; node 1 names its rank 3 later: both logs agree."""
+    job = FakeJob(nodes=2)
+    nodes = [C10dRendezvous(c10d_plan(script), job.handler(r)) for r in range(2)]
+    join_all(nodes)
+    nodes[0].cause_wait_seconds = 60 * BOUND  # the cause arrives long before
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(
+            nodes[0].count_failure, record(rank=0, timestamp=100.0, consequence=True)
+        )
+        job.store.wait([ROUND_0 + "dist_launch/failure/0"])  # node 0 reported
+        assert not waiting.done()
+        cause = nodes[1].count_failure(record(rank=3, group_rank=1, timestamp=101.0))
+        effect = waiting.result(timeout=BOUND)
+    assert cause.first_failure.startswith("rank 3 on node 1 (host1)")
+    assert effect.first_failure.startswith("rank 3 on node 1 (host1)")
+    assert (effect.restarts, cause.restarts) == (1, 1)
+
+
+def test_c10d_consequence_alone_is_the_first_failure_after_the_wait(script: str) -> None:
+    """No other node reports (it died): the wait is bounded and the node names its own."""
+    job = FakeJob(nodes=2)
+    nodes = [C10dRendezvous(c10d_plan(script), job.handler(r)) for r in range(2)]
+    join_all(nodes)
+    nodes[0].cause_wait_seconds = 0.2
+    count = nodes[0].count_failure(record(rank=1, consequence=True))
+    assert count.first_failure.startswith("rank 1 on node 0 (host0)")
+
+
+def test_c10d_consequences_of_every_node_end_the_wait(script: str) -> None:
+    """Every node only waits (a whole-job deadlock): no node waits for a cause."""
+    job = FakeJob(nodes=2)
+    nodes = [C10dRendezvous(c10d_plan(script), job.handler(r)) for r in range(2)]
+    join_all(nodes)
+    for node in nodes:
+        node.cause_wait_seconds = 60 * BOUND
+    with ThreadPoolExecutor(2) as pool:
+        counts = [
+            pool.submit(node.count_failure, record(rank=2 * r, group_rank=r, consequence=True))
+            for r, node in enumerate(nodes)
+        ]
+        firsts = {future.result(timeout=BOUND).first_failure for future in counts}
+    assert len(firsts) == 1, firsts
 
 
 def test_c10d_closing_reaches_every_node(script: str) -> None:

@@ -377,6 +377,9 @@ class Agent:
             rank=odd,
             timestamp=time.time(),
             summary=f"hang: {hang.summary}",
+            # Every rank here waits in the same place: the rank they wait for, if any
+            # node can name it, is another node's.
+            consequence=hang.odd_rank is None,
         )
         print(hang.format(PROG), file=sys.stderr, flush=True)
         final = RunOutcome(

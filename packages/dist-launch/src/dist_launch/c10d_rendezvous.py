@@ -45,6 +45,13 @@ logger = logging.getLogger(__name__)
 EXIT_BARRIER_SECONDS = 300.0
 # How long a node waits at exit for the others to have read how the job ended.
 ENDED_WAIT_SECONDS = 15.0
+# How long a node whose failure is a consequence (its ranks lost, or wait on, a peer)
+# waits for another node's record of the cause before it describes the round's failure.
+# Nodes that see one hang find it within a progress period of each other; a node whose
+# rank failed reports once its other ranks are stopped.
+CAUSE_WAIT_SECONDS = 5.0
+# How often that wait reads the round's records.
+CAUSE_POLL_SECONDS = 0.1
 
 
 class RendezvousStore(Protocol):
@@ -197,6 +204,7 @@ class C10dRendezvous:
         self.assignment: Assignment | None = None
         self._prefix = f"dist_launch/{plan.rdzv_id}/"
         self._rounds = 0
+        self.cause_wait_seconds = CAUSE_WAIT_SECONDS
 
     # -- rounds -----------------------------------------------------------------------
 
@@ -301,6 +309,10 @@ class C10dRendezvous:
     def count_failure(self, record: FailureRecord) -> FailureCount:
         """Shares this node's failure and counts the round once, job-wide.
 
+        A record that is a consequence (see :class:`FailureRecord`) waits up to
+        ``cause_wait_seconds`` for another node's record of the cause, so that every
+        node's log names the same first failure.
+
         Raises:
             Exception: torch's store errors (the store's node is gone).
         """
@@ -312,11 +324,26 @@ class C10dRendezvous:
         else:
             # Another node counted this round already; it did so before its own report.
             total = int(self._job_store.add(self._prefix + "restarts", 0))
-        first = self.failures()
+        first = self._wait_for_cause() if record.consequence else self.failures()
         return FailureCount(total, "job", (first[0] if first else record).describe())
 
+    def _wait_for_cause(self) -> list[FailureRecord]:
+        """The round's records once one names a cause or every node reported (bounded)."""
+        assert self.assignment is not None
+        nodes = self.assignment.group_world_size
+        deadline = time.monotonic() + self.cause_wait_seconds
+        while True:
+            records = self.failures()
+            if (
+                any(not r.consequence for r in records)
+                or len(records) >= nodes
+                or time.monotonic() >= deadline
+            ):
+                return records
+            time.sleep(CAUSE_POLL_SECONDS)
+
     def failures(self) -> list[FailureRecord]:
-        """The failure records of the current round, earliest first."""
+        """The failure records of the current round: causes first, then earliest."""
         if self._round_store is None or self.assignment is None:
             return []
         keys = [f"dist_launch/failure/{r}" for r in range(self.assignment.group_world_size)]
@@ -325,7 +352,7 @@ class C10dRendezvous:
             with contextlib.suppress(Exception):
                 if self._round_store.check([key]):
                     records.append(FailureRecord(**json.loads(self._round_store.get(key))))
-        return sorted(records, key=lambda r: (r.timestamp, r.rank))
+        return sorted(records, key=lambda r: r.precedence)
 
     def close_job(self, why: str) -> None:
         """Stops every node: records ``why`` and closes torch's rendezvous."""

@@ -111,6 +111,14 @@ class QuietWatch:
         self.longest_quiet = longest_quiet
         self._seen: dict[int, Hashable] = {}
 
+    def begin(self, now: float) -> None:
+        """A rank was started at ``now``: the quiet clock starts again, nothing learned.
+
+        The time the launcher took to start the ranks (seconds on a loaded host) is
+        neither the group's silence nor a quiet interval ``auto`` should learn.
+        """
+        self.last_progress = max(self.last_progress, now)
+
     def progress(self, now: float) -> None:
         """Some rank made progress at ``now``; the quiet interval it ends is learned."""
         self.longest_quiet = max(self.longest_quiet, now - self.last_progress)

@@ -84,7 +84,11 @@ class HangWatch:
         }
 
     def started(self, rank: int, pid: int | None) -> None:
-        """Ties a worker's pid to its rank (expired timers name a pid)."""
+        """A worker was started: ties its pid to its rank (expired timers name a pid).
+
+        The quiet clock starts again: the group is judged from its last rank's start.
+        """
+        self.quiet.begin(time.monotonic())
         if pid is not None:
             self._pids[pid] = rank
 

@@ -49,6 +49,9 @@ class FailureRecord:
     rank: int
     timestamp: float
     summary: str
+    # True when this node's ranks only lost, or wait on, a peer elsewhere: its record is
+    # an effect, and another node's record (if one comes) names the cause.
+    consequence: bool = False
 
     def describe(self) -> str:
         """``rank 5 on node 1 (host-b): ValueError: ...``."""
@@ -58,13 +61,20 @@ class FailureRecord:
     def of_round(cls, outcome: GroupOutcome, group_rank: int) -> FailureRecord:
         """This node's record of a failed round: its root cause, or the round's status."""
         root = outcome.root_cause
+        failed = [rank for rank in outcome.ranks if rank.status == "failed"]
         return cls(
             node=socket.gethostname(),
             group_rank=group_rank,
             rank=root.rank if root is not None else -1,
             timestamp=root.failure_time if root is not None else time.time(),
             summary=one_line_cause(outcome),
+            consequence=bool(failed) and all(rank.is_peer_failure for rank in failed),
         )
+
+    @property
+    def precedence(self) -> tuple[bool, float, int]:
+        """Sort key of a round's records: causes before consequences, then earliest."""
+        return (self.consequence, self.timestamp, self.rank)
 
 
 # Whose budget ``--max-restarts`` is: this node's (torchrun's static meaning) or the
