@@ -30,7 +30,10 @@ PORT = 29400
 BOUND_SECONDS = 90.0  # any one wait; a hang fails the test instead of the suite
 # A node that stops heartbeating is dropped after 2 missed 1-second beats (torch's
 # default: 3 missed 5-second ones), and a round closes 2 s after its minimum is reached.
-FAST_EVICTION = "last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=2"
+# torch sends a heartbeat only once the last one is an interval old, so a live node's
+# heartbeats come up to two intervals apart, more on a loaded host: with 2 attempts,
+# torch dropped live nodes (and dropped ones send no more heartbeats that round).
+FAST_EVICTION = "last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=5"
 
 # Launchers every torchrun-compatible scenario runs under. The lead's dist-launch is
 # expected to pass all of them; to run one launcher alone: -k torchrun / -k dist-launch.

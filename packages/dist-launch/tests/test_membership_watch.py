@@ -13,10 +13,14 @@ BOUND = 5.0  # seconds a report may take
 class FakeMembership:
     """Answers the watch's polls from fields a test sets; counts the polls."""
 
-    def __init__(self, *, closed: bool = False, waiting: int = 0, lost: int = 0) -> None:
+    def __init__(
+        self, *, closed: bool = False, waiting: int = 0, lost: int = 0, finished: int = 0
+    ) -> None:
         self.closed = closed
         self.waiting = waiting
         self.lost = lost
+        self.finished = finished
+        self.finished_from_poll: int | None = None  # workers stop finishing from this poll
         self.error: Exception | None = None
         self.polls = 0
         self.waiting_from_poll: int | None = None  # nodes start waiting at this poll
@@ -34,6 +38,11 @@ class FakeMembership:
 
     def lost_nodes(self) -> int:
         return self.lost
+
+    def nodes_finished(self) -> int:
+        if self.finished_from_poll is not None and self.polls >= self.finished_from_poll:
+            return 0
+        return self.finished
 
 
 def first_change(membership: FakeMembership, lost_after: float = 0.0) -> list[RoundChange]:
@@ -82,3 +91,17 @@ def test_a_node_lost_for_less_than_a_heartbeat_is_not_reported() -> None:
     changes = first_change(membership, lost_after=3600.0)
     assert changes == [RoundChange("membership", "1 node(s) waiting to join")]
     assert membership.polls == 5
+
+
+def test_a_finishing_round_is_not_re_formed_for_lost_or_waiting_nodes() -> None:
+    # A node's workers all succeeded: lost and waiting nodes change nothing while it is
+    # so. The fake's finished count drops at the fifth poll only to end the test.
+    membership = FakeMembership(lost=2, waiting=1, finished=1)
+    membership.finished_from_poll = 5
+    changes = first_change(membership)
+    assert changes == [RoundChange("membership", "1 node(s) waiting to join")]
+    assert membership.polls == 5
+
+
+def test_a_closed_job_is_reported_while_it_finishes() -> None:
+    assert first_change(FakeMembership(closed=True, finished=1)) == [RoundChange("closed")]

@@ -278,6 +278,19 @@ def test_c10d_exit_barrier_waits_for_the_last_node(
     assert "not every node finished" not in caplog.text
 
 
+def test_c10d_counts_the_nodes_whose_workers_finished(script: str) -> None:
+    job = FakeJob(nodes=2)
+    nodes = [C10dRendezvous(c10d_plan(script), job.handler(r)) for r in range(2)]
+    join_all(nodes)
+    assert nodes[0].nodes_finished() == 0
+    with ThreadPoolExecutor(1) as pool:
+        second_done = pool.submit(nodes[1].exit_barrier)
+        job.store.wait([ROUND_0 + "dist_launch/succeeded"])  # node 1 is in the barrier
+        assert nodes[0].nodes_finished() == 1
+        nodes[0].exit_barrier()
+        second_done.result(timeout=BOUND)
+
+
 def test_c10d_re_forms_when_nodes_wait_or_are_lost(script: str) -> None:
     job = FakeJob(nodes=2)
     nodes = [C10dRendezvous(c10d_plan(script), job.handler(r)) for r in range(2)]

@@ -276,6 +276,12 @@ class C10dRendezvous:
         """Nodes waiting to join a next round (late or restarted ones)."""
         return int(self.handler.num_nodes_waiting())
 
+    def nodes_finished(self) -> int:
+        """Nodes of the current round whose workers all succeeded (in the exit barrier)."""
+        if self._round_store is None:
+            return 0
+        return int(self._round_store.add("dist_launch/succeeded", 0))
+
     @property
     def keep_alive_interval(self) -> float:
         """Seconds between torch's heartbeats (``--rdzv-conf keep_alive_interval``, 5)."""

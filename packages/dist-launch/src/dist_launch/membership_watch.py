@@ -4,6 +4,10 @@ It reports, once, the first of: the job was closed by a node; the store stopped
 answering; nodes are waiting to join; nodes of the round stopped sending heartbeats
 for long enough (torch's keep-alive may drop a node whose first heartbeat after a
 round formed is late, so a single sighting is not enough).
+
+Waiting or lost nodes do not end a round that is finishing: once a node's workers all
+succeeded, re-forming would stop ranks that are done and run the job again, and the
+exit barrier (or the ranks' own failure) settles how it ends.
 """
 
 from __future__ import annotations
@@ -27,6 +31,9 @@ class Membership(Protocol):
 
     def lost_nodes(self) -> int:
         """Nodes of the current round since declared dead."""
+
+    def nodes_finished(self) -> int:
+        """Nodes of the current round whose workers all succeeded."""
 
 
 class MembershipWatch:
@@ -63,10 +70,13 @@ class MembershipWatch:
                 return RoundChange("closed")
             waiting = membership.nodes_waiting()
             lost = membership.lost_nodes()
+            finishing = (waiting > 0 or lost > 0) and membership.nodes_finished() > 0
         except Exception as error:  # torch's store errors vary
             # Each store operation already waited torch's read_timeout: the store's
             # node is gone, or this node's network is.
             return RoundChange("unreachable", f"the rendezvous store does not answer ({error})")
+        if finishing:
+            return None
         if waiting > 0:
             return RoundChange("membership", f"{waiting} node(s) waiting to join")
         if lost == 0:
