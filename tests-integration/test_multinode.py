@@ -28,7 +28,7 @@ Network = Any  # conftest.Network
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "elastic_steps.py"
 PORT = 29400
 BOUND_SECONDS = 90.0  # any one wait; a hang fails the test instead of the suite
-# A node that stops heartbeating is dropped after 2 missed 1-second beats (torch's
+# A node that stops heartbeating is dropped after 5 missed 1-second beats (torch's
 # default: 3 missed 5-second ones), and a round closes 2 s after its minimum is reached.
 # torch sends a heartbeat only once the last one is an interval old, so a live node's
 # heartbeats come up to two intervals apart, more on a loaded host: with 2 attempts,

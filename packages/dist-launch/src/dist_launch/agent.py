@@ -351,8 +351,8 @@ class Agent:
         self, rdzv: Rendezvous, assignment: Assignment, outcome: GroupOutcome
     ) -> RunOutcome | None:
         """Counts the failure against the budget; None to restart, else how the run ended."""
-        failed = [rank for rank in outcome.ranks if rank.status == "failed"]
-        if failed and all(rank.is_peer_failure for rank in failed) and rdzv.membership_changing():
+        record = FailureRecord.of_round(outcome, assignment.group_rank)
+        if record.consequence and rdzv.membership_changing():
             # Peers went away because the job is re-forming (a node restarted or
             # left); the node that failed first counts the failure, if it was one.
             logger.info(
@@ -360,7 +360,6 @@ class Agent:
                 "rejoining (not counted as a restart)"
             )
             return None
-        record = FailureRecord.of_round(outcome, assignment.group_rank)
         return self._count(rdzv, record, RunOutcome("failed", outcome))
 
     def _after_hang(
