@@ -187,6 +187,31 @@ def test_an_expired_torch_elastic_timer_is_handled_as_a_hang(tmp_path: Path) -> 
     ), result.stderr
 
 
+# Which signals the launcher's sampler thread blocks, read from the kernel.
+SAMPLER_MASK = """\
+import signal, threading
+
+(sampler,) = [t for t in threading.enumerate() if t.name == "dist-launch-progress"]
+with open(f"/proc/self/task/{sampler.native_id}/status") as status:
+    line = next(line for line in status if line.startswith("SigBlk:"))
+blocked = int(line.split()[1], 16)
+for sig in (signal.SIGWINCH, signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGSEGV):
+    print(f"{sig.name} blocked={bool(blocked >> (sig - 1) & 1)}", flush=True)
+print(f"main blocks {sorted(signal.pthread_sigmask(signal.SIG_BLOCK, []))}", flush=True)
+"""
+
+
+def test_the_sampler_thread_takes_no_signal_meant_for_the_script(tmp_path: Path) -> None:
+    # A script that blocks SIGWINCH to sigtimedwait() for it would otherwise lose the
+    # signal to the sampler, the one thread of the process that does not block it.
+    result = _launch(tmp_path, SAMPLER_MASK, "-n", "1", "--hang-timeout", "60")
+    assert result.returncode == 0, result.stderr
+    for name in ("SIGWINCH", "SIGTERM", "SIGINT", "SIGUSR1"):
+        assert f"{name} blocked=True" in result.stdout, result.stdout
+    assert "SIGSEGV blocked=False" in result.stdout, result.stdout  # faulthandler's
+    assert "main blocks []" in result.stdout, result.stdout
+
+
 # Every step is one call that keeps the stack as it is for longer than the timeout (a
 # native call, here a sleep): only report_progress() tells the launcher it is alive.
 ONE_LONG_CALL_PER_STEP = """\

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import signal
 import struct
 import sys
 import threading
@@ -136,6 +137,11 @@ class _PythonRunning:
         return contended and self._cpu - cpu >= self._threshold
 
 
+# Signals raised by a thread's own fault: blocking them would not stop them, only
+# lose faulthandler's report of the thread.
+_FAULT_SIGNALS = {signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE, signal.SIGILL, signal.SIGTRAP}
+
+
 def _sample_main_thread(shared: mmap.mmap, period: float, main_id: int) -> None:
     last: int | None = None
     running = _PythonRunning(main_id)
@@ -175,5 +181,13 @@ def start_progress_beacon(environ: dict[str, str] | None = None) -> bool:
         name="dist-launch-progress",
         daemon=True,
     )
-    sampler.start()
+    # A signal sent to the process goes to any thread that does not block it. The
+    # script knows only its own threads: one that blocks a signal in them to wait for
+    # it (sigwait, sigtimedwait) would lose it to the sampler. A thread inherits its
+    # creator's mask, so the sampler blocks them from its first instruction.
+    unblocked = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals() - _FAULT_SIGNALS)
+    try:
+        sampler.start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, unblocked)
     return True
