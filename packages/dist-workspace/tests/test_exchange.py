@@ -256,7 +256,7 @@ def test_the_transport_is_chosen_once_from_workspace_path(tmp_path: Path) -> Non
     from dist_workspace.transport import CallId
     from dist_workspace.transports import open_transport
 
-    call = CallId("get_configs_parallel", 1, "0123abcd", "cafe", 4, 30.0)
+    call = CallId("get_configs_parallel", 1, "0123abcd", "cafe", 4, 30.0, 0)
     shm = open_transport(None, call)
     assert isinstance(shm, SharedMemoryTransport) and shm.one_host
     directory = open_transport(tmp_path, call)

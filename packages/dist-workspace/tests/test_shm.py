@@ -189,7 +189,7 @@ def test_a_tmpfs_filled_while_writing_is_the_same_error_and_leaves_nothing(
     monkeypatch.setattr(shm_transport, "write_record", full)
     before = {path for path, _ in list_segments()}
     transport = shm_transport.SharedMemoryTransport(
-        CallId("get_tensors_parallel", 3, "0123abcd", "cafe", 0, 30.0)
+        CallId("get_tensors_parallel", 3, "0123abcd", "cafe", 0, 30.0, 0)
     )
     with pytest.raises(WorkspaceError, match=r"rank 3: shared memory .* is too small: the segment"):
         transport.send({"tensor": torch.ones(1000)}, None)

@@ -7,10 +7,12 @@ Protocol (every wait bounded by ``timeout``):
    :mod:`dist_workspace.transport`, chosen once per call by
    :mod:`dist_workspace.transports`): into a fresh shared-memory
    segment when ``workspace_path`` is None (a record of at most 64 KiB,
-   ``DIST_WORKSPACE_INLINE_BYTES``, goes inside the status instead, see
-   :mod:`dist_workspace.shm_transport`), else into a file of a per-exchange
-   subdirectory of ``workspace_path``. It then posts a status to the process group's
-   store: what the transport needs to find the record (a segment's name and size),
+   ``DIST_WORKSPACE_INLINE_BYTES``, goes inside the status instead, and one of at
+   most 64 MiB stays in the sender's memory for the receiver to copy once the
+   receiver has shown it can, see :mod:`dist_workspace.shm_transport`), else into a
+   file of a per-exchange subdirectory of ``workspace_path``. It then posts a
+   status to the process group's store: what the transport needs to find the record
+   (a segment's name and size, or where the bytes lie in the sender's memory),
    shape and dtype, host, ``ranks`` and, when anything failed (a config that is not
    JSON, a full /dev/shm, ...), the error instead. The status is posted after the
    record's last byte is written, and nothing writes the record again: a receiver
@@ -21,8 +23,10 @@ Protocol (every wait bounded by ``timeout``):
    (same ``ranks``, same host when the transport needs one, same shape and dtype for
    tensors), maps or reads every record, then posts a verdict: success, or the error
    that every sender raises too (so no rank is left at a barrier).
-3. Senders wait for the verdict, release what they wrote (a segment is unlinked: the
-   receiver's private mapping keeps the data alive) and get an empty list.
+3. Senders wait for the verdict, keep what it tells the transport for later calls
+   (the receiver's pid, whether it read their memory), release what they wrote (a
+   segment is unlinked: the receiver's private mapping keeps the data alive) and get
+   an empty list.
 
 The store is the default process group's (a private torch API,
 ``_get_default_store``, present since torch 1.x), so no object collective, and no
@@ -47,7 +51,8 @@ Values given to the receiver from segments are zero-copy, copy-on-write
 mappings of the writers' segments (nothing is copied or pre-faulted: the page tables
 fill as the tensors are read): writing to them never affects the writer, and they
 stay valid after the context exits (the memory is freed when the last tensor is
-dropped); values of inline records are over a private copy of their bytes. Segments
+dropped); values of inline records are over a private copy of their bytes, and
+values left in a sender's memory are copied into fresh memory of the receiver's. Segments
 are unlinked before the context body runs and, on every error path, in ``finally``
 blocks.
 
@@ -183,7 +188,7 @@ def _start(
     group_tag = short_tag(group_name, 8)
     job = short_tag(current_job_id())
     seconds = _timeout_seconds(timeout)
-    call = CallId(kind, rank, job, group_tag + ranks_tag, seq, seconds)
+    call = CallId(kind, rank, job, group_tag + ranks_tag, seq, seconds, checked[0])
     return _Exchange(
         kind=kind,
         rank=rank,
@@ -251,13 +256,14 @@ def _send(exchange: _Exchange, weights: dict[str, torch.Tensor], config: Any) ->
             _post(exchange, f"status/{exchange.rank}", {"ok": False, "error": _error_text(error)})
             raise
         _post(exchange, f"status/{exchange.rank}", status, parcel.payload())
-        _await_verdict(exchange)
+        exchange.transport.settle(_await_verdict(exchange))
     finally:
         if parcel is not None:
             parcel.release()
 
 
-def _await_verdict(exchange: _Exchange) -> None:
+def _await_verdict(exchange: _Exchange) -> dict[str, Any]:
+    """The receiver's verdict on this call, once it is a success; raises otherwise."""
     receiver = exchange.receiver
     # The receiver waits up to the timeout for the slowest sender, then reads: a
     # sender allows it that plus a margin before declaring it gone.
@@ -275,6 +281,7 @@ def _await_verdict(exchange: _Exchange) -> None:
             f"rank {exchange.rank}: {exchange.kind} failed on receiver rank {receiver}: "
             f"{verdict.get('error')}"
         )
+    return verdict
 
 
 # ---------------------------------------------------------------- receiver
@@ -360,7 +367,7 @@ def _receive(
         raise
     finally:
         exchange.transport.close()
-    _post(exchange, "verdict", {"ok": True})
+    _post(exchange, "verdict", {"ok": True, **exchange.transport.verdict()})
     return values
 
 
@@ -392,9 +399,10 @@ def get_tensors_parallel(
     Every rank in ``ranks`` (and only those) calls it; the others get an empty list.
     The tensors must have one shape and dtype. Exchanges through shared memory, so
     all of ``ranks`` must be on one host. Reads ``DIST_WORKSPACE_TIMEOUT`` (seconds,
-    300 by default) when ``timeout`` is None, ``DIST_WORKSPACE_SHM_DIR`` and
+    300 by default) when ``timeout`` is None, ``DIST_WORKSPACE_SHM_DIR``,
     ``DIST_WORKSPACE_INLINE_BYTES`` (records up to this size, 64 KiB by default, travel
-    inside the handshake instead of a segment).
+    inside the handshake instead of a segment) and ``DIST_WORKSPACE_CROSS_MEMORY``
+    (``0``: no copies straight from a sender's memory).
 
     Args:
         tensor: This rank's tensor, on any device (any dtype safetensors stores).
@@ -405,9 +413,9 @@ def get_tensors_parallel(
     Yields:
         On the first rank, the tensors, all on CPU whatever device they were on
         (peers' ones zero-copy views of shared memory, or private copies of records
-        small enough to travel inline, that stay valid after the
-        context; its own a CPU copy that never aliases ``tensor``); on the other
-        ranks an empty list.
+        small enough to travel inline or copied out of the senders' memory, that
+        stay valid after the context; its own a CPU copy that never aliases
+        ``tensor``); on the other ranks an empty list.
 
     Raises:
         WorkspaceError: The caller is not in ``ranks``; a rank failed, timed out, or
@@ -439,8 +447,8 @@ def get_configs_parallel(
     A config is any JSON value (tuples come back as lists), tensors inside included.
     Exchanges through shared memory on one host when ``workspace_path`` is None,
     else through files in a subdirectory of ``workspace_path`` that the receiver
-    removes afterwards. Reads ``DIST_WORKSPACE_TIMEOUT``, ``DIST_WORKSPACE_SHM_DIR`` and
-    ``DIST_WORKSPACE_INLINE_BYTES``.
+    removes afterwards. Reads ``DIST_WORKSPACE_TIMEOUT``, ``DIST_WORKSPACE_SHM_DIR``,
+    ``DIST_WORKSPACE_INLINE_BYTES`` and ``DIST_WORKSPACE_CROSS_MEMORY``.
 
     Args:
         config: This rank's config.

@@ -25,6 +25,7 @@ class CallId:
     group: str  # tag of the process group and the ranks list
     seq: int  # this call's number among the calls with this group and ranks
     timeout: float  # seconds the receiver waits for a peer
+    receiver: int  # the receiving rank (global)
 
 
 class Parcel(Protocol):
@@ -61,4 +62,12 @@ class Transport(Protocol):
 
     def close(self) -> None:
         """Receiver: every value is read or the call failed; drops what the call left."""
+        ...
+
+    def verdict(self) -> dict[str, Any]:
+        """Receiver: JSON fields its successful verdict tells the senders."""
+        ...
+
+    def settle(self, verdict: dict[str, Any]) -> None:
+        """Sender: what the receiver's successful verdict said, for later calls."""
         ...

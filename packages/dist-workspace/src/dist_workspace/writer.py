@@ -316,6 +316,33 @@ def record_bytes(record: PreparedRecord) -> bytearray:
     return buffer
 
 
+@dataclasses.dataclass(frozen=True)
+class RecordPieces:
+    """A record without checksums, in the pieces a reader rebuilds it from.
+
+    The bytes that are not data (length and header, digest) and where each entry's
+    data lies in this process.
+    """
+
+    head: bytes  # the length and the header: the record's first ``len(head)`` bytes
+    digest: bytes  # the header's digest, the record's last bytes
+    spans: tuple[tuple[int, torch.Tensor], ...]  # (position in the record, 1-D uint8 data)
+
+
+def record_pieces(record: PreparedRecord) -> RecordPieces:
+    """``record`` (laid out without checksums) in pieces; every other byte is zero."""
+    if record.checksums:
+        raise ValueError("record_pieces needs a record laid out without checksums")
+    head = struct.pack("<Q", len(record.header)) + record.header
+    spans = []
+    position = record.data_start
+    for entry in record.entries:
+        if entry.data is not None and entry.nbytes:
+            spans.append((position, entry.data))
+        position += entry.nbytes
+    return RecordPieces(head, header_digest(head), tuple(spans))
+
+
 def _write_with(put: Callable[[memoryview | bytes, int], object], record: PreparedRecord) -> None:
     position = record.data_start
     digest_position = -1
