@@ -8,7 +8,7 @@ Protocol (every wait bounded by ``timeout``):
    :mod:`dist_workspace.transports`): into a fresh shared-memory
    segment when ``workspace_path`` is None (a record of at most 64 KiB,
    ``DIST_WORKSPACE_INLINE_BYTES``, goes inside the status instead, and one of at
-   most 64 MiB stays in the sender's memory for the receiver to copy once the
+   most 8 MiB stays in the sender's memory for the receiver to copy once the
    receiver has shown it can, see :mod:`dist_workspace.shm_transport`), else into a
    file of a per-exchange subdirectory of ``workspace_path``. It then posts a
    status to the process group's store: what the transport needs to find the record

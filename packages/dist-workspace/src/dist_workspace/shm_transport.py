@@ -51,7 +51,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 DEFAULT_INLINE_BYTES = 64 * 1024
-CROSS_MEMORY_MAX_BYTES = 64 << 20
+CROSS_MEMORY_MAX_BYTES = 8 << 20  # above it segments were faster (see the README)
 _TOKEN_BYTES = 16
 
 
