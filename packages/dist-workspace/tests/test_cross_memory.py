@@ -122,16 +122,19 @@ def test_configs_with_views_of_one_storage_come_back_shared() -> None:
     assert results and all(results), results
 
 
-def _with_a_bad_offer(break_call: int, how: str, calls_after: int = 0) -> str:
-    """Rank 1's offers from call ``break_call`` on name memory the receiver cannot read."""
+def _with_a_bad_offer(break_call: int, how: str, calls: int) -> list[str]:
+    """Rank 1's offers from call ``break_call`` on name memory the receiver cannot read.
+
+    Returns each call's outcome: its error, or "ok" and where the receiver's value lives.
+    """
     import torch.distributed as dist
 
     from dist_workspace import shm_transport
 
     rank = dist.get_rank()
     original = shm_transport._MemoryParcel.status
-    outcome = "ok"
-    for call in range(break_call + 1 + calls_after):
+    outcomes = []
+    for call in range(calls):
         if rank == 1 and call == break_call:
 
             def bad(self: Any) -> dict[str, Any]:
@@ -146,33 +149,42 @@ def _with_a_bad_offer(break_call: int, how: str, calls_after: int = 0) -> str:
         tensor = torch.full((MIB // 4,), float(rank + call))
         try:
             with get_tensors_parallel(tensor, [0, 1], timeout=30) as tensors:
+                outcome = "ok"
                 if tensors:
                     outcome = "ok" if float(tensors[1][-1]) == 1 + call else "wrong data"
                     outcome += " " + _backing(tensors[1])
         except WorkspaceError as error:
-            return str(error)
-    return outcome
+            outcome = str(error)
+        outcomes.append(outcome)
+    return outcomes
 
 
 def test_a_refused_trial_falls_back_to_the_segment() -> None:
     # Call 1 is the trial: the kernel refuses (EFAULT), the receiver reads the segment,
     # and call 2 goes through a segment alone.
-    results = run_ranks(_with_a_bad_offer, 2, 1, "address", 1, timeout=120)
-    assert results[0].startswith("ok ") and "/dist-workspace." in results[0], results
-    assert results[1] == "ok"
+    results = run_ranks(_with_a_bad_offer, 2, 1, "address", 3, timeout=120)
+    for outcome in results[0][1:]:
+        assert outcome.startswith("ok ") and "/dist-workspace." in outcome, results
+    assert results[1] == ["ok"] * 3
     assert _own_segments() == []
 
 
 def test_a_refused_copy_after_the_trial_names_the_rank_and_pid() -> None:
-    results = run_ranks(_with_a_bad_offer, 2, 2, "address", timeout=120)
-    assert "rank 1's memory (pid " in results[0], results
-    assert "refused" in results[0] and "DIST_WORKSPACE_CROSS_MEMORY=0" in results[0]
-    assert "failed on receiver rank 0" in results[1] and "rank 1's memory" in results[1]
+    # Call 2 sends memory alone and the kernel refuses: the call fails on both ranks,
+    # naming rank 1 and its pid, and rank 1 sends segments from call 3 on.
+    receiver, sender = run_ranks(_with_a_bad_offer, 2, 2, "address", 4, timeout=120)
+    assert receiver[0].startswith("ok ") and receiver[1].startswith("ok "), receiver
+    assert "rank 1's memory (pid " in receiver[2], receiver
+    assert "refused" in receiver[2] and "DIST_WORKSPACE_CROSS_MEMORY=0" in receiver[2]
+    assert "failed on receiver rank 0" in sender[2] and "rank 1's memory" in sender[2]
+    assert receiver[3].startswith("ok ") and "/dist-workspace." in receiver[3], receiver
+    assert sender[3] == "ok"
+    assert _own_segments() == []
 
 
 def test_bytes_from_another_process_than_the_sender_are_refused() -> None:
-    results = run_ranks(_with_a_bad_offer, 2, 2, "token", timeout=120)
-    assert "is not the sender any more" in results[0], results
+    results = run_ranks(_with_a_bad_offer, 2, 2, "token", 3, timeout=120)
+    assert "is not the sender any more" in results[0][2], results
 
 
 _HOLDER = """

@@ -20,12 +20,9 @@ import ctypes
 import ctypes.util
 import errno
 import functools
-import logging
 import os
 import sys
 from collections.abc import Sequence
-
-logger = logging.getLogger(__name__)
 
 _PR_SET_PTRACER = 0x59616D61  # "Yama"
 _MAX_SPANS_PER_CALL = 1024  # IOV_MAX

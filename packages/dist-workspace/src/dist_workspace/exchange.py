@@ -256,14 +256,19 @@ def _send(exchange: _Exchange, weights: dict[str, torch.Tensor], config: Any) ->
             _post(exchange, f"status/{exchange.rank}", {"ok": False, "error": _error_text(error)})
             raise
         _post(exchange, f"status/{exchange.rank}", status, parcel.payload())
-        exchange.transport.settle(_await_verdict(exchange))
+        _await_verdict(exchange)
     finally:
         if parcel is not None:
             parcel.release()
 
 
-def _await_verdict(exchange: _Exchange) -> dict[str, Any]:
-    """The receiver's verdict on this call, once it is a success; raises otherwise."""
+def _await_verdict(exchange: _Exchange) -> None:
+    """Waits for the receiver's verdict, tells the transport, raises if the call failed.
+
+    A failed call's verdict informs the transport too: a sender whose memory the
+    receiver could not read (a receiver restarted under another pid, say) sends
+    segments from the next call on instead of failing every call.
+    """
     receiver = exchange.receiver
     # The receiver waits up to the timeout for the slowest sender, then reads: a
     # sender allows it that plus a margin before declaring it gone.
@@ -276,12 +281,12 @@ def _await_verdict(exchange: _Exchange) -> dict[str, Any]:
             f"call {exchange.kind} with ranks={exchange.ranks}?)"
         )
     verdict, _ = _decoded(raw)
+    exchange.transport.settle(verdict)
     if not verdict.get("ok"):
         raise WorkspaceError(
             f"rank {exchange.rank}: {exchange.kind} failed on receiver rank {receiver}: "
             f"{verdict.get('error')}"
         )
-    return verdict
 
 
 # ---------------------------------------------------------------- receiver
@@ -363,7 +368,8 @@ def _receive(
         ]
     except BaseException as error:
         with contextlib.suppress(Exception):
-            _post(exchange, "verdict", {"ok": False, "error": _error_text(error)})
+            failed = {"ok": False, "error": _error_text(error), **exchange.transport.verdict()}
+            _post(exchange, "verdict", failed)
         raise
     finally:
         exchange.transport.close()

@@ -68,7 +68,10 @@ _receivers: dict[tuple[str, int], _Receiver] = {}
 
 
 def _learn(call: CallId, verdict: dict[str, Any]) -> None:
-    """Keeps what a successful verdict says of its receiver (its pid, memory reads)."""
+    """Keeps what a verdict says of its receiver (its pid, memory reads).
+
+    A new pid (the receiver was restarted) makes the next call a trial again.
+    """
     pid = verdict.get("pid")
     if not isinstance(pid, int):
         return
@@ -226,7 +229,7 @@ class SharedMemoryTransport:
         return segment
 
     def settle(self, verdict: dict[str, Any]) -> None:
-        """Sender: learns from a successful verdict whether the receiver reads memory."""
+        """Sender: learns from a verdict the receiver's pid and whether it read memory."""
         _learn(self._call, verdict)
 
     def verdict(self) -> dict[str, Any]:
@@ -280,13 +283,13 @@ class SharedMemoryTransport:
             try:
                 buffer, size = _copy_from_peer(memory, payload, where)
             except cross_memory.CrossMemoryError as error:
+                self._memory_reads[str(sender)] = False  # the sender sends segments next
                 if "segment" not in status:
                     raise WorkspaceError(
                         f"{where}: the kernel refused to copy it: {error}. Set "
                         "DIST_WORKSPACE_CROSS_MEMORY=0 to exchange through segments only"
                     ) from None
                 logger.info("%s: cannot copy it (%s); reading its segment", where, error)
-                self._memory_reads[str(sender)] = False
             else:
                 if "segment" in status:
                     self._memory_reads[str(sender)] = True

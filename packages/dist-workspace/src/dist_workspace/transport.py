@@ -65,9 +65,9 @@ class Transport(Protocol):
         ...
 
     def verdict(self) -> dict[str, Any]:
-        """Receiver: JSON fields its successful verdict tells the senders."""
+        """Receiver: JSON fields its verdict, success or failure, tells the senders."""
         ...
 
     def settle(self, verdict: dict[str, Any]) -> None:
-        """Sender: what the receiver's successful verdict said, for later calls."""
+        """Sender: what the receiver's verdict said, for later calls."""
         ...
