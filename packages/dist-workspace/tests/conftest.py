@@ -4,11 +4,18 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+# The tests share helpers (shm_inspection) that rank processes import by name too;
+# multiprocessing passes sys.path on to them.
+_HERE = str(Path(__file__).resolve().parent)
+if _HERE not in sys.path:
+    sys.path.insert(0, _HERE)
 
 
 @pytest.fixture(autouse=True)

@@ -7,11 +7,11 @@ import errno
 import os
 import subprocess
 import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from shm_inspection import backing, own_segments
 
 from dist_core.testing import run_ranks
 from dist_workspace import WorkspaceError, cross_memory, get_configs_parallel, get_tensors_parallel
@@ -22,24 +22,6 @@ pytestmark = [
 ]
 
 MIB = 1 << 20
-
-
-def _own_segments() -> list[str]:
-    directory = os.environ["DIST_WORKSPACE_SHM_DIR"]
-    return [
-        name for name in os.listdir(directory) if name.startswith(f"dist-workspace.{os.getuid()}.")
-    ]
-
-
-def _backing(value: torch.Tensor) -> str:
-    """The file a tensor's memory maps, or "anonymous"."""
-    address = value.data_ptr()
-    for line in Path("/proc/self/maps").read_text().splitlines():
-        span, _, _, _, _, *path = line.split(maxsplit=5)
-        low, high = (int(part, 16) for part in span.split("-"))
-        if low <= address < high:
-            return path[0] if path else "anonymous"
-    return "unmapped"
 
 
 def _calls(count: int, elements: int) -> list[dict[str, Any]]:
@@ -57,7 +39,7 @@ def _calls(count: int, elements: int) -> list[dict[str, Any]]:
                 ]
                 seen.append(
                     {
-                        "peers": [_backing(value) for value in tensors[1:]],
+                        "peers": [backing(value) for value in tensors[1:]],
                         "equal": all(
                             torch.equal(value, want)
                             for value, want in zip(tensors, expected, strict=True)
@@ -76,7 +58,7 @@ def test_after_two_calls_the_receiver_copies_from_the_senders_memory() -> None:
     assert all(segment in path for path in calls[0]["peers"]), calls[0]
     for call in calls[1:]:  # this process's own memory (heap or anonymous), no file
         assert all(path in ("anonymous", "[heap]") for path in call["peers"]), call
-    assert _own_segments() == []
+    assert own_segments() == []
 
 
 def test_cross_memory_can_be_turned_off() -> None:
@@ -152,7 +134,7 @@ def _with_a_bad_offer(break_call: int, how: str, calls: int) -> list[str]:
                 outcome = "ok"
                 if tensors:
                     outcome = "ok" if float(tensors[1][-1]) == 1 + call else "wrong data"
-                    outcome += " " + _backing(tensors[1])
+                    outcome += " " + backing(tensors[1])
         except WorkspaceError as error:
             outcome = str(error)
         outcomes.append(outcome)
@@ -166,7 +148,7 @@ def test_a_refused_trial_falls_back_to_the_segment() -> None:
     for outcome in results[0][1:]:
         assert outcome.startswith("ok ") and "/dist-workspace." in outcome, results
     assert results[1] == ["ok"] * 3
-    assert _own_segments() == []
+    assert own_segments() == []
 
 
 def test_a_refused_copy_after_the_trial_names_the_rank_and_pid() -> None:
@@ -179,7 +161,7 @@ def test_a_refused_copy_after_the_trial_names_the_rank_and_pid() -> None:
     assert "failed on receiver rank 0" in sender[2] and "rank 1's memory" in sender[2]
     assert receiver[3].startswith("ok ") and "/dist-workspace." in receiver[3], receiver
     assert sender[3] == "ok"
-    assert _own_segments() == []
+    assert own_segments() == []
 
 
 def test_bytes_from_another_process_than_the_sender_are_refused() -> None:

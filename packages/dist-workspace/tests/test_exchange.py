@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import torch
+from shm_inspection import backing, own_segments
 
 from dist_core.testing import run_ranks
 from dist_workspace import WorkspaceError, get_configs_parallel, get_tensors_parallel
@@ -21,13 +22,6 @@ def record_path(request: pytest.FixtureRequest) -> str:
     if request.param == "segments":
         os.environ["DIST_WORKSPACE_INLINE_BYTES"] = "0"  # the ranks inherit it
     return str(request.param)
-
-
-def _own_segments() -> list[str]:
-    directory = os.environ["DIST_WORKSPACE_SHM_DIR"]
-    return [
-        name for name in os.listdir(directory) if name.startswith(f"dist-workspace.{os.getuid()}.")
-    ]
 
 
 def _exchanges(directory: str) -> dict[str, Any]:
@@ -61,7 +55,7 @@ def _exchanges(directory: str) -> dict[str, Any]:
     with get_tensors_parallel(torch.tensor(7.0 + rank), [rank]) as tensors:
         out["single"] = [t.item() for t in tensors]
     dist.barrier()
-    out["segments_left"] = _own_segments()
+    out["segments_left"] = own_segments()
     out["dir_left"] = sorted(os.listdir(directory))
     return out
 
@@ -166,7 +160,7 @@ def test_tensors_of_different_shapes_fail_everywhere() -> None:
     for result in results:
         assert "WorkspaceError" in result
         assert "rank 0 has shape (2, 3)" in result and "rank 2 has shape (2, 4)" in result
-    assert _own_segments() == []
+    assert own_segments() == []
 
 
 def _failing_writer() -> str:
@@ -209,7 +203,7 @@ def test_a_rank_that_never_writes_is_named() -> None:
     results = run_ranks(_missing_rank, 3, timeout=90)
     assert "rank(s) [2] never wrote" in results[0]
     assert "rank 1" in results[1] and "rank(s) [2] never wrote" in results[1]
-    assert _own_segments() == []
+    assert own_segments() == []
 
 
 def _caller_not_in_ranks() -> str:
@@ -272,17 +266,6 @@ def _where_received_tensors_live(elements: int = 1 << 20) -> dict[str, Any]:
     with get_tensors_parallel(tensor, [0, 1, 2]) as tensors:
         if not tensors:
             return {}
-        maps = Path("/proc/self/maps").read_text().splitlines()
-
-        def backing(value: torch.Tensor) -> str:
-            address = value.data_ptr()
-            for line in maps:
-                span, _, _, _, _, *path = line.split(maxsplit=5)
-                low, high = (int(part, 16) for part in span.split("-"))
-                if low <= address < high:
-                    return path[0] if path else "anonymous"
-            return "unmapped"
-
         return {
             "peers": [backing(value) for value in tensors[1:]],
             "own": backing(tensors[0]),
@@ -297,7 +280,7 @@ def test_the_receiver_maps_the_senders_segments_instead_of_copying() -> None:
         assert path.startswith(os.environ["DIST_WORKSPACE_SHM_DIR"] + "/"), path
         assert f"/dist-workspace.{os.getuid()}." in path and f".r{rank}." in path, path
     assert "dist-workspace." not in result["own"]  # its own value is a private copy
-    assert _own_segments() == []
+    assert own_segments() == []
 
 
 def test_small_records_travel_in_the_status_not_in_segments() -> None:
@@ -348,7 +331,7 @@ def test_a_late_senders_message_is_dropped_by_the_next_call() -> None:
     # The late sender is told at once (the receiver's verdict waits in its queue).
     assert "failed on receiver rank 0" in sender[0] and "never wrote" in sender[0]
     assert receiver[1] == sender[1] == "no error"
-    assert _own_segments() == []
+    assert own_segments() == []
 
 
 def _keys_in_the_store_after(calls: list[int]) -> list[int]:
