@@ -32,20 +32,25 @@ The store is the default process group's (a private torch API,
 ``_get_default_store``, present since torch 1.x), so no object collective, and no
 pickle, is involved; ``group`` decides who may take part and, with the ``ranks``
 list and the call's number among the calls with them, names the keys. What a call
-costs in store round trips: a sender posts (a ``set``, which waits for no reply) and
-waits for the verdict (one read, through :mod:`dist_workspace.store_reader`); the
-receiver deletes the keys of earlier calls it no longer needs while the senders
-write, waits for the statuses, reads them in one ``multi_get`` and posts the verdict.
+through the store costs in round trips: a sender posts (a ``set``, which waits for
+no reply) and waits for the verdict (one read, through
+:mod:`dist_workspace.store_reader`); the receiver deletes the keys of earlier calls
+it no longer needs while the senders write, waits for the statuses, reads them in
+one ``multi_get`` and posts the verdict. On one host (the shared-memory transport)
+only a sender's first call with a list of ranks goes through the store: its verdict
+names the receiver's Unix socket, the sender connects, and its later statuses and
+verdicts travel over that connection, with no store round trip at all (see
+:mod:`dist_workspace.peer_socket`; ``DIST_WORKSPACE_PEER_SOCKETS=0`` keeps the store).
 The job id, the host id and this process's start time are read once per process,
 and a header byte for byte like one already validated (a loop of calls of one
 shape sends the same one) is not parsed again (:func:`dist_workspace.reader.parse_header`).
 
-Why the store and fresh segments: the process group cannot carry the handshake,
-because only ``ranks`` call (a subset of ``group`` makes any collective on it hang)
-and a collective's wait is bounded by the group's timeout, not the call's, so a
-missing rank could not be named. A segment is never reused across calls because
-the receiver's tensors map it and stay valid after the context: writing the next
-call's value into it would change them.
+Why the store (and connections of its own) and fresh segments: the process group
+cannot carry the handshake, because only ``ranks`` call (a subset of ``group`` makes
+any collective on it hang) and a collective's wait is bounded by the group's
+timeout, not the call's, so a missing rank could not be named. A segment is never
+reused across calls because the receiver's tensors map it and stay valid after the
+context: writing the next call's value into it would change them.
 
 Values given to the receiver from segments are zero-copy, copy-on-write
 mappings of the writers' segments (nothing is copied or pre-faulted: the page tables
@@ -79,6 +84,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dist_workspace import peer_socket
 from dist_workspace.errors import WorkspaceError
 from dist_workspace.jobid import current_job_id, short_tag
 from dist_workspace.own_value import own_config, own_tensor
@@ -91,6 +97,9 @@ logger = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_SECONDS = 300.0
 _VERDICT_MARGIN_SECONDS = 10.0
 _sequences: dict[tuple[str, tuple[int, ...]], int] = {}
+# Receiver, by key prefix: for each recent call, the senders whose status may be in
+# the store and whether its verdict went there (what later calls delete).
+_in_store: dict[str, dict[int, tuple[list[int], bool]]] = {}
 
 
 def _timeout_seconds(timeout: float | None) -> float:
@@ -226,16 +235,25 @@ def _forget_earlier_calls(exchange: _Exchange) -> None:
     It read those statuses itself, and every sender read the verdict of the call
     before the previous one before posting a status to the previous one. Done before
     waiting for this call's statuses, in the time the receiver waits for the senders
-    anyway; the store keeps the keys of the last two calls only.
+    anyway; the store keeps the keys of the last two calls only. Statuses and
+    verdicts that went over direct connections were never in the store.
     """
-    spent = []
-    if exchange.seq >= 1:
-        spent = [exchange.key(f"status/{r}", exchange.seq - 1) for r in exchange.senders]
-    if exchange.seq >= 2:
+    calls = _in_store.setdefault(exchange.prefix, {})
+    previous = calls.get(exchange.seq - 1)
+    before = calls.pop(exchange.seq - 2, None)
+    spent = [exchange.key(f"status/{r}", exchange.seq - 1) for r in previous[0]] if previous else []
+    if before is not None and before[1]:
         spent.append(exchange.key("verdict", exchange.seq - 2))
     for key in spent:
         with contextlib.suppress(RuntimeError):
             exchange.store.delete_key(key)
+
+
+def _listener(exchange: _Exchange) -> peer_socket.Listener | None:
+    """The receiver's socket, where senders may connect to it (one host)."""
+    if exchange.transport.one_host and peer_socket.enabled():
+        return peer_socket.listener(_host_id())
+    return None
 
 
 # ---------------------------------------------------------------- sender
@@ -244,6 +262,7 @@ def _forget_earlier_calls(exchange: _Exchange) -> None:
 def _send(exchange: _Exchange, weights: dict[str, torch.Tensor], config: Any) -> None:
     """Writes this rank's record, posts its status, waits for the receiver's verdict."""
     parcel: Parcel | None = None
+    link = peer_socket.link_for(exchange.prefix) if exchange.transport.one_host else None
     try:
         try:
             status: dict[str, Any] = {"ok": True, "ranks": exchange.ranks, "host": _host_id()}
@@ -253,27 +272,53 @@ def _send(exchange: _Exchange, weights: dict[str, torch.Tensor], config: Any) ->
             if tensor is not None:
                 status.update(shape=list(tensor.shape), dtype=str(tensor.dtype))
         except BaseException as error:
-            _post(exchange, f"status/{exchange.rank}", {"ok": False, "error": _error_text(error)})
+            with contextlib.suppress(Exception):  # the error raised is this rank's own
+                _post_status(exchange, link, {"ok": False, "error": _error_text(error)})
             raise
-        _post(exchange, f"status/{exchange.rank}", status, parcel.payload())
-        _await_verdict(exchange)
+        _post_status(exchange, link, status, parcel.payload())
+        _await_verdict(exchange, link)
     finally:
         if parcel is not None:
             parcel.release()
 
 
-def _await_verdict(exchange: _Exchange) -> None:
+def _post_status(
+    exchange: _Exchange,
+    link: peer_socket.Link | None,
+    status: dict[str, Any],
+    payload: bytes = b"",
+) -> None:
+    if link is None:
+        _post(exchange, f"status/{exchange.rank}", status, payload)
+        return
+    try:
+        link.post(peer_socket.with_seq(exchange.seq, status, payload), exchange.timeout)
+    except peer_socket.PeerClosed as error:
+        peer_socket.forget(exchange.prefix)
+        raise WorkspaceError(f"rank {exchange.rank}: {exchange.kind}: {error}") from None
+
+
+def _await_verdict(exchange: _Exchange, link: peer_socket.Link | None) -> None:
     """Waits for the receiver's verdict, tells the transport, raises if the call failed.
 
     A failed call's verdict informs the transport too: a sender whose memory the
     receiver could not read (a receiver restarted under another pid, say) sends
-    segments from the next call on instead of failing every call.
+    segments from the next call on instead of failing every call. A successful
+    verdict through the store may name the receiver's socket: the sender connects to
+    it for its later calls (:mod:`dist_workspace.peer_socket`).
     """
     receiver = exchange.receiver
     # The receiver waits up to the timeout for the slowest sender, then reads: a
     # sender allows it that plus a margin before declaring it gone.
     patience = exchange.timeout + _VERDICT_MARGIN_SECONDS
-    raw = exchange.reader.get(exchange.key("verdict"), patience)
+    if link is None:
+        raw = exchange.reader.get(exchange.key("verdict"), patience)
+    else:
+        try:
+            raw = link.verdict(exchange.seq, patience)
+        except peer_socket.PeerClosed as error:
+            peer_socket.forget(exchange.prefix)
+            raise WorkspaceError(f"rank {exchange.rank}: {exchange.kind}: {error}") from None
     if raw is None:
         raise WorkspaceError(
             f"rank {exchange.rank}: {exchange.kind} timed out after {patience:g} s "
@@ -287,23 +332,40 @@ def _await_verdict(exchange: _Exchange) -> None:
             f"rank {exchange.rank}: {exchange.kind} failed on receiver rank {receiver}: "
             f"{verdict.get('error')}"
         )
+    if link is None and exchange.transport.one_host and peer_socket.enabled():
+        peer_socket.connect(
+            exchange.prefix, exchange.rank, receiver, verdict.get("endpoint"), _host_id()
+        )
 
 
 # ---------------------------------------------------------------- receiver
 
 
-def _collect_statuses(exchange: _Exchange) -> dict[int, tuple[dict[str, Any], bytes]]:
-    """Every sender's status and payload, by rank."""
-    # One wait for every sender's status, then one read of them all. A failed sender
-    # posts its error as its status: it is raised once every sender has posted, or at
-    # the timeout beside the ranks that never did.
-    keys = {sender: exchange.key(f"status/{sender}") for sender in exchange.senders}
-    try:
-        exchange.store.wait(list(keys.values()), timedelta(seconds=max(exchange.timeout, 0.001)))
-    except RuntimeError:  # DistStoreError on timeout: read those that came
-        keys = {sender: key for sender, key in keys.items() if exchange.store.check([key])}
-    values = exchange.store.multi_get(list(keys.values())) if keys else []
-    posted = {sender: _decoded(raw) for sender, raw in zip(keys, values, strict=True)}
+def _collect_statuses(
+    exchange: _Exchange, listener: peer_socket.Listener | None
+) -> tuple[dict[int, tuple[dict[str, Any], bytes]], list[int]]:
+    """Every sender's status and payload, by rank; and the senders that used the store."""
+    if listener is not None and listener.offered(exchange.prefix):
+        try:
+            raws = listener.collect(
+                exchange.prefix,
+                exchange.seq,
+                exchange.senders,
+                exchange.timeout,
+                functools.partial(_posted_in_store, exchange),
+            )
+        except WorkspaceError as error:  # a lost connection, a call out of order
+            raise WorkspaceError(
+                f"{exchange.kind}: receiver rank {exchange.rank}: {error}"
+            ) from None
+        linked = listener.linked(exchange.prefix)
+        in_store = [r for r in exchange.senders if r not in linked]
+    else:
+        raws = _wait_in_store(exchange)
+        in_store = exchange.senders
+    posted = {sender: _decoded(raw) for sender, raw in raws.items()}
+    # A failed sender posts its error as its status: it is raised once every sender
+    # has posted, or at the timeout beside the ranks that never did.
     for sender, (status, _) in posted.items():
         if not status.get("ok"):
             raise WorkspaceError(
@@ -317,7 +379,26 @@ def _collect_statuses(exchange: _Exchange) -> dict[int, tuple[dict[str, Any], by
             f"{sorted(posted)} did). Did they call {exchange.kind} with "
             f"ranks={exchange.ranks}? Set DIST_WORKSPACE_TIMEOUT for slower ranks"
         )
-    return posted
+    return posted, in_store
+
+
+def _wait_in_store(exchange: _Exchange) -> dict[int, bytes]:
+    """One wait for every sender's status in the store, then one read of them all."""
+    keys = {sender: exchange.key(f"status/{sender}") for sender in exchange.senders}
+    try:
+        exchange.store.wait(list(keys.values()), timedelta(seconds=max(exchange.timeout, 0.001)))
+    except RuntimeError:  # DistStoreError on timeout: read those that came
+        keys = {sender: key for sender, key in keys.items() if exchange.store.check([key])}
+    values = exchange.store.multi_get(list(keys.values())) if keys else []
+    return dict(zip(keys, values, strict=True))
+
+
+def _posted_in_store(exchange: _Exchange, senders: list[int]) -> dict[int, bytes]:
+    """The statuses some of ``senders`` have posted to the store so far (no wait)."""
+    keys = {r: exchange.key(f"status/{r}") for r in senders}
+    keys = {r: key for r, key in keys.items() if exchange.store.check([key])}
+    values = exchange.store.multi_get(list(keys.values())) if keys else []
+    return dict(zip(keys, values, strict=True))
 
 
 def _check_statuses(
@@ -356,11 +437,13 @@ def _receive(
     exchange: _Exchange,
     own_value: Callable[[], tuple[Any, dict[str, torch.Tensor]]],
 ) -> list[tuple[Any, dict[str, torch.Tensor]]]:
+    listener = _listener(exchange)
+    in_store = exchange.senders
     try:
         own = own_value()
         own_tensor = own[1].get("tensor")
         _forget_earlier_calls(exchange)
-        posted = _collect_statuses(exchange)
+        posted, in_store = _collect_statuses(exchange, listener)
         _check_statuses(exchange, {r: status for r, (status, _) in posted.items()}, own_tensor)
         values = [
             own if r == exchange.rank else exchange.transport.receive(r, *posted[r])
@@ -369,12 +452,37 @@ def _receive(
     except BaseException as error:
         with contextlib.suppress(Exception):
             failed = {"ok": False, "error": _error_text(error), **exchange.transport.verdict()}
-            _post(exchange, "verdict", failed)
+            _deliver_verdict(exchange, listener, failed, in_store)
         raise
     finally:
         exchange.transport.close()
-    _post(exchange, "verdict", {"ok": True, **exchange.transport.verdict()})
+    _deliver_verdict(exchange, listener, {"ok": True, **exchange.transport.verdict()}, in_store)
     return values
+
+
+def _deliver_verdict(
+    exchange: _Exchange,
+    listener: peer_socket.Listener | None,
+    verdict: dict[str, Any],
+    in_store: list[int],
+) -> None:
+    """Tells every sender the verdict: over its connection, else through the store.
+
+    A verdict through the store names the receiver's socket, so that its senders
+    connect for their next calls.
+    """
+    if listener is not None:
+        listener.sweep()  # a sender that connected meanwhile reads its connection
+        # A sender reads the verdict where it posted; one also sent to its connection
+        # (it linked while this call waited for it) is skipped there as stale.
+        listener.answer(
+            exchange.prefix, exchange.senders, peer_socket.with_seq(exchange.seq, verdict)
+        )
+    if in_store:
+        if listener is not None and verdict.get("ok"):
+            verdict = {**verdict, "endpoint": listener.offer(exchange.prefix)}
+        _post(exchange, "verdict", verdict)
+    _in_store.setdefault(exchange.prefix, {})[exchange.seq] = (in_store, bool(in_store))
 
 
 # ---------------------------------------------------------------- public API
@@ -407,8 +515,10 @@ def get_tensors_parallel(
     all of ``ranks`` must be on one host. Reads ``DIST_WORKSPACE_TIMEOUT`` (seconds,
     300 by default) when ``timeout`` is None, ``DIST_WORKSPACE_SHM_DIR``,
     ``DIST_WORKSPACE_INLINE_BYTES`` (records up to this size, 64 KiB by default, travel
-    inside the handshake instead of a segment) and ``DIST_WORKSPACE_CROSS_MEMORY``
-    (``0``: no copies straight from a sender's memory).
+    inside the handshake instead of a segment), ``DIST_WORKSPACE_CROSS_MEMORY``
+    (``0``: no copies straight from a sender's memory) and
+    ``DIST_WORKSPACE_PEER_SOCKETS`` (``0``: every handshake through the store, none
+    over direct connections).
 
     Args:
         tensor: This rank's tensor, on any device (any dtype safetensors stores).
@@ -454,7 +564,8 @@ def get_configs_parallel(
     Exchanges through shared memory on one host when ``workspace_path`` is None,
     else through files in a subdirectory of ``workspace_path`` that the receiver
     removes afterwards. Reads ``DIST_WORKSPACE_TIMEOUT``, ``DIST_WORKSPACE_SHM_DIR``,
-    ``DIST_WORKSPACE_INLINE_BYTES`` and ``DIST_WORKSPACE_CROSS_MEMORY``.
+    ``DIST_WORKSPACE_INLINE_BYTES``, ``DIST_WORKSPACE_CROSS_MEMORY`` and
+    ``DIST_WORKSPACE_PEER_SOCKETS``.
 
     Args:
         config: This rank's config.
