@@ -253,8 +253,9 @@ class Listener:
         if frame is None:
             self._drop(prefix, stream.sender)
             raise PeerClosed(
-                f"rank {stream.sender}'s connection to this receiver was lost{how} during "
-                "the call: did it exit or fail?"
+                f"rank(s) [{stream.sender}] never wrote their value: its connection to this "
+                f"receiver was lost{how} during the call (did rank {stream.sender} exit or "
+                "fail?)"
             )
         sent_for = _seq_of(frame)
         if sent_for < seq:
