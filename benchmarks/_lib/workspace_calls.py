@@ -19,6 +19,10 @@ Methods, interleaved (one full workload each, repeat after repeat; the fastest k
   (the senders post a key, the receiver waits for them, reads them and posts a
   verdict the senders wait for), no data moved: on a machine with fewer cores than
   ranks, what the wake-ups of a call cost before a byte moves.
+- ``socket handshake`` (a limit): the same two hops, one byte each way over a Unix
+  socket per sender, connected at the first call: the least a call that tells every
+  sender how it ended costs here. dist-workspace's calls take this path after their
+  first call (``dist_workspace.peer_socket``); this one is written here, apart.
 - ``Model Optimizer``: its own ``modelopt.torch.export.distribute.get_tensors_parallel``,
   when ``nvidia-modelopt`` is installed (it is not a requirement of the benchmark; the
   run says when it is missing). Not for configs: its ``get_configs_parallel`` takes its
@@ -35,6 +39,7 @@ intra-op thread, as under torchrun (``OMP_NUM_THREADS=1``).
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -58,7 +63,13 @@ WORKLOADS: dict[str, tuple[int, int, str]] = {
 _NOT_ROUND_TRIPS = frozenset({"set", "set_timeout", "timeout"})
 
 
-METHODS = ("dist-workspace", "dist.gather", "store handshake", "Model Optimizer")
+METHODS = (
+    "dist-workspace",
+    "dist.gather",
+    "store handshake",
+    "socket handshake",
+    "Model Optimizer",
+)
 
 
 class _CountingStore:
@@ -163,6 +174,68 @@ def _store_handshake(value: Any, ranks: list[int]) -> Iterator[list[Any]]:
         yield []
 
 
+_socket_ends: dict[str, Any] = {}  # the receiver's connections, or a sender's one
+
+
+def _connect_handshake_sockets(ranks: list[int]) -> None:
+    """Receiver: listens and takes one connection per sender; senders connect to it."""
+    import socket
+
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    store = c10d._get_default_store()
+    rank = dist.get_rank()
+    if rank == ranks[0]:
+        name = f"bench-handshake-{os.getpid()}".encode()
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(b"\0" + name)
+        listener.listen(len(ranks))
+        listener.settimeout(60)
+        store.set("bench-handshake/socket", name)
+        accepted = [listener.accept()[0] for _ in ranks[1:]]
+        for connection in accepted:
+            connection.settimeout(60)
+        _socket_ends["receiver"] = accepted
+        listener.close()
+    else:
+        sender = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sender.settimeout(60)
+        sender.connect(b"\0" + store.get("bench-handshake/socket"))
+        _socket_ends["sender"] = sender
+
+
+@contextlib.contextmanager
+def _socket_handshake(value: Any, ranks: list[int]) -> Iterator[list[Any]]:
+    """The two hops over direct connections: a byte from each sender, a byte back."""
+    import select
+
+    import torch.distributed as dist
+
+    if not _socket_ends:
+        _connect_handshake_sockets(ranks)
+    if dist.get_rank() == ranks[0]:
+        waiting = {connection.fileno(): connection for connection in _socket_ends["receiver"]}
+        poller = select.poll()
+        for fd in waiting:
+            poller.register(fd, select.POLLIN)
+        while waiting:
+            events = poller.poll(60_000)
+            if not events:
+                raise TimeoutError("socket handshake: a sender did not post in 60 s")
+            for fd, _ in events:
+                if not waiting.pop(fd).recv(1):
+                    raise ConnectionError("socket handshake: a sender closed its connection")
+                poller.unregister(fd)
+        for connection in _socket_ends["receiver"]:
+            connection.sendall(b"v")
+    else:
+        _socket_ends["sender"].sendall(b"s")
+        if not _socket_ends["sender"].recv(1):
+            raise ConnectionError("socket handshake: the receiver closed its connection")
+    yield []  # moves no data
+
+
 def _calls_of(method: str, kind: str) -> Callable[..., Any] | None:
     """The context manager ``method`` offers for ``kind`` (None: it has none)."""
     from dist_workspace import get_configs_parallel, get_tensors_parallel
@@ -175,6 +248,8 @@ def _calls_of(method: str, kind: str) -> Callable[..., Any] | None:
         return _gather if kind == "tensor" else _gather_object
     if method == "store handshake":
         return _store_handshake
+    if method == "socket handshake":
+        return _socket_handshake
     distribute = _modelopt()
     if distribute is None or kind != "tensor":
         # Its get_configs_parallel takes its own config classes only (LinearConfig, ...):
@@ -313,17 +388,20 @@ def report(results: dict[str, Any]) -> dict[str, Any]:
         "store trips: all ranks together"
     )
     print(
-        "store handshake: the two hops alone (senders post, the receiver reads and posts "
-        "a verdict they wait for), no data: the least a call that tells every sender how "
-        "it ended costs on this machine"
+        "store/socket handshake: the two hops alone (senders post, the receiver reads and "
+        "answers with a verdict they wait for), no data, through the store or over Unix "
+        "sockets: the socket one is the least a call that tells every sender how it ended "
+        "costs on this machine"
     )
     for workload, per_method in results.items():
-        handshake = per_method.get("store handshake")
-        if handshake is not None:
-            ours = per_method["dist-workspace"]["with_read_ms"]
-            print(
-                f"  {workload}: dist-workspace / handshake {ours / handshake['with_read_ms']:.2f},"
-                f" handshake / floor "
-                f"{handshake['with_read_ms'] / per_method['dist.gather']['with_read_ms']:.2f}"
-            )
+        ours = per_method["dist-workspace"]["with_read_ms"]
+        floor = per_method["dist.gather"]["with_read_ms"]
+        for method in ("store handshake", "socket handshake"):
+            handshake = per_method.get(method)
+            if handshake is not None:
+                print(
+                    f"  {workload}: dist-workspace / {method} "
+                    f"{ours / handshake['with_read_ms']:.2f}, {method} / floor "
+                    f"{handshake['with_read_ms'] / floor:.2f}"
+                )
     return {"workloads": data, "targets": {"layer loop": 1.5, "tiny": 2.0}}

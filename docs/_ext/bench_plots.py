@@ -339,13 +339,15 @@ CALL_METHODS = {
     "dist-workspace": ("dist-workspace", OURS),
     "Model Optimizer": ("Model Optimizer", PEER),
     "store handshake": ("limit: the store handshake alone (no data)", LIMIT),
+    "socket handshake": ("limit: the socket handshake alone (no data)", LIMIT),
 }
+HATCHED = {"socket handshake"}  # the two limits share a colour
 
 
 def _draw_workspace_calls(axes: Axes, calls: Data) -> None:
     """Time per call over the gather floor, per workload, with the targets."""
     workloads = list(calls["workloads"])
-    width = 0.27
+    width = 0.8 / len(CALL_METHODS)
     middle = (len(CALL_METHODS) - 1) / 2
     for offset, (key, (label, color)) in enumerate(CALL_METHODS.items()):
         xs, ys = [], []
@@ -355,7 +357,8 @@ def _draw_workspace_calls(axes: Axes, calls: Data) -> None:
                 xs.append(index + (offset - middle) * width)
                 ys.append(item["x_floor"])
         if xs:
-            axes.bar(xs, ys, width, color=color, label=label)
+            hatch = "//" if key in HATCHED else None
+            axes.bar(xs, ys, width, color=color, label=label, hatch=hatch, edgecolor="white")
             _label_points(axes, xs, ys, "{:.2f}x")
     axes.axhline(1.0, color=LIMIT, lw=1, ls="--", label="floor: gather (gather_object for configs)")
     for index, workload in enumerate(workloads):
