@@ -288,10 +288,14 @@ class Listener:
     def sweep(self) -> None:
         """Takes in the connections and hellos already waiting, without blocking."""
         self._accept()
-        for sock in list(self._unnamed):
-            ready, _, _ = select.select([sock], [], [], 0)
-            if ready:
-                self._read_hello(sock)
+        if not self._unnamed:
+            return
+        poller = select.poll()  # not select(): a process may hold fds above 1024
+        by_fd = {sock.fileno(): sock for sock in self._unnamed}
+        for fd in by_fd:
+            poller.register(fd, select.POLLIN)
+        for fd, _ in poller.poll(0):
+            self._read_hello(by_fd[fd])
 
     def _drop(self, prefix: str, sender: int) -> None:
         stream = self._streams.get(prefix, {}).pop(sender, None)
@@ -299,16 +303,22 @@ class Listener:
             stream.sock.close()
 
 
-_listeners: dict[int, Listener] = {}  # by pid: a forked child makes its own
+_listeners: dict[int, Listener | None] = {}  # by pid: a forked child makes its own
 
 
-def listener(host: str) -> Listener:
-    """This process's listener, opened at its first call as a receiver."""
+def listener(host: str) -> Listener | None:
+    """This process's listener, opened at its first call as a receiver.
+
+    None where no socket can be opened (the calls keep the store); logged once.
+    """
     pid = os.getpid()
-    known = _listeners.get(pid)
-    if known is None:
-        known = _listeners[pid] = Listener(host)
-    return known
+    if pid not in _listeners:
+        try:
+            _listeners[pid] = Listener(host)
+        except OSError as error:
+            logger.info("no Unix socket for direct connections (%s): calls use the store", error)
+            _listeners[pid] = None
+    return _listeners[pid]
 
 
 # ---------------------------------------------------------------- sender
