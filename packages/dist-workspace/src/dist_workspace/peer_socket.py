@@ -249,7 +249,9 @@ class Listener:
         except (OSError, WorkspaceError) as error:
             frame, how = None, f" ({error})"
         else:
-            how = " (closed by the sender)"
+            # The words of a closed socket elsewhere: launchers (dist-core's
+            # is_peer_failure) then take the sender, not this rank, as the root cause.
+            how = " (Connection closed by peer)"
         if frame is None:
             self._drop(prefix, stream.sender)
             raise PeerClosed(
@@ -360,7 +362,7 @@ class Link:
             if frame is None:
                 raise PeerClosed(
                     f"receiver rank {self._receiver} closed its connection before its "
-                    "verdict: did it exit or fail?"
+                    "verdict (Connection closed by peer): did it exit or fail?"
                 )
             if _seq_of(frame) == seq:
                 return frame
