@@ -93,6 +93,38 @@ def test_rank_crashing_inside_all_to_all_is_reported_first() -> None:
     assert elapsed < 60, elapsed
 
 
+@pytest.mark.parametrize("victim", [2, 0], ids=["sender", "receiver"])
+def test_rank_killed_between_exchanges_is_reported_first_at_once(
+    shm_dir: Path, victim: int
+) -> None:
+    env = {**os.environ, "DIST_WORKSPACE_SHM_DIR": str(shm_dir)}
+    completed = subprocess.run(
+        [
+            str(BIN / "dist-launch"),
+            "-n",
+            "3",
+            "--grace-period",
+            "2",
+            str(SCRIPTS / "shm_exchange_killed.py"),
+            str(victim),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,  # the exchange's own timeout is an hour
+        check=False,
+        env=env,
+    )
+    output = completed.stdout + completed.stderr
+    # The peers raise at once (their connection to the dead rank closed), maybe before
+    # the launcher sees the death; still the dead rank is the root cause, and its
+    # signal the launcher's exit status.
+    assert completed.returncode == 128 + signal.SIGKILL, output
+    assert f"rank {victim} (local rank {victim}, node 0) failed first with signal SIGKILL" in (
+        output
+    ), output
+    assert "(a consequence: a peer vanished)" in output, output
+
+
 def test_rank_killed_mid_write_leaves_no_partial_file(tmp_path: Path) -> None:
     workspace_dir = tmp_path / "workspace"
     writer = subprocess.Popen(
