@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import socket
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -224,3 +225,25 @@ def test_a_sender_in_another_network_namespace_keeps_the_store() -> None:
         pytest.skip(f"cannot make a network namespace here: {ranks[2]['skip']}")
     assert ranks[0]["right"] == [True] * 5, ranks
     assert [r["statuses"] for r in ranks] == [0, 1, 5], ranks
+
+
+def _shared_memory_and_directory_calls(count: int, directory: str) -> list[bool]:
+    """Calls on one list of ranks alternate: shared memory, then through ``directory``."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    right: list[bool] = []
+    for call in range(count):
+        _tensor_call(rank, call, right)
+        config = {"rank": rank, "call": call}
+        with get_configs_parallel(config, [0, 1, 2], None, directory) as configs:
+            if configs:
+                right.append(configs == [{"rank": r, "call": call} for r in range(3)])
+    return right
+
+
+def test_calls_through_a_directory_between_connected_ones_keep_the_store(
+    tmp_path: Path,
+) -> None:
+    right = run_ranks(_shared_memory_and_directory_calls, 3, 4, str(tmp_path), timeout=120)[0]
+    assert right == [True] * 8, right
