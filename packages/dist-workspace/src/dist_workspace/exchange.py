@@ -98,8 +98,8 @@ DEFAULT_TIMEOUT_SECONDS = 300.0
 _VERDICT_MARGIN_SECONDS = 10.0
 _sequences: dict[tuple[str, tuple[int, ...]], int] = {}
 # Receiver, by key prefix: for each recent call, the senders whose status may be in
-# the store and whether its verdict went there (what later calls delete).
-_in_store: dict[str, dict[int, tuple[list[int], bool]]] = {}
+# the store (what later calls delete); its verdict went there too when any did.
+_in_store: dict[str, dict[int, list[int]]] = {}
 
 
 def _timeout_seconds(timeout: float | None) -> float:
@@ -239,10 +239,8 @@ def _forget_earlier_calls(exchange: _Exchange) -> None:
     verdicts that went over direct connections were never in the store.
     """
     calls = _in_store.setdefault(exchange.prefix, {})
-    previous = calls.get(exchange.seq - 1)
-    before = calls.pop(exchange.seq - 2, None)
-    spent = [exchange.key(f"status/{r}", exchange.seq - 1) for r in previous[0]] if previous else []
-    if before is not None and before[1]:
+    spent = [exchange.key(f"status/{r}", exchange.seq - 1) for r in calls.get(exchange.seq - 1, [])]
+    if calls.pop(exchange.seq - 2, None):
         spent.append(exchange.key("verdict", exchange.seq - 2))
     for key in spent:
         with contextlib.suppress(RuntimeError):
@@ -294,8 +292,13 @@ def _post_status(
     try:
         link.post(peer_socket.with_seq(exchange.seq, status, payload), exchange.timeout)
     except peer_socket.PeerClosed as error:
-        peer_socket.forget(exchange.prefix)
-        raise WorkspaceError(f"rank {exchange.rank}: {exchange.kind}: {error}") from None
+        raise _receiver_lost(exchange, error) from None
+
+
+def _receiver_lost(exchange: _Exchange, error: peer_socket.PeerClosed) -> WorkspaceError:
+    """Drops this sender's dead connection; the error to raise, naming this rank."""
+    peer_socket.forget(exchange.prefix)
+    return WorkspaceError(f"rank {exchange.rank}: {exchange.kind}: {error}")
 
 
 def _await_verdict(exchange: _Exchange, link: peer_socket.Link | None) -> None:
@@ -317,8 +320,7 @@ def _await_verdict(exchange: _Exchange, link: peer_socket.Link | None) -> None:
         try:
             raw = link.verdict(exchange.seq, patience)
         except peer_socket.PeerClosed as error:
-            peer_socket.forget(exchange.prefix)
-            raise WorkspaceError(f"rank {exchange.rank}: {exchange.kind}: {error}") from None
+            raise _receiver_lost(exchange, error) from None
     if raw is None:
         raise WorkspaceError(
             f"rank {exchange.rank}: {exchange.kind} timed out after {patience:g} s "
@@ -388,9 +390,8 @@ def _wait_in_store(exchange: _Exchange) -> dict[int, bytes]:
     try:
         exchange.store.wait(list(keys.values()), timedelta(seconds=max(exchange.timeout, 0.001)))
     except RuntimeError:  # DistStoreError on timeout: read those that came
-        keys = {sender: key for sender, key in keys.items() if exchange.store.check([key])}
-    values = exchange.store.multi_get(list(keys.values())) if keys else []
-    return dict(zip(keys, values, strict=True))
+        return _posted_in_store(exchange, exchange.senders)
+    return dict(zip(keys, exchange.store.multi_get(list(keys.values())), strict=True))
 
 
 def _posted_in_store(exchange: _Exchange, senders: list[int]) -> dict[int, bytes]:
@@ -482,7 +483,7 @@ def _deliver_verdict(
         if listener is not None and verdict.get("ok"):
             verdict = {**verdict, "endpoint": listener.offer(exchange.prefix)}
         _post(exchange, "verdict", verdict)
-    _in_store.setdefault(exchange.prefix, {})[exchange.seq] = (in_store, bool(in_store))
+    _in_store.setdefault(exchange.prefix, {})[exchange.seq] = in_store
 
 
 # ---------------------------------------------------------------- public API
