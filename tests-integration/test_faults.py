@@ -69,25 +69,27 @@ def shm_dir(tmp_path: Path) -> Iterator[Path]:
     directory.rmdir()
 
 
-def test_rank_crashing_inside_all_to_all_is_reported_first() -> None:
-    started = time.monotonic()
+def _launch_three(script: str, *args: str, env: dict[str, str] | None = None) -> tuple[int, str]:
+    """Runs ``dist-launch -n 3 --grace-period 2 SCRIPT ARGS`` to its end (at most 120 s).
+
+    Returns its exit status and everything it printed.
+    """
     completed = subprocess.run(
-        [
-            str(BIN / "dist-launch"),
-            "-n",
-            "3",
-            "--grace-period",
-            "2",
-            str(SCRIPTS / "crash_in_all_to_all.py"),
-        ],
+        [str(BIN / "dist-launch"), "-n", "3", "--grace-period", "2", str(SCRIPTS / script), *args],
         capture_output=True,
         text=True,
         timeout=120,
         check=False,
+        env=env,
     )
+    return completed.returncode, completed.stdout + completed.stderr
+
+
+def test_rank_crashing_inside_all_to_all_is_reported_first() -> None:
+    started = time.monotonic()
+    returncode, output = _launch_three("crash_in_all_to_all.py")
     elapsed = time.monotonic() - started
-    output = completed.stdout + completed.stderr
-    assert completed.returncode == 1, output
+    assert returncode == 1, output
     report = output[output.find("rank 1") :]
     assert "all_to_all_v" in report and "ValueError" in report, output
     assert elapsed < 60, elapsed
@@ -98,27 +100,12 @@ def test_rank_killed_between_exchanges_is_reported_first_at_once(
     shm_dir: Path, victim: int
 ) -> None:
     env = {**os.environ, "DIST_WORKSPACE_SHM_DIR": str(shm_dir)}
-    completed = subprocess.run(
-        [
-            str(BIN / "dist-launch"),
-            "-n",
-            "3",
-            "--grace-period",
-            "2",
-            str(SCRIPTS / "shm_exchange_killed.py"),
-            str(victim),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,  # the exchange's own timeout is an hour
-        check=False,
-        env=env,
-    )
-    output = completed.stdout + completed.stderr
+    # The exchange's own timeout is an hour, the launch's 120 s.
+    returncode, output = _launch_three("shm_exchange_killed.py", str(victim), env=env)
     # The peers raise at once (their connection to the dead rank closed), maybe before
     # the launcher sees the death; still the dead rank is the root cause, and its
     # signal the launcher's exit status.
-    assert completed.returncode == 128 + signal.SIGKILL, output
+    assert returncode == 128 + signal.SIGKILL, output
     assert f"rank {victim} (local rank {victim}, node 0) failed first with signal SIGKILL" in (
         output
     ), output
