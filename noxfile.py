@@ -81,8 +81,16 @@ def _sibling_closure(package: str) -> list[str]:
 def _install_packages(
     session: nox.Session, packages: list[str], extras: str = "", torch_spec: str = TORCH_SPEC
 ) -> None:
-    """Installs torch first (pinned), then the packages, non-editable, from this repo."""
-    session.install(torch_spec)
+    """Installs torch first (pinned), then the packages, non-editable, from this repo.
+
+    A torch other than ``TORCH_SPEC`` is a CUDA build of several GB: pip's cache would
+    hold a second copy of it, which is what ran a CI machine out of disk once, so it
+    installs with ``--no-cache-dir``.
+    """
+    if torch_spec == TORCH_SPEC:
+        session.install(torch_spec)
+    else:
+        session.install("--no-cache-dir", torch_spec)
     targets = []
     for package in packages:
         closure = _sibling_closure(package)
@@ -170,6 +178,8 @@ def other_torch(session: nox.Session, version: str) -> None:
     the lowest one the packages declare. One venv for all four packages, so that torch
     installs once per session.
     """
+    free_gib = shutil.disk_usage(ROOT).free / 2**30
+    session.log(f"{free_gib:.1f} GiB free on the disk of {ROOT}; this venv takes about 5 GiB")
     _install_packages(session, PACKAGES, extras="[test]", torch_spec=OTHER_TORCH_SPECS[version])
     session.run("python", "-m", "dist_core")  # its report names the torch it runs on
     env = {"PYTHONDONTWRITEBYTECODE": "1"}
