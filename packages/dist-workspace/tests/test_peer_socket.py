@@ -247,3 +247,35 @@ def test_calls_through_a_directory_between_connected_ones_keep_the_store(
 ) -> None:
     right = run_ranks(_shared_memory_and_directory_calls, 3, 4, str(tmp_path), timeout=120)[0]
     assert right == [True] * 8, right
+
+
+def _receiver_without_a_socket(count: int) -> dict[str, Any]:
+    """Rank 0 cannot open its listener (as when out of file descriptors); then calls."""
+    import errno
+    import logging
+
+    if torch.distributed.get_rank() == 0:
+
+        def refuse(self: peer_socket.Listener, host: str) -> None:
+            raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+
+        peer_socket.Listener.__init__ = refuse  # type: ignore[method-assign]
+        records: list[logging.LogRecord] = []
+        handler = logging.Handler()
+        handler.emit = records.append  # type: ignore[method-assign]
+        logging.getLogger(peer_socket.__name__).addHandler(handler)
+        logging.getLogger(peer_socket.__name__).setLevel(logging.INFO)
+        result = _calls_and_keys(count, None)
+        result["logged"] = [record.getMessage() for record in records]
+        return result
+    return _calls_and_keys(count, None)
+
+
+def test_a_receiver_that_cannot_open_its_socket_keeps_the_store() -> None:
+    ranks = run_ranks(_receiver_without_a_socket, 3, 3, timeout=120)
+    assert all(ranks[0]["right"]) and len(ranks[0]["right"]) == 6
+    assert [r["statuses"] for r in ranks] == [0, 6, 6], ranks
+    assert ranks[0]["verdicts"] == 6, ranks
+    # Logged once, at the first call, naming why; not once per call.
+    assert len(ranks[0]["logged"]) == 1, ranks[0]["logged"]
+    assert "Too many open files" in ranks[0]["logged"][0], ranks[0]["logged"]
