@@ -8,20 +8,19 @@ import select
 import signal
 import socket
 import subprocess
-import sys
 import textwrap
 import time
 from pathlib import Path
 from typing import IO
 
 import pytest
+from launcher_nodes import LAUNCH, run_nodes
 from launcher_signals import default_signal_handling
 
 from dist_core.ports import get_unused_port
 
 pytestmark = pytest.mark.timeout(240)
 
-LAUNCH = [sys.executable, "-m", "dist_launch"]
 
 TORCHRUN_SCRIPT = """\
 import os
@@ -313,22 +312,8 @@ def test_two_launchers_form_one_group(tmp_path: Path) -> None:
     script = _script(tmp_path, "train.py", TORCHRUN_SCRIPT)
     port = get_unused_port()
     common = ["-n", "2", "--nnodes", "2", "--master-port", str(port)]
-    nodes = [
-        subprocess.Popen(
-            [*LAUNCH, *common, "--node-rank", str(node), script],
-            cwd=tmp_path,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for node in (0, 1)
-    ]
-    try:
-        outputs = [node.communicate(timeout=150) for node in nodes]
-    finally:
-        for node in nodes:
-            node.kill()
-            node.wait(30)
+    argvs = [[*common, "--node-rank", str(node), script] for node in (0, 1)]
+    nodes, outputs = run_nodes(argvs, tmp_path, timeout=150)
     for node, (stdout, stderr) in zip(nodes, outputs, strict=True):
         assert node.returncode == 0, stderr
         assert stdout.count("sum 6 world 4") == 2, stdout

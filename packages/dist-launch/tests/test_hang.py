@@ -5,14 +5,13 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from launcher_nodes import LAUNCH, run_nodes
 
 pytestmark = pytest.mark.timeout(240)
 
-LAUNCH = [sys.executable, "-m", "dist_launch"]
 # The launcher's exit status after a hang with no restart left (run_outcome.HANG_EXIT_STATUS).
 HUNG = 75
 # Short enough for a quick test, long enough for a loaded machine's start-up.
@@ -277,22 +276,7 @@ def test_a_node_waiting_for_another_nodes_progress_is_not_hung(tmp_path: Path) -
         "--rdzv-endpoint", f"127.0.0.1:{get_unused_port()}", "--rdzv-id", "eval",
         "--hang-timeout", "4",
     ]  # fmt: skip
-    nodes = [
-        subprocess.Popen(
-            [*LAUNCH, *common, str(script)],
-            cwd=tmp_path,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for _ in range(2)
-    ]
-    try:
-        outputs = [node.communicate(timeout=150) for node in nodes]
-    finally:
-        for node in nodes:
-            node.kill()
-            node.wait(30)
+    nodes, outputs = run_nodes([[*common, str(script)]] * 2, tmp_path, timeout=150)
     for node, (stdout, stderr) in zip(nodes, outputs, strict=True):
         assert node.returncode == 0, stderr
         assert "dist-launch: hang" not in stderr

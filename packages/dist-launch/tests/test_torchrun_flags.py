@@ -6,16 +6,15 @@ import json
 import os
 import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from launcher_nodes import LAUNCH, run_nodes
 
 from dist_core.ports import get_unused_port
 
 pytestmark = pytest.mark.timeout(240)
 
-LAUNCH = [sys.executable, "-m", "dist_launch"]
 BOUND = 120
 
 ALLREDUCE = """\
@@ -249,18 +248,7 @@ def two_loopback_nodes(
     argv: list[str], cwd: Path
 ) -> tuple[list[subprocess.Popen[str]], list[tuple[str, str]]]:
     """Two launchers on this host, as two nodes of one c10d job; waits for both."""
-    nodes = [
-        subprocess.Popen(
-            [*LAUNCH, *argv], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
-        for _ in range(2)
-    ]
-    try:
-        return nodes, [node.communicate(timeout=BOUND) for node in nodes]
-    finally:
-        for node in nodes:
-            node.kill()
-            node.wait(30)
+    return run_nodes([argv, argv], cwd, timeout=BOUND)
 
 
 def test_c10d_on_loopback_two_nodes(tmp_path: Path, allreduce: Path) -> None:

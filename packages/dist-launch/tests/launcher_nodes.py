@@ -1,0 +1,40 @@
+"""Several launchers on this host, as the nodes of one job, run to their end.
+
+Each launcher's stdout and stderr are read whole; whatever happens, every launcher is
+killed and reaped before the helper returns, so a test that fails leaves no launcher
+(and, through it, no rank) behind.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+LAUNCH = [sys.executable, "-m", "dist_launch"]
+
+
+def run_nodes(
+    argvs: list[list[str]], cwd: Path, timeout: float
+) -> tuple[list[subprocess.Popen[str]], list[tuple[str, str]]]:
+    """Starts ``dist_launch`` once per argument list; waits for all.
+
+    Returns:
+        The launchers (for their return codes) and, in the same order, each one's
+        ``(stdout, stderr)``.
+
+    Raises:
+        subprocess.TimeoutExpired: a launcher did not end within ``timeout`` seconds.
+    """
+    nodes = [
+        subprocess.Popen(
+            [*LAUNCH, *argv], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for argv in argvs
+    ]
+    try:
+        return nodes, [node.communicate(timeout=timeout) for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+            node.wait(30)
