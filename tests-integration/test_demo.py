@@ -9,8 +9,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from safetensors.torch import load_file
+
+pytestmark = pytest.mark.processes
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 

@@ -7,6 +7,10 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.processes
+
 
 def _run(env_overrides: dict[str, str]) -> subprocess.CompletedProcess[str]:
     env = {

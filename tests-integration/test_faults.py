@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.processes
+
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 BIN = Path(sys.executable).parent
 

@@ -7,6 +7,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+pytestmark = pytest.mark.processes
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

@@ -22,6 +22,8 @@ from typing import Any
 
 import pytest
 
+pytestmark = pytest.mark.processes
+
 Host = Any  # conftest.Host; conftest modules are not importable by name
 Network = Any  # conftest.Network
 

@@ -7,6 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.processes
+
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "ddp_job.py"
 
 

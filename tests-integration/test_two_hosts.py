@@ -11,6 +11,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+pytestmark = pytest.mark.processes
+
 Host = Any  # conftest.Host; conftest modules are not importable by name
 
 SCRIPT = Path(__file__).parent / "scripts" / "allreduce_job.py"

@@ -184,6 +184,7 @@ def _run(command: list[str], cwd: Path, env: dict[str, str], block: Block) -> No
 
 
 @pytest.mark.parametrize("block", ALL_BLOCKS, ids=lambda block: block.id)
+@pytest.mark.processes
 def test_code_block_runs(block: Block, workdirs: dict[Path, Path], shims: Path) -> None:
     workdir = workdirs[block.page]
     if block.language in PYTHON:

@@ -160,18 +160,21 @@ def subgroup_worker() -> list[float]:
     return [*out.tolist(), *x.grad.tolist(), *v.tolist()]
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_exchanges_match_reference(world: int) -> None:
     results = run_ranks(exchange_worker, world, timeout=120)
     assert all(len(done) == 10 for done in results)
 
 
+@pytest.mark.processes
 def test_errors_name_the_sizes() -> None:
     results = run_ranks(errors_worker, 3, timeout=120)
     assert results[0] == ["a2a-divisible", "v-divisible", "v-sum", "v-length", "v-negative"]
     assert results[1][-1] == "not-member"
 
 
+@pytest.mark.processes
 def test_subgroup_and_double_backward() -> None:
     results = run_ranks(subgroup_worker, 3, timeout=120)
     # Rank 1 sends [10] to itself and [11] to rank 2; rank 2 sends [20] and keeps [21].

@@ -163,6 +163,7 @@ def cuda_worker() -> list[str]:
     return failures
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("world", [2, 3])
 def test_cuda_exchanges_over_gloo_match_cpu_bit_exactly(world: int) -> None:
     results = run_ranks(cuda_worker, world, backend="gloo", timeout=180)

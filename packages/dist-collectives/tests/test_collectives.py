@@ -63,6 +63,7 @@ def helpers_worker() -> dict[str, Any]:
     return out
 
 
+@pytest.mark.processes
 def test_helpers_on_three_ranks_and_a_subgroup() -> None:
     results = run_ranks(helpers_worker, 3, timeout=120)
     for rank, out in enumerate(results):

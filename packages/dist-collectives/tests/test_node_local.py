@@ -101,6 +101,7 @@ def zero_first_worker(shared: str, two_nodes: bool, leader_waits_for: dict[int, 
     return out
 
 
+@pytest.mark.processes
 def test_run_local_rank_zero_first_one_node(tmp_path: Path) -> None:
     results = run_ranks(zero_first_worker, 3, str(tmp_path), False, {}, timeout=120)
     assert results[0] == {"runs": 1, "early": []}
@@ -108,6 +109,7 @@ def test_run_local_rank_zero_first_one_node(tmp_path: Path) -> None:
         assert out == {"runs": 1, "leader_done": True, "leader_done_again": True}
 
 
+@pytest.mark.processes
 def test_run_local_rank_zero_first_is_per_node(tmp_path: Path) -> None:
     # Node 1's local rank 0 (global 2) stays in its block until node 0's follower
     # (global 1) has entered its own: with one barrier for the whole job, global 1
@@ -137,6 +139,7 @@ def failing_leader_worker(two_nodes: bool, failing_nodes: list[int]) -> Any:
     return {"ran": ran, "error": None}
 
 
+@pytest.mark.processes
 def test_leader_error_reaches_followers_one_node() -> None:
     results = run_ranks(failing_leader_worker, 3, False, [0], timeout=60)
     assert results[0] == {
@@ -154,6 +157,7 @@ def test_leader_error_reaches_followers_one_node() -> None:
         )
 
 
+@pytest.mark.processes
 def test_leader_error_stays_on_its_node() -> None:
     results = run_ranks(failing_leader_worker, 4, True, [1], timeout=60)
     assert results[0] == {"ran": True, "error": None}
@@ -187,6 +191,7 @@ def stuck_leader_worker(shared: str) -> Any:
         return {"ran": True, "message": str(error), "leader": True}
 
 
+@pytest.mark.processes
 def test_followers_time_out_naming_local_rank_zero(tmp_path: Path) -> None:
     results = run_ranks(stuck_leader_worker, 3, str(tmp_path), timeout=60)
     assert results[0] == {"ran": True, "message": "leader gives up too", "leader": True}
@@ -210,6 +215,7 @@ def dying_leader_worker(shared: str) -> None:
         Path(shared, f"rank{rank}").write_text(str(error))
 
 
+@pytest.mark.processes
 def test_followers_notice_a_dead_local_rank_zero(tmp_path: Path) -> None:
     # run_ranks stops the others FAILURE_GRACE_SECONDS (2 s) after rank 0 dies: they
     # have written their error before that only if they noticed the death, not the
@@ -235,6 +241,7 @@ def duplicate_place_worker() -> Any:
         return str(error)
 
 
+@pytest.mark.processes
 def test_inconsistent_node_places_fail_on_every_rank() -> None:
     results = run_ranks(duplicate_place_worker, 2, timeout=60)
     expected = (
@@ -256,6 +263,7 @@ def signal_file_worker(shared: str, two_nodes: bool) -> Any:
     return {"name": name, "path": path, "content": content, "node": get_node_rank()}
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("two_nodes", [False, True], ids=["one-node", "two-nodes"])
 def test_signal_file_names_and_files(tmp_path: Path, two_nodes: bool) -> None:
     results = run_ranks(signal_file_worker, 4, str(tmp_path), two_nodes, timeout=120)
@@ -294,6 +302,7 @@ def download_worker(shared: str) -> Any:
         return {"read": target.read_text()}
 
 
+@pytest.mark.processes
 def test_download_and_wait_without_process_group(tmp_path: Path) -> None:
     results = run_ranks(download_worker, 4, str(tmp_path), timeout=120)
     assert results == [

@@ -122,6 +122,7 @@ def factorisations_worker() -> list[tuple[int, int, dict[str, Any]]]:
     return seen
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("world", [1, 4, 8])
 def test_every_factorisation(world: int) -> None:
     results = run_ranks(factorisations_worker, world, timeout=240)
@@ -161,6 +162,7 @@ def bad_plans_worker() -> list[str]:
     return checked
 
 
+@pytest.mark.processes
 def test_bad_plans_raise_on_every_rank() -> None:
     results = run_ranks(bad_plans_worker, 4, timeout=120)
     assert results == [["mismatch", "backend mismatch", "divisible", "positive", "recovered"]] * 4

@@ -131,6 +131,7 @@ def _init_destroy_twice() -> list[int]:
     return sums
 
 
+@pytest.mark.processes
 def test_init_then_destroy_twice_in_one_process() -> None:
     assert run_ranks(_init_destroy_twice, 2) == [[3, 3], [3, 3]]
 
@@ -139,6 +140,7 @@ def _init_twice_without_destroy() -> None:
     dist_core.init_process_group_from_backend("gloo")
 
 
+@pytest.mark.processes
 def test_second_init_without_destroy_is_a_clear_error() -> None:
     with pytest.raises(RuntimeError, match="already initialized"):
         run_ranks(_init_twice_without_destroy, 1)
@@ -212,6 +214,7 @@ def _init_with_default_backend_and_report() -> tuple[str, str | None]:
     return dist.get_backend(), fallback[0] if fallback else None
 
 
+@pytest.mark.processes
 @pytest.mark.cuda
 def test_more_ranks_than_gpus_run_on_gloo_and_rank_zero_says_why() -> None:
     crowded = cuda_device_count() + 1
@@ -237,6 +240,7 @@ def _nccl_group_of_one() -> tuple[str, str, list[str]]:
     return dist.get_backend(), str(value.device), [str(w.message) for w in caught]
 
 
+@pytest.mark.processes
 @pytest.mark.cuda
 def test_one_rank_on_a_gpu_gets_nccl_bound_to_its_device_without_warnings() -> None:
     [(backend, device, warned)] = run_ranks(_nccl_group_of_one, 1)
@@ -277,6 +281,7 @@ for backend in ("gloo", "nccl"):
 """
 
 
+@pytest.mark.processes
 @pytest.mark.cuda
 def test_a_child_forked_after_the_parent_asked_for_cuda_runs_gloo_and_names_why_not_nccl(
     tmp_path: Path,

@@ -47,6 +47,7 @@ def test_main_prints_json_and_fails_on_bad_environment(
     assert "RANK=9 with WORLD_SIZE=2" in report["environment"]["error"]
 
 
+@pytest.mark.processes
 def test_module_entry_point_runs() -> None:
     completed = subprocess.run(
         [sys.executable, "-m", "dist_core"],

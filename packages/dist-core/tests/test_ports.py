@@ -7,6 +7,8 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
+
 import dist_core
 from dist_core.ports import release_port
 
@@ -44,6 +46,7 @@ def test_preferred_port_is_used_when_free_and_skipped_when_taken() -> None:
         assert dist_core.get_unused_port(taken) != taken
 
 
+@pytest.mark.processes
 def test_fifty_concurrent_processes_get_fifty_distinct_ports() -> None:
     children = [
         subprocess.Popen(
@@ -81,6 +84,7 @@ def test_fifty_concurrent_threads_get_fifty_distinct_ports() -> None:
         release_port(port)
 
 
+@pytest.mark.processes
 def test_reservation_dies_with_its_process() -> None:
     completed = subprocess.run(
         [sys.executable, "-c", "from dist_core import get_unused_port; print(get_unused_port(0))"],

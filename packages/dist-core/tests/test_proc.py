@@ -8,6 +8,8 @@ import textwrap
 
 import pytest
 
+pytestmark = pytest.mark.processes
+
 # A child that asks for SIGTERM on its parent's death while every way of starting a
 # subprocess fails, then reads back what the kernel holds for it.
 _CHILD = textwrap.dedent(

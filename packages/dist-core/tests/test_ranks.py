@@ -38,6 +38,7 @@ def _queries_answer_from_group_not_environment() -> dict[str, object]:
     }
 
 
+@pytest.mark.processes
 def test_rank_queries_in_a_real_four_process_group() -> None:
     results = run_ranks(_queries, 4)
     for rank, result in enumerate(results):
@@ -54,6 +55,7 @@ def test_rank_queries_in_a_real_four_process_group() -> None:
         }
 
 
+@pytest.mark.processes
 def test_live_group_wins_over_environment() -> None:
     results = run_ranks(_queries_answer_from_group_not_environment, 4)
     assert [r["rank"] for r in results] == [0, 1, 2, 3]

@@ -125,6 +125,7 @@ def reaped(pid: int) -> bool:
     return False
 
 
+@pytest.mark.processes
 def test_leaving_the_block_by_an_exception_kills_and_reaps_every_worker(
     workers: Workers, alive: Callable[[int], bool]
 ) -> None:
@@ -149,6 +150,7 @@ def test_leaving_the_block_by_an_exception_kills_and_reaps_every_worker(
     assert supervisor.outcomes[0].status == "stopped"
 
 
+@pytest.mark.processes
 def test_keyboard_interrupt_forwards_sigint_before_killing(workers: Workers) -> None:
     with pytest.raises(KeyboardInterrupt), Supervisor(grace_period=30.0) as supervisor:
         worker = workers.start(0, "note-sigint", supervisor)
@@ -161,6 +163,7 @@ def test_keyboard_interrupt_forwards_sigint_before_killing(workers: Workers) -> 
     assert "in parked_in_python" in supervisor.outcomes[0].live_stack
 
 
+@pytest.mark.processes
 def test_a_failure_stops_the_others_and_says_where_they_were(workers: Workers) -> None:
     with Supervisor(grace_period=5.0) as supervisor:
         workers.park(supervisor, [0, 1])
@@ -178,6 +181,7 @@ def test_a_failure_stops_the_others_and_says_where_they_were(workers: Workers) -
         assert "in parked_in_python" in other.live_stack
 
 
+@pytest.mark.processes
 def test_request_stacks_stops_nothing(workers: Workers) -> None:
     with Supervisor(grace_period=5.0) as supervisor:
         workers.park(supervisor, [0, 1])
@@ -195,6 +199,7 @@ def test_request_stacks_stops_nothing(workers: Workers) -> None:
     assert [w.popen.returncode for w in workers.started] == [-signal.SIGKILL] * 2
 
 
+@pytest.mark.processes
 def test_an_interrupt_dumps_every_stack_then_forwards_the_signal(workers: Workers) -> None:
     with Supervisor(grace_period=30.0) as supervisor:
         workers.park(supervisor, [0, 1])
@@ -208,6 +213,7 @@ def test_an_interrupt_dumps_every_stack_then_forwards_the_signal(workers: Worker
         assert "in parked_in_python" in rank.live_stack
 
 
+@pytest.mark.processes
 def test_a_closed_supervisor_takes_no_worker(workers: Workers) -> None:
     with Supervisor(grace_period=1.0) as supervisor:
         pass

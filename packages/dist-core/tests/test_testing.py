@@ -66,16 +66,19 @@ def _rank_zero_sleeps_in_python() -> None:
     dist.barrier()
 
 
+@pytest.mark.processes
 def test_results_come_back_in_rank_order() -> None:
     results = run_ranks(_all_reduce_scaled, 3, Payload(10), offset=1)
     assert results == [Payload(60)] * 3
 
 
+@pytest.mark.processes
 def test_workers_see_the_callers_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RUN_RANKS_MARKER", "from-the-test")
     assert run_ranks(_identity_rank, 2) == [(0, 2, "from-the-test"), (1, 2, "from-the-test")]
 
 
+@pytest.mark.processes
 def test_failing_rank_traceback_comes_first_and_others_are_stopped() -> None:
     with pytest.raises(RankFailedError) as info:
         run_ranks(_rank_two_raises_while_others_block, 4, timeout=60)
@@ -88,6 +91,7 @@ def test_failing_rank_traceback_comes_first_and_others_are_stopped() -> None:
         assert f"  rank {other}: " in message
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize(
     ("worker", "how"),
     [
@@ -103,6 +107,7 @@ def test_rank_dying_without_a_traceback_is_named(worker: object, how: str) -> No
     assert f"rank 1 of 3 failed first: its process ended with {how}" in str(info.value)
 
 
+@pytest.mark.processes
 def test_timeout_reports_where_each_rank_was() -> None:
     with pytest.raises(RankFailedError) as info:
         run_ranks(_rank_zero_sleeps_in_python, 2, timeout=8)

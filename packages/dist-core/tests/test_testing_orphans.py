@@ -11,6 +11,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.processes
+
 SCRIPT = textwrap.dedent(
     """
     import os, sys, time

@@ -19,7 +19,7 @@ from launcher_signals import default_signal_handling
 
 from dist_core.ports import get_unused_port
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.processes, pytest.mark.timeout(240)]
 
 
 TORCHRUN_SCRIPT = """\

@@ -122,6 +122,7 @@ def _summary(stderr: str) -> str:
     return lines[index + 1].strip()
 
 
+@pytest.mark.processes
 def test_a_rank_sleeping_for_ever_is_named_and_the_exit_status_says_hung(tmp_path: Path) -> None:
     log_dir = tmp_path / "logs"
     result = _launch(
@@ -141,6 +142,7 @@ def test_a_rank_sleeping_for_ever_is_named_and_the_exit_status_says_hung(tmp_pat
     assert "load_next_batch" in error["message"]["extraInfo"]["py_callstack"]
 
 
+@pytest.mark.processes
 def test_a_hang_restarts_the_group_within_max_restarts(tmp_path: Path) -> None:
     result = _launch(tmp_path, SLEEPER, "-n", "2", "--hang-timeout", TIMEOUT, "--max-restarts", "1")
     assert result.returncode == HUNG, result.stderr
@@ -149,12 +151,14 @@ def test_a_hang_restarts_the_group_within_max_restarts(tmp_path: Path) -> None:
     assert result.stdout.count("warm") == 4  # two ranks, two attempts
 
 
+@pytest.mark.processes
 def test_pet_hang_timeout_is_read(tmp_path: Path) -> None:
     result = _launch(tmp_path, SLEEPER, "-n", "2", env={"PET_HANG_TIMEOUT": TIMEOUT})
     assert result.returncode == HUNG, result.stderr
     assert f"(--hang-timeout {TIMEOUT})" in result.stderr
 
 
+@pytest.mark.processes
 def test_a_rank_in_another_collective_is_named(tmp_path: Path) -> None:
     result = _launch(tmp_path, OTHER_COLLECTIVE, "-n", "3", "--hang_timeout", TIMEOUT)
     assert result.returncode == HUNG, result.stderr
@@ -163,6 +167,7 @@ def test_a_rank_in_another_collective_is_named(tmp_path: Path) -> None:
     ), result.stderr
 
 
+@pytest.mark.processes
 def test_an_evaluation_pass_longer_than_the_timeout_is_not_a_hang(tmp_path: Path) -> None:
     # Steps of 0.5 s, the evaluation 5 s: a detector watching the step rate alone
     # would call the evaluation hung at 4 s.
@@ -172,6 +177,7 @@ def test_an_evaluation_pass_longer_than_the_timeout_is_not_a_hang(tmp_path: Path
     assert result.stdout.count("finished") == 2
 
 
+@pytest.mark.processes
 def test_an_expired_torch_elastic_timer_is_handled_as_a_hang(tmp_path: Path) -> None:
     result = _launch(
         tmp_path,
@@ -200,6 +206,7 @@ print(f"main blocks {sorted(signal.pthread_sigmask(signal.SIG_BLOCK, []))}", flu
 """
 
 
+@pytest.mark.processes
 def test_the_sampler_thread_takes_no_signal_meant_for_the_script(tmp_path: Path) -> None:
     # A script that blocks SIGWINCH to sigtimedwait() for it would otherwise lose the
     # signal to the sampler, the one thread of the process that does not block it.
@@ -225,6 +232,7 @@ print("finished", flush=True)
 """
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("report", [True, False], ids=["reported", "silent"])
 def test_report_progress_keeps_a_rank_of_long_native_calls_alive(
     tmp_path: Path, report: bool
@@ -266,6 +274,7 @@ print("finished", flush=True)
 """
 
 
+@pytest.mark.processes
 def test_a_node_waiting_for_another_nodes_progress_is_not_hung(tmp_path: Path) -> None:
     from dist_core.ports import get_unused_port
 

@@ -27,6 +27,7 @@ logging.getLogger("other").warning("not ours")
 """
 
 
+@pytest.mark.processes
 def test_messages_carry_program_timestamp_and_level_of_warnings_once() -> None:
     result = subprocess.run(
         [sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=60, check=True

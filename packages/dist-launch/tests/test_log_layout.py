@@ -56,6 +56,7 @@ def _claim(log_dir: str, queue: multiprocessing.Queue[str]) -> None:
     queue.put(str(LogLayout.create(log_dir, "same").run_dir))
 
 
+@pytest.mark.processes
 def test_launchers_started_together_get_distinct_directories(tmp_path: Path) -> None:
     context = multiprocessing.get_context("fork")
     queue: multiprocessing.Queue[str] = context.Queue()

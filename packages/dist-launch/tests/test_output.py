@@ -223,6 +223,7 @@ def _shows(sink: io.BytesIO, tail: bytes) -> Callable[[], bool]:
     return lambda: sink.getvalue().endswith(tail)
 
 
+@pytest.mark.processes
 def test_a_live_workers_partial_frame_appears_before_the_worker_goes_on() -> None:
     read_fd, write_fd = os.pipe()
     worker = subprocess.Popen(
@@ -289,6 +290,7 @@ def test_pipe_relay_keeps_the_prefix_first_whatever_the_line_holds(pipe: Pipe) -
     assert pipe.end() == P + b"\x1b[2Kbar\n" + P + b"\x1b[?25l\r"
 
 
+@pytest.mark.processes
 def test_terminal_relay_reads_everything_before_the_end_of_file() -> None:
     # After the worker exits, reading the launcher's end fails with EIO: that is the end
     # of file, and what the worker wrote before it is all there.

@@ -100,6 +100,7 @@ def _launch_and_look(
     return argvs, names, parents
 
 
+@pytest.mark.processes
 def test_fork_server_worker_shows_the_script_its_args_and_rank(tmp_path: Path) -> None:
     (tmp_path / "hold.py").write_text(HOLD_SCRIPT)
     argvs, names, parents = _launch_and_look(
@@ -112,6 +113,7 @@ def test_fork_server_worker_shows_the_script_its_args_and_rank(tmp_path: Path) -
     assert parents == [["dist-launch fork server (hold.py)"]] * 2
 
 
+@pytest.mark.processes
 def test_spawned_worker_shows_its_module_and_rank(tmp_path: Path) -> None:
     (tmp_path / "holdmod.py").write_text(HOLD_SCRIPT)
     argvs, names, _ = _launch_and_look(tmp_path, "spawn", ["-m", "holdmod", "x"])
@@ -132,6 +134,7 @@ def _in_child(code: str, *args: str) -> str:
     return result.stdout
 
 
+@pytest.mark.processes
 def test_a_long_title_is_cut_to_the_argv_area() -> None:
     out = _in_child(
         """\
@@ -151,6 +154,7 @@ def test_a_long_title_is_cut_to_the_argv_area() -> None:
     assert eval(title) == b"python3\0" + b"x" * (int(size) - len("python3") - 2)
 
 
+@pytest.mark.processes
 def test_a_title_shorter_than_before_leaves_no_trace_of_the_old_one() -> None:
     out = _in_child(
         """\

@@ -76,6 +76,7 @@ def _line_of(stack: str, function: str) -> int:
     return int(found.group(1))
 
 
+@pytest.mark.processes
 def test_identical_stacks_are_grouped_despite_different_thread_ids(
     dumps: dict[int, str],
 ) -> None:
@@ -91,6 +92,7 @@ def test_identical_stacks_are_grouped_despite_different_thread_ids(
     assert 'rank.py", line 9 in helper' in first
 
 
+@pytest.mark.processes
 def test_which_thread_is_current_does_not_split_a_group(dumps: dict[int, str]) -> None:
     # The kernel may hand the dump signal to another thread in another rank.
     swapped = dumps[0].replace("Current thread", "Thread", 1)
@@ -99,11 +101,13 @@ def test_which_thread_is_current_does_not_split_a_group(dumps: dict[int, str]) -
     assert [ranks for ranks, _ in group_stacks({0: dumps[0], 7: swapped})] == [[0, 7]]
 
 
+@pytest.mark.processes
 def test_launcher_frames_do_not_split_a_group(dumps: dict[int, str]) -> None:
     frame = '  File "/site-packages/dist_launch/_bootstrap.py", line 70 in run_target\n'
     assert [ranks for ranks, _ in group_stacks({3: dumps[0] + frame, 1: dumps[2]})] == [[1, 3]]
 
 
+@pytest.mark.processes
 def test_groups_are_ordered_by_their_lowest_rank(dumps: dict[int, str]) -> None:
     stacks = {9: dumps[1], 4: dumps[0], 2: dumps[4]}
     assert [ranks for ranks, _ in group_stacks(stacks)] == [[2, 9], [4]]
@@ -123,6 +127,7 @@ def test_rank_ranges(ranks: list[int], text: str) -> None:
     assert format_rank_ranges(ranks) == text
 
 
+@pytest.mark.processes
 def test_format_stacks_shows_each_stack_once(dumps: dict[int, str]) -> None:
     text = format_stacks(dumps)
     lines = text.splitlines()
@@ -141,6 +146,7 @@ def _outcome(rank: int, status: str, stack: str = "", returncode: int | None = N
     return outcome
 
 
+@pytest.mark.processes
 def test_failure_report_has_the_root_cause_first_then_grouped_stacks(
     dumps: dict[int, str],
 ) -> None:
@@ -157,6 +163,7 @@ def test_failure_report_has_the_root_cause_first_then_grouped_stacks(
     assert stacks.count("in helper") == 2
 
 
+@pytest.mark.processes
 def test_timeout_report_groups_stacks(dumps: dict[int, str]) -> None:
     ranks = [_outcome(rank, "stopped", dumps[rank], -signal.SIGTERM) for rank in PLACES]
     report = format_report(GroupOutcome("timed_out", ranks, timeout=4.0))
@@ -165,6 +172,7 @@ def test_timeout_report_groups_stacks(dumps: dict[int, str]) -> None:
     assert "  ranks 1, 4: same stack" in report.splitlines()
 
 
+@pytest.mark.processes
 def test_interrupt_report_shows_stacks_when_it_has_them(dumps: dict[int, str]) -> None:
     ranks = [_outcome(rank, "stopped", dumps[rank], -signal.SIGINT) for rank in PLACES]
     report = format_report(GroupOutcome("interrupted", ranks, signum=signal.SIGINT))
@@ -178,6 +186,7 @@ def test_interrupt_report_shows_stacks_when_it_has_them(dumps: dict[int, str]) -
     assert report == "dist-launch: interrupted by SIGINT; stopped 6 rank(s)"
 
 
+@pytest.mark.processes
 def test_stack_dump_on_request_shows_the_running_ranks(dumps: dict[int, str]) -> None:
     ranks = [_outcome(rank, "running", dumps[rank]) for rank in PLACES]
     ranks[5] = _outcome(5, "succeeded", dumps[5], 0)  # ended earlier: not shown

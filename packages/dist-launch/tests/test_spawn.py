@@ -35,6 +35,7 @@ def _cfg(world_size: int, method: str = "forkserver") -> MultiprocessConfig:
     )
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("method", ["forkserver", "spawn", "fork"])
 def test_every_rank_runs_in_one_group(tmp_path: Path, method: str) -> None:
     from dist_launch_test_workers import write_rank_and_sum
@@ -46,12 +47,14 @@ def test_every_rank_runs_in_one_group(tmp_path: Path, method: str) -> None:
     assert lines == [f"{rank} {world} {total} {rank}" for rank in range(world)]
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("method", ["forkserver", "fork"])
 def test_function_and_argument_classes_from_a_test_file(tmp_path: Path, method: str) -> None:
     launch_subprocesses(_write_greeting, _cfg(2, method), None, 0, str(tmp_path), _Greeting("hi"))
     assert sorted(path.read_text() for path in tmp_path.iterdir()) == ["hi True", "hi True"]
 
 
+@pytest.mark.processes
 def test_failing_rank_is_named_with_its_traceback() -> None:
     from dist_launch_test_workers import fail_on_rank
 
@@ -66,6 +69,7 @@ def test_failing_rank_is_named_with_its_traceback() -> None:
     assert "rank 0 (local rank 0, node 0)" in message and "rank 1 (local rank 1" in message
 
 
+@pytest.mark.processes
 def test_root_cause_is_right_ten_times_in_a_row() -> None:
     from dist_launch_test_workers import fail_on_rank
 
@@ -77,6 +81,7 @@ def test_root_cause_is_right_ten_times_in_a_row() -> None:
     assert named == [1] * 10
 
 
+@pytest.mark.processes
 def test_two_calls_with_rank_offsets_form_one_world(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -168,6 +173,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("method", ["forkserver", "fork"])
 def test_no_worker_outlives_a_sigkilled_caller(tmp_path: Path, method: str) -> None:
     import os
@@ -232,6 +238,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.processes
 @pytest.mark.cuda
 @pytest.mark.parametrize("ranks_per_gpu", [1, 2])
 def test_fork_workers_use_cuda_after_the_parent_resolved_the_config(
@@ -288,6 +295,7 @@ def _run_as_parent(tmp_path: Path, template: str) -> subprocess.CompletedProcess
     )
 
 
+@pytest.mark.processes
 @pytest.mark.cuda
 def test_fork_after_the_caller_initialised_cuda_is_refused_by_name(tmp_path: Path) -> None:
     done = _run_as_parent(tmp_path, _FORK_AFTER_CUDA_INIT)
@@ -313,6 +321,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.processes
 @pytest.mark.cuda
 def test_fork_of_a_cpu_job_after_the_caller_asked_for_cuda_runs(tmp_path: Path) -> None:
     done = _run_as_parent(tmp_path, _FORK_AFTER_IS_AVAILABLE)
@@ -321,6 +330,7 @@ def test_fork_of_a_cpu_job_after_the_caller_asked_for_cuda_runs(tmp_path: Path) 
     assert lines == ["0 2 1 0", "1 2 1 1"]
 
 
+@pytest.mark.processes
 def test_world_size_alone_starts_every_rank_on_this_node(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -13,7 +13,7 @@ from launcher_nodes import LAUNCH, run_nodes
 
 from dist_core.ports import get_unused_port
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.processes, pytest.mark.timeout(240)]
 
 BOUND = 120
 

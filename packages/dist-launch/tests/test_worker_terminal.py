@@ -179,6 +179,7 @@ def _seen(rank: int, stdout: bool, stderr: bool, size: tuple[int, int] | None) -
     return f"[rank{rank}]: isatty stdout={stdout} stderr={stderr} size={size}".encode()
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("method", ["forkserver", "spawn"])
 def test_worker_writes_to_a_terminal_when_the_launcher_does(tmp_path: Path, method: str) -> None:
     shown = _shown(tmp_path, SEEN_SCRIPT, "-n", "2", "--start-method", method)
@@ -195,6 +196,7 @@ def test_worker_writes_to_a_terminal_when_the_launcher_does(tmp_path: Path, meth
     assert b"controlling terminal" not in shown, shown
 
 
+@pytest.mark.processes
 def test_without_a_terminal_workers_write_to_pipes_as_before(tmp_path: Path) -> None:
     script = _script(tmp_path, SEEN_SCRIPT)
     result = subprocess.run(
@@ -206,6 +208,7 @@ def test_without_a_terminal_workers_write_to_pipes_as_before(tmp_path: Path) -> 
         assert f"[rank{rank}]: \x1b[31mred\x1b[0m\n".encode() in result.stdout
 
 
+@pytest.mark.processes
 def test_each_stream_follows_the_launchers_own(tmp_path: Path) -> None:
     # The launcher's stderr is a file: its workers' stderr is a pipe, as under torchrun.
     errors = tmp_path / "stderr.txt"
@@ -216,6 +219,7 @@ def test_each_stream_follows_the_launchers_own(tmp_path: Path) -> None:
     assert b"[rank0]: step 3/3\n" in errors.read_bytes()
 
 
+@pytest.mark.processes
 def test_redirected_stream_is_a_file_and_teed_log_keeps_the_text(tmp_path: Path) -> None:
     logs = tmp_path / "logs"
     args = ("-n", "2", "--log-dir", str(logs), "--run-id", "r", "--redirects", "0:1")
@@ -231,6 +235,7 @@ def test_redirected_stream_is_a_file_and_teed_log_keeps_the_text(tmp_path: Path)
     assert b"[rank0]: isatty" not in shown and b"[rank1]: isatty stdout=True" in shown, shown
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("method", ["forkserver", "spawn"])
 def test_window_size_follows_the_launchers_terminal(tmp_path: Path, method: str) -> None:
     script = _script(tmp_path, RESIZE_SCRIPT)
@@ -278,6 +283,7 @@ def _gone(pid: int) -> bool:
     return False
 
 
+@pytest.mark.processes
 def test_sigint_under_a_terminal_stops_every_worker_through_the_launcher(tmp_path: Path) -> None:
     script = _script(tmp_path, WAITING_SCRIPT)
     with terminal("-n", "2", script, cwd=tmp_path) as term:

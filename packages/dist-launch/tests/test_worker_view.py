@@ -48,6 +48,7 @@ def run(
     )
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("method", ["forkserver", "spawn"])
 def test_file_is_absolute_so_a_script_that_changes_directory_finds_its_files(
     tmp_path: Path, method: str
@@ -70,6 +71,7 @@ def _threads(result: subprocess.CompletedProcess[str]) -> list[int]:
     return [int(n) for n in re.findall(r"threads (\d+)", result.stdout)]
 
 
+@pytest.mark.processes
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one CPU: every count is 1")
 @pytest.mark.parametrize("method", ["forkserver", "spawn"])
 @pytest.mark.parametrize("name", ["OMP_NUM_THREADS", "MKL_NUM_THREADS"])

@@ -49,6 +49,7 @@ def _tree(directory: Path) -> set[str]:
     return {str(path) for path in directory.rglob("*")}
 
 
+@pytest.mark.processes
 def test_dry_run_lists_exactly_what_clean_removes_and_removes_nothing(
     tmp_path: Path, shm: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

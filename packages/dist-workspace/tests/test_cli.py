@@ -117,6 +117,7 @@ def test_clean_removes_workspace_files_only(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["exchange-rates", "keep.txt"]
 
 
+@pytest.mark.processes
 def test_console_script_and_module_entry_point(tmp_path: Path) -> None:
     _workspace(tmp_path)
     script = Path(sysconfig.get_path("scripts")) / "dist-workspace"

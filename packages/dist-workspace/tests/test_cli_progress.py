@@ -13,6 +13,8 @@ import torch
 
 from dist_workspace import NFSWorkspace
 
+pytestmark = pytest.mark.processes
+
 
 @pytest.fixture
 def workspace(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:

@@ -50,6 +50,7 @@ def _calls(count: int, elements: int) -> list[dict[str, Any]]:
     return seen
 
 
+@pytest.mark.processes
 def test_after_two_calls_the_receiver_copies_from_the_senders_memory() -> None:
     calls = run_ranks(_calls, 3, 4, MIB // 4, timeout=120)[0]
     assert all(call["equal"] for call in calls)
@@ -61,6 +62,7 @@ def test_after_two_calls_the_receiver_copies_from_the_senders_memory() -> None:
     assert own_segments() == []
 
 
+@pytest.mark.processes
 def test_cross_memory_can_be_turned_off() -> None:
     os.environ["DIST_WORKSPACE_CROSS_MEMORY"] = "0"  # the ranks inherit it
     calls = run_ranks(_calls, 3, 4, MIB // 4, timeout=120)[0]
@@ -69,6 +71,7 @@ def test_cross_memory_can_be_turned_off() -> None:
     assert all(segment in path for call in calls for path in call["peers"]), calls
 
 
+@pytest.mark.processes
 def test_records_above_the_limit_keep_their_segment() -> None:
     from dist_workspace.shm_transport import CROSS_MEMORY_MAX_BYTES
 
@@ -99,6 +102,7 @@ def _configs_with_shared_views(count: int) -> list[bool]:
     return results
 
 
+@pytest.mark.processes
 def test_configs_with_views_of_one_storage_come_back_shared() -> None:
     results = run_ranks(_configs_with_shared_views, 2, 4, timeout=120)[1]  # rank 1 receives
     assert results and all(results), results
@@ -141,6 +145,7 @@ def _with_a_bad_offer(break_call: int, how: str, calls: int) -> list[str]:
     return outcomes
 
 
+@pytest.mark.processes
 def test_a_refused_trial_falls_back_to_the_segment() -> None:
     # Call 1 is the trial: the kernel refuses (EFAULT), the receiver reads the segment,
     # and call 2 goes through a segment alone.
@@ -151,6 +156,7 @@ def test_a_refused_trial_falls_back_to_the_segment() -> None:
     assert own_segments() == []
 
 
+@pytest.mark.processes
 def test_a_refused_copy_after_the_trial_names_the_rank_and_pid() -> None:
     # Call 2 sends memory alone and the kernel refuses: the call fails on both ranks,
     # naming rank 1 and its pid, and rank 1 sends segments from call 3 on.
@@ -164,6 +170,7 @@ def test_a_refused_copy_after_the_trial_names_the_rank_and_pid() -> None:
     assert own_segments() == []
 
 
+@pytest.mark.processes
 def test_bytes_from_another_process_than_the_sender_are_refused() -> None:
     results = run_ranks(_with_a_bad_offer, 2, 2, "token", 3, timeout=120)
     assert "is not the sender any more" in results[0][2], results
@@ -177,6 +184,7 @@ sys.stdin.readline()  # until the reader is done
 """
 
 
+@pytest.mark.processes
 def test_read_spans_copies_from_a_live_process_and_names_a_dead_one() -> None:
     holder = subprocess.Popen(
         [sys.executable, "-c", _HOLDER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True

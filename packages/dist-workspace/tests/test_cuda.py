@@ -137,6 +137,7 @@ def _gather_cuda_tensors() -> dict[str, Any]:
     return out
 
 
+@pytest.mark.processes
 def test_get_tensors_parallel_with_cuda_tensors_two_ranks() -> None:
     results = run_ranks(_gather_cuda_tensors, 2, backend="gloo", timeout=180)
     assert results[1] == {}
@@ -179,6 +180,7 @@ def _gather_cuda_configs(directory: str) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.processes
 def test_get_configs_parallel_with_cuda_tensors_stacks_on_cpu(tmp_path: Path) -> None:
     results = run_ranks(_gather_cuda_configs, 2, str(tmp_path), backend="gloo", timeout=180)
     assert results[1] == {}
@@ -204,6 +206,7 @@ def _export_on_nccl(output: str) -> list[str]:
     return sorted(os.listdir(output))
 
 
+@pytest.mark.processes
 def test_export_sharded_on_an_nccl_group_with_cuda_tensors(tmp_path: Path) -> None:
     from safetensors.torch import load_file
 

@@ -60,6 +60,7 @@ def _exchanges(directory: str) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.processes
 @pytest.mark.usefixtures("record_path")
 def test_values_arrive_in_ranks_order(tmp_path: Path) -> None:
     results = run_ranks(_exchanges, 3, str(tmp_path), timeout=120)
@@ -118,6 +119,7 @@ def _own_entries(directory: str) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.processes
 def test_the_receivers_own_value_is_a_copy_like_its_peers(tmp_path: Path) -> None:
     results = run_ranks(_own_entries, 2, str(tmp_path), timeout=120)
     assert results[1] == {}
@@ -154,6 +156,7 @@ def _shape_mismatch() -> str:
     return _catch(call)
 
 
+@pytest.mark.processes
 @pytest.mark.usefixtures("record_path")
 def test_tensors_of_different_shapes_fail_everywhere() -> None:
     results = run_ranks(_shape_mismatch, 3, timeout=90)
@@ -177,6 +180,7 @@ def _failing_writer() -> str:
     return _catch(call)
 
 
+@pytest.mark.processes
 @pytest.mark.usefixtures("record_path")
 def test_failing_writer_makes_every_peer_fail_naming_it() -> None:
     results = run_ranks(_failing_writer, 3, timeout=90)
@@ -198,6 +202,7 @@ def _missing_rank() -> str:
     return _catch(call)
 
 
+@pytest.mark.processes
 @pytest.mark.usefixtures("record_path")
 def test_a_rank_that_never_writes_is_named() -> None:
     results = run_ranks(_missing_rank, 3, timeout=90)
@@ -219,6 +224,7 @@ def _caller_not_in_ranks() -> str:
     return _catch(call)
 
 
+@pytest.mark.processes
 def test_ranks_list_without_the_caller() -> None:
     results = run_ranks(_caller_not_in_ranks, 3, timeout=90)
     assert results[:2] == ["no error", "no error"]
@@ -273,6 +279,7 @@ def _where_received_tensors_live(elements: int = 1 << 20) -> dict[str, Any]:
         }
 
 
+@pytest.mark.processes
 def test_the_receiver_maps_the_senders_segments_instead_of_copying() -> None:
     result = run_ranks(_where_received_tensors_live, 3, timeout=120)[0]
     assert result["values"] == [0.0, 1.0, 2.0]
@@ -283,6 +290,7 @@ def test_the_receiver_maps_the_senders_segments_instead_of_copying() -> None:
     assert own_segments() == []
 
 
+@pytest.mark.processes
 def test_small_records_travel_in_the_status_not_in_segments() -> None:
     result = run_ranks(_where_received_tensors_live, 3, 64, timeout=120)[0]
     assert result["values"] == [0.0, 1.0, 2.0]
@@ -297,6 +305,7 @@ def _with_inline_bytes(text: str) -> str:
     return _catch(lambda: _exchange_once(dist.get_rank(), timeout=60))
 
 
+@pytest.mark.processes
 def test_a_malformed_inline_limit_is_named() -> None:
     results = run_ranks(_with_inline_bytes, 2, "lots", timeout=120)
     assert "DIST_WORKSPACE_INLINE_BYTES='lots'" in results[1]  # the sender reads it
@@ -325,6 +334,7 @@ def _exchange_once(rank: int, timeout: float) -> None:
             assert [t.tolist() for t in tensors] == [[0.0] * 3, [1.0] * 3]
 
 
+@pytest.mark.processes
 def test_a_late_senders_message_is_dropped_by_the_next_call() -> None:
     receiver, sender = run_ranks(_a_sender_late_for_a_call_the_receiver_gave_up, 2, timeout=120)
     assert "rank(s) [1] never wrote" in receiver[0]
@@ -352,6 +362,7 @@ def _keys_in_the_store_after(calls: list[int]) -> list[int]:
     return counts
 
 
+@pytest.mark.processes
 def test_calls_leave_no_growing_trail_of_keys_in_the_store() -> None:
     counts = run_ranks(_keys_in_the_store_after, 3, [3, 40], timeout=120)[0]
     assert counts[0] == counts[1], counts

@@ -48,6 +48,7 @@ def _load(directory: Path) -> dict[str, torch.Tensor]:
     return loaded
 
 
+@pytest.mark.processes
 def test_every_rank_writes_its_shard_of_one_checkpoint(tmp_path: Path) -> None:
     out = tmp_path / "checkpoint"
     assert run_ranks(_export, 4, str(out), False, timeout=180) == ["no error"] * 4
@@ -67,6 +68,7 @@ def test_every_rank_writes_its_shard_of_one_checkpoint(tmp_path: Path) -> None:
     assert sorted(os.listdir(tmp_path)) == ["checkpoint"]  # no temporary left
 
 
+@pytest.mark.processes
 def test_an_existing_checkpoint_is_refused_on_every_rank_then_replaced_when_asked(
     tmp_path: Path,
 ) -> None:
@@ -102,6 +104,7 @@ def _clash(output: str) -> str:
     return _export_catching(output, tensors)
 
 
+@pytest.mark.processes
 def test_bad_input_fails_on_every_rank_naming_it_and_writes_nothing(tmp_path: Path) -> None:
     results = run_ranks(_clash, 3, str(tmp_path / "checkpoint"), timeout=180)
     assert "rank 1: export_sharded needs tensors; 'scale' is a float" in results[1]
@@ -119,6 +122,7 @@ def _replicated(output: str) -> str:
     return _export_catching(output, tensors)
 
 
+@pytest.mark.processes
 def test_a_name_on_two_ranks_is_named_with_both_ranks(tmp_path: Path) -> None:
     results = run_ranks(_replicated, 3, str(tmp_path / "checkpoint"), timeout=180)
     assert "'lm_head.weight' (ranks 0 and 2)" in results[0]

@@ -299,6 +299,7 @@ def _peak_growth_of_a_merge(where: Path, elements_per_rank: int) -> int:
     return int(done.stdout.strip())
 
 
+@pytest.mark.processes
 def test_merge_streams_with_bounded_memory(tmp_path: Path) -> None:
     """The peak RSS of a merge stays far below the data: 512 MiB in, 1 GiB out.
 

@@ -71,6 +71,7 @@ def _calls_and_keys(count: int, off_rank: int | None) -> dict[str, Any]:
     }
 
 
+@pytest.mark.processes
 def test_after_the_first_call_the_handshake_leaves_the_store() -> None:
     ranks = run_ranks(_calls_and_keys, 3, 6, None, timeout=120)
     assert all(ranks[0]["right"]) and len(ranks[0]["right"]) == 12
@@ -80,6 +81,7 @@ def test_after_the_first_call_the_handshake_leaves_the_store() -> None:
     assert ranks[0]["verdicts"] == 1, ranks
 
 
+@pytest.mark.processes
 def test_a_sender_without_connections_keeps_the_store_beside_the_others() -> None:
     ranks = run_ranks(_calls_and_keys, 3, 6, 2, timeout=120)
     assert all(ranks[0]["right"]) and len(ranks[0]["right"]) == 12
@@ -87,6 +89,7 @@ def test_a_sender_without_connections_keeps_the_store_beside_the_others() -> Non
     assert ranks[0]["verdicts"] == 12, ranks  # rank 2 reads every verdict there
 
 
+@pytest.mark.processes
 def test_turned_off_everywhere_every_handshake_goes_through_the_store() -> None:
     os.environ["DIST_WORKSPACE_PEER_SOCKETS"] = "0"  # the ranks inherit it
     ranks = run_ranks(_calls_and_keys, 3, 4, None, timeout=120)
@@ -108,6 +111,7 @@ def _one_rank_killed(victim: int) -> None:
             pass
 
 
+@pytest.mark.processes
 def test_the_receiver_names_a_sender_that_died_at_once() -> None:
     with pytest.raises(RankFailedError) as failed:
         run_ranks(_one_rank_killed, 3, 2, timeout=60)
@@ -120,6 +124,7 @@ def test_the_receiver_names_a_sender_that_died_at_once() -> None:
     )
 
 
+@pytest.mark.processes
 def test_a_sender_names_a_receiver_that_died_at_once() -> None:
     with pytest.raises(RankFailedError) as failed:
         run_ranks(_one_rank_killed, 3, 0, timeout=60)
@@ -151,6 +156,7 @@ def _late_sender() -> list[str]:
     return outcomes
 
 
+@pytest.mark.processes
 def test_a_late_sender_gets_the_failed_verdict_and_the_next_call_works() -> None:
     ranks = run_ranks(_late_sender, 3, timeout=90)
     receiver, early, late = ranks
@@ -219,6 +225,7 @@ def _sender_in_another_network_namespace(count: int) -> dict[str, Any]:
     return {"right": right, "statuses": sum("/status/" in key for key in watched.keys)}
 
 
+@pytest.mark.processes
 def test_a_sender_in_another_network_namespace_keeps_the_store() -> None:
     ranks = run_ranks(_sender_in_another_network_namespace, 3, 5, timeout=120)
     if "skip" in ranks[2]:
@@ -242,6 +249,7 @@ def _shared_memory_and_directory_calls(count: int, directory: str) -> list[bool]
     return right
 
 
+@pytest.mark.processes
 def test_calls_through_a_directory_between_connected_ones_keep_the_store(
     tmp_path: Path,
 ) -> None:
@@ -271,6 +279,7 @@ def _receiver_without_a_socket(count: int) -> dict[str, Any]:
     return _calls_and_keys(count, None)
 
 
+@pytest.mark.processes
 def test_a_receiver_that_cannot_open_its_socket_keeps_the_store() -> None:
     ranks = run_ranks(_receiver_without_a_socket, 3, 3, timeout=120)
     assert all(ranks[0]["right"]) and len(ranks[0]["right"]) == 6

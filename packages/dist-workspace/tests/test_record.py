@@ -292,6 +292,7 @@ class _Planted:
         return (os.system, (f"touch {self.trace}",))
 
 
+@pytest.mark.processes
 def test_planted_pickle_is_rejected_and_never_executed(tmp_path: Path) -> None:
     workspace = NFSWorkspace(tmp_path / "ws")
     trace = tmp_path / "pwned"

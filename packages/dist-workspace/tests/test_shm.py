@@ -86,12 +86,14 @@ def _killed_job_segment(size: int = 1 << 20, *, filled: bool = False) -> Path:
     return path
 
 
+@pytest.mark.processes
 def test_clean_removes_segments_of_killed_jobs() -> None:
     path = _killed_job_segment()
     assert main(["clean"]) == 0
     assert not path.exists()
 
 
+@pytest.mark.processes
 def test_a_process_first_creation_removes_segments_of_killed_jobs() -> None:
     path = _killed_job_segment()
     script = (
@@ -123,6 +125,7 @@ def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
         subprocess.run(["umount", "-l", str(mount_point)], timeout=60, check=False)
 
 
+@pytest.mark.processes
 def test_a_creation_short_of_room_removes_segments_of_killed_jobs_first(
     small_tmpfs: Path,
 ) -> None:
@@ -134,6 +137,7 @@ def test_a_creation_short_of_room_removes_segments_of_killed_jobs_first(
     assert not dead.exists()
 
 
+@pytest.mark.processes
 def test_no_resource_tracker_warnings() -> None:
     script = textwrap.dedent(
         """
@@ -150,6 +154,7 @@ def test_no_resource_tracker_warnings() -> None:
     assert "resource_tracker" not in done.stderr and "leaked" not in done.stderr
 
 
+@pytest.mark.processes
 def test_zombie_creator_counts_as_dead() -> None:
     """An exited, unreaped creator (a container whose init does not reap) is gone."""
     import time

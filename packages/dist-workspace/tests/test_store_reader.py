@@ -58,6 +58,7 @@ def _over_a_file_store(path: str) -> list[Any]:
     return got
 
 
+@pytest.mark.processes
 @pytest.mark.usefixtures("private_shm_dir")
 def test_an_exchange_over_a_file_store(tmp_path: Path) -> None:
     results = run_ranks(_over_a_file_store, 3, str(tmp_path / "init"), timeout=120)

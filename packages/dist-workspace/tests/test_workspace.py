@@ -96,6 +96,7 @@ def _write_then_read_all(directory: str) -> list[object]:
     return configs
 
 
+@pytest.mark.processes
 def test_ranks_of_one_job_share_a_directory(tmp_path: Path) -> None:
     (tmp_path / "rank-5.safetensors").write_bytes(b"stale file of an earlier job")
     results = run_ranks(_write_then_read_all, 3, str(tmp_path), timeout=90)

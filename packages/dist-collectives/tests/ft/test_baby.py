@@ -13,6 +13,8 @@ import torch.distributed as dist
 
 from dist_collectives.ft import BabyProcessError, ProcessGroupBabyGloo
 
+pytestmark = pytest.mark.processes
+
 
 def _store_addr(prefix: str) -> str:
     return f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}/{prefix}"

@@ -54,6 +54,7 @@ def _refused_worker(kind: str) -> list[float]:
     return [float(t), float(u)]
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("kind", ["gloo", "baby", "swallow"])
 def test_a_refused_configure_leaves_the_group_working(kind: str) -> None:
     assert run_ranks(_refused_worker, 2, kind, timeout=120) == [[3.0, 2.0]] * 2
@@ -84,6 +85,7 @@ def _missing_peer_worker() -> list[object]:
     return outcome
 
 
+@pytest.mark.processes
 def test_a_peer_that_never_arrives_is_named_within_the_timeout() -> None:
     first, second = run_ranks(_missing_peer_worker, 2, timeout=120)
     elapsed, total = first
@@ -116,6 +118,7 @@ def _baby_missing_worker() -> str:
     return message
 
 
+@pytest.mark.processes
 def test_baby_group_names_a_peer_that_never_arrives() -> None:
     message, _ = run_ranks(_baby_missing_worker, 2, timeout=120)
     assert "RendezvousTimeoutError" in message and "[1]" in message

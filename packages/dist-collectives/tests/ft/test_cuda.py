@@ -102,6 +102,7 @@ def _ddp_worker(steps: int, seed: int) -> dict[str, Any]:
     return {"digest": digest, "committed": committed, "step": manager.current_step()}
 
 
+@pytest.mark.processes
 @pytest.mark.cuda
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -142,6 +143,7 @@ def _manager_cuda_worker() -> list[float]:
     return results
 
 
+@pytest.mark.processes
 @pytest.mark.cuda
 @pytest.mark.timeout(300)
 def test_manager_allreduce_of_cuda_tensors_written_on_a_side_stream() -> None:
@@ -167,6 +169,7 @@ def _baby_gloo_cuda_worker() -> list[float]:
     return [mean, float(b.mean()), float(t.device.type == "cuda")]
 
 
+@pytest.mark.processes
 @pytest.mark.cuda
 @pytest.mark.timeout(300)
 def test_baby_gloo_with_cuda_tensors_written_on_a_side_stream() -> None:
@@ -200,6 +203,7 @@ def _state_transfer_worker(backend: str) -> list[object]:
     return out
 
 
+@pytest.mark.processes
 @pytest.mark.cuda
 @pytest.mark.timeout(300)
 def test_state_transfer_of_cuda_state_over_gloo() -> None:
@@ -207,6 +211,7 @@ def test_state_transfer_of_cuda_state_over_gloo() -> None:
     assert received == [42, 7.0, "cpu", 7.0, 5]
 
 
+@pytest.mark.processes
 @pytest.mark.cuda(devices=2)
 @pytest.mark.timeout(300)
 def test_state_transfer_of_cuda_state_over_nccl() -> None:
@@ -285,6 +290,7 @@ def test_nccl_configure_with_a_peer_that_never_comes_fails_in_time(store_port: i
     assert elapsed < 11.0, f"configure took {elapsed:.1f} s with a 10 s timeout"
 
 
+@pytest.mark.processes
 @pytest.mark.cuda
 @pytest.mark.timeout(300)
 def test_baby_nccl_world_of_one(store_port: int) -> None:
@@ -305,6 +311,7 @@ def test_baby_nccl_world_of_one(store_port: int) -> None:
     pg.shutdown()
 
 
+@pytest.mark.processes
 @pytest.mark.cuda
 @pytest.mark.timeout(300)
 def test_baby_nccl_child_death_and_hang_fail_the_work_and_leak_nothing(store_port: int) -> None:
@@ -347,6 +354,7 @@ def test_baby_nccl_child_death_and_hang_fail_the_work_and_leak_nothing(store_por
     assert leaked <= 0, f"{leaked / MiB:.1f} MiB shared with dead children stayed allocated"
 
 
+@pytest.mark.processes
 @pytest.mark.cuda
 @pytest.mark.timeout(600)
 def test_baby_nccl_reconfigure_does_not_grow_gpu_memory(store_port: int) -> None:

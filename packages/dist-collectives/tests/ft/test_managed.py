@@ -40,6 +40,7 @@ def _managed_worker() -> list[float]:
     return [float(t), float(size), float(committed), float(manager.current_step())]
 
 
+@pytest.mark.processes
 def test_managed_group_averages_over_live_participants() -> None:
     assert run_ranks(_managed_worker, 2, timeout=120) == [[1.5, 2.0, 1.0, 1.0]] * 2
 
@@ -69,6 +70,7 @@ def _differently_initialised_worker(init_sync: bool) -> list[float]:
     return [*weight.tolist(), *map(float, participants), float(manager.current_step())]
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("init_sync", [True, False])
 def test_replicas_initialised_differently_train_identically_under_init_sync(
     init_sync: bool,
@@ -113,6 +115,7 @@ def _tensor_kinds_worker() -> list[list[float]]:
     return results
 
 
+@pytest.mark.processes
 def test_manager_averages_every_kind_of_tensor_in_place() -> None:
     # bfloat16 is divided before the sum, integers floor-divided after it, and a view
     # is written back into the storage it views (the other column stays as it was).
@@ -152,6 +155,7 @@ def _overdue_worker() -> list[object]:
     return result
 
 
+@pytest.mark.processes
 def test_an_overdue_allreduce_fails_the_step_on_every_replica() -> None:
     first, second = run_ranks(_overdue_worker, 2, timeout=120)
     assert first[:3] == [False, "TimeoutError", True], first
@@ -174,6 +178,7 @@ def _mesh_worker() -> list[object]:
     return [list(extended.mesh_dim_names or ()), list(extended.mesh.shape)]
 
 
+@pytest.mark.processes
 def test_extend_device_mesh_inserts_the_replica_dimension() -> None:
     assert run_ranks(_mesh_worker, 2, timeout=120) == [[["dp", "tp"], [1, 2]]] * 2
 

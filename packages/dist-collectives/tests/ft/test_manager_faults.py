@@ -101,6 +101,7 @@ def _check(result: dict[str, Any], replicas: int) -> list[float]:
     return notice
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(400)
 def test_sigkill_mid_allreduce_survivors_go_on_and_the_replica_rejoins(tmp_path: Path) -> None:
     result = _run_kill_and_rejoin(tmp_path, 4, "manager")
@@ -108,6 +109,7 @@ def test_sigkill_mid_allreduce_survivors_go_on_and_the_replica_rejoins(tmp_path:
     print(f"survivors noticed the kill after {[round(n, 3) for n in notice]} s")
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(400)
 def test_ddp_survivors_go_on_after_a_peer_dies_mid_backward(tmp_path: Path) -> None:
     result = _run_kill_and_rejoin(tmp_path, 3, "ddp")
@@ -139,6 +141,7 @@ def test_without_torchs_reconfigurable_groups_building_one_says_what_is_missing(
     assert "ProcessGroupGloo" in message, "it names what to use instead"
 
 
+@pytest.mark.processes
 @pytest.mark.cuda
 @pytest.mark.timeout(400)
 def test_ddp_on_a_gpu_survivors_go_on_and_end_identical(tmp_path: Path) -> None:

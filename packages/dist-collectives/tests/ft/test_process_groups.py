@@ -54,6 +54,7 @@ def _gloo_reconfigure_worker() -> list[float]:
     return results
 
 
+@pytest.mark.processes
 def test_gloo_reconfigures_to_fewer_members_on_a_new_prefix() -> None:
     results = run_ranks(_gloo_reconfigure_worker, 3, timeout=90)
     assert results[0] == results[1] == [6.0, 3.0, 1.0]
@@ -80,6 +81,7 @@ def _functional_worker() -> list[float]:
     return [first, second]
 
 
+@pytest.mark.processes
 def test_register_makes_functional_collectives_use_the_group() -> None:
     assert run_ranks(_functional_worker, 2, timeout=90) == [[1.0, 2.0], [1.0, 2.0]]
 
@@ -109,6 +111,7 @@ def _swallow_worker() -> list[float]:
     return [float(t)]
 
 
+@pytest.mark.processes
 def test_error_swallowing_wrapper_skips_ops_until_reconfigured() -> None:
     assert run_ranks(_swallow_worker, 2, timeout=90) == [[2.0], [2.0]]
 
@@ -131,6 +134,7 @@ def _swallow_async_worker() -> bool:
     return True
 
 
+@pytest.mark.processes
 def test_error_swallowing_wrapper_records_asynchronous_failures() -> None:
     assert run_ranks(_swallow_async_worker, 2, timeout=90) == [True, True]
 

@@ -20,6 +20,8 @@ import torch.distributed as dist
 
 from dist_core.ports import get_unused_port
 
+pytestmark = pytest.mark.processes
+
 HERE = Path(__file__).parent
 PROCESS_TIMEOUT = 120
 

@@ -51,6 +51,7 @@ def _wait_until(condition: Any, what: str) -> None:
         time.sleep(0.05)  # polling the store for progress other processes write
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(500)
 def test_a_replica_group_loses_a_rank_is_left_out_and_rejoins_as_a_whole(tmp_path: Path) -> None:
     port = get_unused_port()
@@ -205,6 +206,7 @@ def test_replica_groups_of_different_sizes_are_refused() -> None:
     del store
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(500)
 def test_one_dist_launch_per_replica_group_restarts_only_its_group(tmp_path: Path) -> None:
     pytest.importorskip("dist_launch", reason="the launcher is dist-launch's")

@@ -225,18 +225,21 @@ def _transfer_worker(mode: str) -> Any:
         pg.shutdown()
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(300)
 def test_a_nested_state_of_mixed_tensors_arrives_whole_without_pickle() -> None:
     _, received = run_ranks(_transfer_worker, 2, "plain", timeout=240)
     assert received == [17, True]
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(300)
 def test_a_state_is_received_in_place_where_the_tensors_fit() -> None:
     _, received = run_ranks(_transfer_worker, 2, "into", timeout=240)
     assert received == [17, True, True, True]
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(300)
 def test_a_state_without_bytes_to_send_arrives() -> None:
     _, received = run_ranks(_transfer_worker, 2, "no tensors", timeout=240)
@@ -255,6 +258,7 @@ def test_mapping_pages_ahead_keeps_what_the_memory_holds() -> None:
     assert not host_pages.populate(torch.ones(10))  # too small to bother
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(300)
 def test_a_byte_changed_in_transit_is_found_and_named() -> None:
     _, message = run_ranks(_transfer_worker, 2, "corrupt", timeout=240)

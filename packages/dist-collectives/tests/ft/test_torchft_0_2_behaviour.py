@@ -100,6 +100,7 @@ def test_a_managed_group_hands_back_a_managers_own_work() -> None:
 # -- baby gloo: allgather_into_tensor_coalesced, num_active_work, a closed handle --------
 
 
+@pytest.mark.processes
 def test_baby_gloo_allgathers_into_tensors_coalesced_and_counts_active_work(
     store: TCPStore,
 ) -> None:
@@ -132,6 +133,7 @@ def test_baby_gloo_allgathers_into_tensors_coalesced_and_counts_active_work(
             group.shutdown()
 
 
+@pytest.mark.processes
 def test_baby_gloo_refuses_outputs_of_the_wrong_size_naming_the_shapes(store: TCPStore) -> None:
     group = ProcessGroupBabyGloo(timeout=timedelta(seconds=30))
     group.configure(f"localhost:{store.port}/baby-shapes", 0, 1)
@@ -145,6 +147,7 @@ def test_baby_gloo_refuses_outputs_of_the_wrong_size_naming_the_shapes(store: TC
 # -- timeouts read like torchft's, with our detail after ----------------------------------
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize(
     ("kind", "expected"),
     [
@@ -168,6 +171,7 @@ def test_a_configure_whose_peer_never_comes_times_out_like_torchft(
     assert "rank(s) [1]" in message and address in message
 
 
+@pytest.mark.processes
 def test_a_baby_operation_that_times_out_names_it_like_torchft(store: TCPStore) -> None:
     address = f"localhost:{store.port}/baby-op"
     groups = [ProcessGroupBabyGloo(timeout=timedelta(seconds=1)) for _ in range(2)]
@@ -183,6 +187,7 @@ def test_a_baby_operation_that_times_out_names_it_like_torchft(store: TCPStore) 
             group.shutdown()
 
 
+@pytest.mark.processes
 def test_a_baby_set_timeout_bounds_the_running_childs_next_operation_and_aborts(
     store: TCPStore,
 ) -> None:
@@ -227,6 +232,7 @@ def _registered_worker() -> list[object]:
     return [named, found, total]
 
 
+@pytest.mark.processes
 def test_register_gives_the_group_torchs_registry_name() -> None:
     assert run_ranks(_registered_worker, 2, timeout=90) == [[True, True, 3.0]] * 2
 

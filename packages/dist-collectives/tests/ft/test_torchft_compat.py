@@ -328,6 +328,7 @@ def _collectives_worker(kind: str, torch_lacks: set[str]) -> dict[str, str]:
     return outcome
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("kind", ["gloo", "swallow", "baby"])
 def test_every_torch_collective_works_on_gloo_or_is_refused_by_name(kind: str) -> None:
     torch_lacks = torch_gloo_lacks()
@@ -425,6 +426,7 @@ def _torchft_api_worker() -> list[Any]:
     return [t.tolist(), u.tolist(), elapsed]
 
 
+@pytest.mark.processes
 def test_torchft_configure_broadcast_one_errored_and_set_timeout() -> None:
     first, second = run_ranks(_torchft_api_worker, 2, timeout=120)
     assert first[:2] == second[:2] == [[2.0, 2.0], [3.0, 3.0]]
@@ -482,6 +484,7 @@ def _manager_work_worker() -> list[Any]:
     return results
 
 
+@pytest.mark.processes
 def test_manager_allreduce_is_a_work_and_wrap_future_reports_errors() -> None:
     first, second = run_ranks(_manager_work_worker, 2, timeout=150)
     assert first[:3] == second[:3] == [[1.5, 1.5], [3.0, 3.0], True]
