@@ -1,7 +1,7 @@
 """A dict-backed store and a fake torch rendezvous handler, for tests without processes.
 
 :class:`FakeStore` has the methods of torch's ``Store`` that
-:mod:`dist_launch.c10d_rendezvous` uses, with torch's meaning (values are bytes,
+:mod:`dist_launch.rendezvous.c10d` uses, with torch's meaning (values are bytes,
 counters are decimal strings, reads wait for missing keys up to a bounded timeout).
 :class:`FakeJob` plays torch's c10d rendezvous for several nodes on threads of one
 process: each round is a prefix of one job store, as torch hands out a

@@ -1,16 +1,16 @@
-"""The hang decision on sequences of samples, with no processes (dist_launch.hang_detection)."""
+"""The hang decision on sequences of samples, with no processes (dist_launch.watch.quiet_watch)."""
 
 from __future__ import annotations
 
 import pytest
 
-from dist_launch.hang_detection import (
+from dist_launch.plan.hang_policy import (
     AUTO_FACTOR,
     AUTO_FLOOR_SECONDS,
     HangPolicy,
-    QuietWatch,
     parse_hang_timeout,
 )
+from dist_launch.watch.quiet_watch import QuietWatch
 
 
 @pytest.mark.parametrize(

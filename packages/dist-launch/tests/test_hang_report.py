@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import sysconfig
 
-from dist_launch.hang_report import HangReport, describe_place, main_thread_frames, summarize_stacks
+from dist_launch.diagnostics.hang_report import HangReport, describe_place, summarize_stacks
+from dist_launch.diagnostics.stacks import main_thread_frames
 
 LIB = sysconfig.get_paths()["purelib"]
 ALL_REDUCE = f"""\
@@ -23,7 +24,7 @@ Current thread 0x00007f{tid} (most recent call first):
 BEACON_THREAD = f"""\
 Thread 0x00007f99 (most recent call first):
   File "{LIB}/threading.py", line 331 in wait
-  File "/x/dist_launch/progress.py", line 109 in _sample_main_thread
+  File "/x/dist_launch/in_worker/beacon.py", line 109 in _sample_main_thread
 
 """
 

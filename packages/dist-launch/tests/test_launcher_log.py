@@ -10,16 +10,16 @@ from collections.abc import Iterator
 
 import pytest
 
-from dist_launch.launcher_log import configure_launcher_logging
+from dist_launch.output.launcher_log import configure_launcher_logging
 
 STAMP = r"\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3}\]"
 
 SCRIPT = """
 import logging
-from dist_launch.launcher_log import configure_launcher_logging
+from dist_launch.output.launcher_log import configure_launcher_logging
 configure_launcher_logging("dist-launch")
 configure_launcher_logging("dist-launch")  # main() may run twice in one process
-log = logging.getLogger("dist_launch.agent")
+log = logging.getLogger("dist_launch.agent.agent")
 log.info("starting %d ranks", 4)
 log.warning("port %d was taken", 29500)
 log.debug("not shown")

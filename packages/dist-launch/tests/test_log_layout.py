@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-from dist_launch.log_layout import LogLayout, write_torch_error_file
-from dist_launch.routing import (
+from dist_launch.output.log_layout import LogLayout, write_torch_error_file
+from dist_launch.output.routing import (
     Destinations,
     OutputRouting,
     Std,

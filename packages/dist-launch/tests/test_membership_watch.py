@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import threading
 
-from dist_launch.membership_watch import MembershipWatch
-from dist_launch.rendezvous import RoundChange
+from dist_launch.rendezvous.membership_watch import MembershipWatch
+from dist_launch.rendezvous.protocol import RoundChange
 
 BOUND = 5.0  # seconds a report may take
 

@@ -14,8 +14,8 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from dist_launch.output import MAX_LINE_BYTES, LineRelay
-from dist_launch.worker_terminal import WindowSize, open_output
+from dist_launch.output.line_relay import MAX_LINE_BYTES, LineRelay
+from dist_launch.workers.terminals import WindowSize, open_output
 
 pytestmark = pytest.mark.timeout(60)
 

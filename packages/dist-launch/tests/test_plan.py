@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 
 from dist_launch.cli import build_parser
-from dist_launch.plan import LaunchPlan, UsageError, build_plan, describe_sources, slurm_port
+from dist_launch.plan.build import build_plan
+from dist_launch.plan.launch_plan import LaunchPlan, UsageError, describe_sources
+from dist_launch.plan.slurm import slurm_port
 
 
 def plan_of(argv: list[str], environ: dict[str, str] | None = None) -> LaunchPlan:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from dist_launch import proctitle
+from dist_launch.in_worker import proctitle
 
 pytestmark = [
     pytest.mark.timeout(180),
@@ -139,7 +139,7 @@ def test_a_long_title_is_cut_to_the_argv_area() -> None:
     out = _in_child(
         """\
         import sys
-        from dist_launch.proctitle import set_process_argv
+        from dist_launch.in_worker.proctitle import set_process_argv
 
         size = len(open("/proc/self/cmdline", "rb").read())
         ok = set_process_argv(["python3", "x" * 10_000, "[rank 1]"])
@@ -158,7 +158,7 @@ def test_a_long_title_is_cut_to_the_argv_area() -> None:
 def test_a_title_shorter_than_before_leaves_no_trace_of_the_old_one() -> None:
     out = _in_child(
         """\
-        from dist_launch.proctitle import set_process_title
+        from dist_launch.in_worker.proctitle import set_process_title
 
         print(set_process_title("short"), repr(open("/proc/self/cmdline", "rb").read()))
         """,

@@ -7,9 +7,9 @@ from pathlib import Path
 
 from fake_rendezvous import FakeStore
 
-from dist_launch.hang_detection import HangPolicy
-from dist_launch.hang_watch import HangWatch
-from dist_launch.progress_board import ProgressBoard, progress_key
+from dist_launch.plan.hang_policy import HangPolicy
+from dist_launch.rendezvous.progress_board import ProgressBoard, progress_key
+from dist_launch.watch.hang_watch import HangWatch
 
 IDLE = 3600.0  # the boards' own threads never exchange during a test: it calls _exchange
 

@@ -15,16 +15,17 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from fake_rendezvous import FakeJob
 
-from dist_launch.c10d_rendezvous import C10dRendezvous, connect_c10d
-from dist_launch.plan import LaunchPlan, build_plan
-from dist_launch.rendezvous import (
+from dist_launch.plan.build import build_plan
+from dist_launch.plan.launch_plan import LaunchPlan
+from dist_launch.rendezvous.c10d import C10dRendezvous, connect_c10d
+from dist_launch.rendezvous.protocol import (
     Assignment,
     FailureRecord,
     Rendezvous,
     RendezvousUsageError,
     RoundChange,
 )
-from dist_launch.static_rendezvous import StaticRendezvous
+from dist_launch.rendezvous.static import StaticRendezvous
 
 BOUND = 5.0  # seconds any thread of these tests may take
 ROUND_0 = "torch.rendezvous.job.0/"  # the fake's store prefix of the first round

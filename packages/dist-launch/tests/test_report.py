@@ -9,14 +9,14 @@ import sys
 
 import pytest
 
-from dist_launch.report import (
+from dist_core.supervisor import GroupOutcome, RankOutcome
+from dist_launch.diagnostics.failure_report import format_report
+from dist_launch.diagnostics.stacks import (
     format_rank_ranges,
-    format_report,
     format_stack_dump,
     format_stacks,
     group_stacks,
 )
-from dist_launch.supervisor import GroupOutcome, RankOutcome
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -103,7 +103,7 @@ def test_which_thread_is_current_does_not_split_a_group(dumps: dict[int, str]) -
 
 @pytest.mark.processes
 def test_launcher_frames_do_not_split_a_group(dumps: dict[int, str]) -> None:
-    frame = '  File "/site-packages/dist_launch/_bootstrap.py", line 70 in run_target\n'
+    frame = '  File "/site-packages/dist_launch/in_worker/bootstrap.py", line 70 in run_target\n'
     assert [ranks for ranks, _ in group_stacks({3: dumps[0] + frame, 1: dumps[2]})] == [[1, 3]]
 
 

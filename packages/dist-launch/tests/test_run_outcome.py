@@ -15,19 +15,20 @@ from fake_rendezvous import FakeJob
 
 from dist_core.rank_files import ErrorRecord
 from dist_core.supervisor import GroupOutcome, RankOutcome
-from dist_launch.agent import Agent
-from dist_launch.c10d_rendezvous import C10dRendezvous
-from dist_launch.hang_report import HangReport
-from dist_launch.plan import LaunchPlan, build_plan
-from dist_launch.rendezvous import Assignment, Rendezvous
-from dist_launch.run_outcome import (
+from dist_launch.agent.agent import Agent
+from dist_launch.agent.run_outcome import (
     HANG_EXIT_STATUS,
     RunOutcome,
     format_run_outcome,
     report_run_outcome,
     run_exit_status,
 )
-from dist_launch.static_rendezvous import StaticRendezvous
+from dist_launch.diagnostics.hang_report import HangReport
+from dist_launch.plan.build import build_plan
+from dist_launch.plan.launch_plan import LaunchPlan
+from dist_launch.rendezvous.c10d import C10dRendezvous
+from dist_launch.rendezvous.protocol import Assignment, Rendezvous
+from dist_launch.rendezvous.static import StaticRendezvous
 
 PROG = "dist-launch"
 

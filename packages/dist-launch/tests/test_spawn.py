@@ -104,7 +104,7 @@ def test_two_calls_with_rank_offsets_form_one_world(
             errors.append(error)
 
     threads = [threading.Thread(target=node, args=(offset,)) for offset in (0, 2)]
-    with caplog.at_level(logging.INFO, logger="dist_launch.spawn"):
+    with caplog.at_level(logging.INFO, logger="dist_launch.library.spawn"):
         for thread in threads:
             thread.start()
         for thread in threads:

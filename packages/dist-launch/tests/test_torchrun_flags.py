@@ -267,7 +267,7 @@ def test_c10d_on_loopback_two_nodes(tmp_path: Path, allreduce: Path) -> None:
 
 def test_c10d_endpoint_without_port_is_torchruns_29400(tmp_path: Path) -> None:
     """``--rdzv-endpoint HOST`` means HOST:29400, as torchrun documents (not 29500)."""
-    from dist_launch.c10d_rendezvous import c10d_host_and_port
+    from dist_launch.rendezvous.c10d import c10d_host_and_port
 
     assert c10d_host_and_port("node0") == ("node0", 29400)
     assert c10d_host_and_port("[::1]:1234") == ("::1", 1234)

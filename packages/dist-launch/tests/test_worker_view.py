@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from dist_launch.import_time_env import threads_at_import
+from dist_launch.in_worker.import_time_env import threads_at_import
 
 pytestmark = pytest.mark.timeout(240)
 

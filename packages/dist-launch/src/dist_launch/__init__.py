@@ -11,13 +11,16 @@ from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
 from dist_launch.errors import LaunchError
-from dist_launch.progress import report_progress
+from dist_launch.in_worker.beacon import report_progress
 
 if TYPE_CHECKING:
-    from dist_launch.spawn import init_and_run, launch_subprocesses
+    from dist_launch.library.spawn import init_and_run, launch_subprocesses
 
 # Imported on first use: the CLI and the worker bootstrap must not pay for torch.
-_LAZY = {"init_and_run": "dist_launch.spawn", "launch_subprocesses": "dist_launch.spawn"}
+_LAZY = {
+    "init_and_run": "dist_launch.library.spawn",
+    "launch_subprocesses": "dist_launch.library.spawn",
+}
 
 
 def _version() -> str:

@@ -1,0 +1,1 @@
+"""Reports of what went wrong, built from outcomes and stacks: pure functions."""

@@ -1,0 +1,62 @@
+"""The node settings ``srun`` gives a task, as defaults of the node flags.
+
+Reads ``SLURM_JOB_ID``, ``SLURM_NODEID``, ``SLURM_STEP_ID``/``SLURM_PROCID``,
+``SLURM_NNODES`` (or ``SLURM_JOB_NUM_NODES``), ``SLURM_JOB_NODELIST`` (or
+``SLURM_NODELIST``) and ``SLURM_NTASKS`` (or ``SLURM_NPROCS``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from dist_core.slurm import expand_hostlist, slurm_master_port
+from dist_launch.plan.launch_plan import UsageError
+
+
+def slurm_port(job_id: str) -> int:
+    """The master port of a SLURM job, by :func:`dist_core.slurm_master_port`.
+
+    Args:
+        job_id: ``SLURM_JOB_ID`` as set; only its digits count (none counts as 0), so
+            that an odd id still gives every node of the job the same port.
+    """
+    digits = "".join(ch for ch in job_id if ch.isdigit())
+    return slurm_master_port(int(digits) if digits else 0)
+
+
+def under_srun(environ: Mapping[str, str]) -> bool:
+    """True when this process is a task started by ``srun`` (reads the SLURM variables)."""
+    return (
+        bool(environ.get("SLURM_JOB_ID"))
+        and bool(environ.get("SLURM_NODEID"))
+        and ("SLURM_STEP_ID" in environ or "SLURM_STEPID" in environ or "SLURM_PROCID" in environ)
+    )
+
+
+def slurm_defaults(environ: Mapping[str, str]) -> dict[str, tuple[str, str]]:
+    """Node settings from srun's variables: name -> (value, source)."""
+    if not under_srun(environ):
+        return {}
+    found: dict[str, tuple[str, str]] = {}
+    for variable in ("SLURM_NNODES", "SLURM_JOB_NUM_NODES"):
+        if environ.get(variable):
+            found["nnodes"] = (environ[variable], variable)
+            break
+    found["node_rank"] = (environ["SLURM_NODEID"], "SLURM_NODEID")
+    nodelist = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
+    if nodelist:
+        try:
+            hosts = expand_hostlist(nodelist)
+        except ValueError as error:
+            raise UsageError(str(error)) from None
+        found["master_addr"] = (hosts[0], "first host of SLURM_JOB_NODELIST")
+    found["master_port"] = (str(slurm_port(environ["SLURM_JOB_ID"])), "SLURM_JOB_ID")
+    ntasks = environ.get("SLURM_NTASKS") or environ.get("SLURM_NPROCS")
+    nnodes = found.get("nnodes", ("", ""))[0]
+    if ntasks and nnodes and ntasks.isdigit() and nnodes.isdigit() and int(ntasks) > int(nnodes):
+        raise UsageError(
+            f"SLURM_NTASKS={ntasks} tasks on SLURM_NNODES={nnodes} nodes: dist-launch starts "
+            "the workers of a node itself and must run once per node (srun "
+            "--ntasks-per-node=1 dist-launch ...)"
+        )
+    return found

@@ -1,0 +1,1 @@
+"""What watches a running round: the hang watch, its decision, torch elastic's timers."""

@@ -1,0 +1,164 @@
+"""One round's hang watch: reads the workers' progress, decides, and raises the alarm once.
+
+:class:`HangWatch` gives each worker its progress file (:mod:`dist_launch.in_worker.beacon`),
+looks at the counters every ``look_period`` from the supervisor's loop, counts the
+output the launcher relays as progress, and asks :class:`~dist_launch.watch.quiet_watch.QuietWatch`
+whether the group is hung. An expired torch elastic timer
+(:class:`~dist_launch.watch.file_timer.FileTimerWatch`) is a hang too. Either way the
+``on_hang`` callback runs once, with the reason; the caller then takes the stacks and
+stops the group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import mmap
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from dist_launch.in_worker.progress_file import (
+    PROGRESS_FILE_VARIABLE,
+    PROGRESS_PERIOD_VARIABLE,
+    create_progress_file,
+    map_progress_file,
+    read_progress,
+)
+from dist_launch.plan.hang_policy import HangPolicy
+from dist_launch.rendezvous.progress_board import ProgressBoard
+from dist_launch.watch.file_timer import FileTimerWatch
+from dist_launch.watch.quiet_watch import QuietWatch
+
+logger = logging.getLogger(__name__)
+
+
+class HangWatch:
+    """The hang watch of one round on this node.
+
+    Args:
+        policy: ``--hang-timeout``.
+        run_dir: The round's private directory (progress files go there).
+        node: How the report names this node (``host (node 1)``).
+        timers: The torch elastic timer server, if one is served.
+        longest_quiet: What ``auto`` learned in earlier rounds.
+        board: The job's progress board (several nodes sharing a store): progress
+            on another node counts here too.
+    """
+
+    def __init__(
+        self,
+        policy: HangPolicy,
+        run_dir: str,
+        node: str,
+        timers: FileTimerWatch | None = None,
+        longest_quiet: float = 0.0,
+        board: ProgressBoard | None = None,
+    ) -> None:
+        self.policy = policy
+        self.run_dir = run_dir
+        self.node = node
+        self.timers = timers
+        self.board = board
+        self.quiet = QuietWatch(policy, time.monotonic(), longest_quiet)
+        self.on_hang: Callable[[str], None] = lambda reason: None
+        self.reason: str | None = None  # why the group was found hung, once it was
+        self._shared: dict[int, mmap.mmap] = {}
+        self._pids: dict[int, int] = {}  # pid -> rank
+        self._next_look = 0.0
+
+    @property
+    def watches_progress(self) -> bool:
+        """False when only torch elastic timers are served (``--hang-timeout off``)."""
+        return self.policy.enabled
+
+    def worker_variables(self, rank: int) -> dict[str, str]:
+        """Creates ``rank``'s progress file; the variables that tell the worker about it."""
+        if not self.watches_progress:
+            return {}
+        path = Path(self.run_dir, f"rank{rank}.progress")
+        create_progress_file(path)
+        self._shared[rank] = map_progress_file(path)
+        return {
+            PROGRESS_FILE_VARIABLE: str(path),
+            PROGRESS_PERIOD_VARIABLE: f"{self.policy.look_period:g}",
+        }
+
+    def started(self, rank: int, pid: int | None) -> None:
+        """A worker was started: ties its pid to its rank (expired timers name a pid).
+
+        The quiet clock starts again: the group is judged from its last rank's start.
+        """
+        self.quiet.begin(time.monotonic())
+        if pid is not None:
+            self._pids[pid] = rank
+
+    def output(self) -> None:
+        """The launcher relayed output of some rank: progress."""
+        self.quiet.progress(time.monotonic())
+
+    def _alarm(self, reason: str) -> None:
+        if self.reason is None:
+            self.reason = reason
+            logger.debug("hang: %s", reason)
+            self.on_hang(reason)
+
+    def due(self, now: float) -> float | None:
+        """The supervisor's timer: looks when a look is due; returns when the next one is."""
+        if self.reason is not None or (self.timers is None and not self.watches_progress):
+            return None
+        if now < self._next_look:
+            return self._next_look
+        self._next_look = now + (self.policy.look_period if self.policy.enabled else 0.1)
+        if self.timers is not None:
+            for expired in self.timers.take_expired():
+                rank = self._pids.get(expired.pid)
+                if rank is None:
+                    continue  # a grandchild's timer, or an earlier round's worker
+                self._alarm(
+                    f"rank {rank}'s torch elastic timer {expired.scope!r} expired "
+                    "(FileTimerClient, expires(after=...))"
+                )
+                return None
+        if not self.watches_progress:
+            return self._next_look
+        for rank, shared in self._shared.items():
+            with contextlib.suppress(ValueError, OSError):
+                self.quiet.saw(rank, read_progress(shared), now)
+        if self.board is not None:
+            self._share(now)
+        if self.quiet.hung(now):
+            timeout = self.quiet.timeout()
+            assert timeout is not None
+            where = "of the job" if self.board is not None else "on this node"
+            self._alarm(
+                f"no rank {where} made progress for {self.quiet.quiet_for(now):.0f} s "
+                f"({self.policy.describe()}"
+                + (f": {timeout:g} s" if self.policy.mode == "auto" else "")
+                + ")"
+            )
+            return None
+        return self._next_look
+
+    def _share(self, now: float) -> None:
+        """Publishes this node's latest progress; takes a later one of another node."""
+        assert self.board is not None
+        wall_now = time.time()
+        self.board.publish(wall_now - self.quiet.quiet_for(now))
+        elsewhere = self.board.latest_elsewhere()
+        if elsewhere is not None:
+            at = min(now, now - (wall_now - elsewhere))
+            if at > self.quiet.last_progress:
+                self.quiet.progress(at)
+
+    def close(self) -> None:
+        """Unmaps the progress files."""
+        for shared in self._shared.values():
+            with contextlib.suppress(BufferError, ValueError):
+                shared.close()
+        self._shared.clear()
+
+
+def node_name(hostname: str, group_rank: int) -> str:
+    """``host (node 1)``: how the hang report names a node."""
+    return f"{hostname} (node {group_rank})"

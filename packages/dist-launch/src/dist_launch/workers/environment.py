@@ -1,0 +1,75 @@
+"""The environment of each worker: what torchrun sets, and what every worker shares."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from dist_core.log import LAUNCHER_PREFIXES_VARIABLE
+
+if TYPE_CHECKING:
+    from dist_launch.plan.launch_plan import LaunchPlan
+    from dist_launch.rendezvous.protocol import Assignment
+
+
+def node_environment(plan: LaunchPlan, base: Mapping[str, str]) -> dict[str, str]:
+    """The variables every worker of this node shares in every attempt.
+
+    ``OMP_NUM_THREADS=1`` unless set (as torchrun, when several workers share a node),
+    ``PYTHONUNBUFFERED=1`` unless set (so that prefixed lines arrive as written), and
+    ``TORCH_NCCL_ASYNC_ERROR_HANDLING=1`` unless set (as torchrun).
+    """
+    env = dict(base)
+    if "OMP_NUM_THREADS" not in env and plan.nproc > 1:
+        env["OMP_NUM_THREADS"] = "1"
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    # The launcher prefixes every line with the rank: dist_core.log adds no second one.
+    env[LAUNCHER_PREFIXES_VARIABLE] = "1"
+    # torchrun's flags reach no worker as PET_ variables.
+    for name in [key for key in env if key.startswith("PET_")]:
+        del env[name]
+    return env
+
+
+def worker_environment(
+    plan: LaunchPlan, assignment: Assignment, base: dict[str, str]
+) -> dict[str, str]:
+    """The variables torchrun sets that every local worker of this round shares."""
+    env = dict(base)
+    env.update(
+        {
+            "GROUP_RANK": str(assignment.group_rank),
+            "NODE_RANK": str(assignment.group_rank),
+            "ROLE_NAME": plan.role,
+            "WORLD_SIZE": str(assignment.world_size),
+            "LOCAL_WORLD_SIZE": str(plan.nproc),
+            "GROUP_WORLD_SIZE": str(assignment.group_world_size),
+            "ROLE_WORLD_SIZE": str(assignment.world_size),
+            "MASTER_ADDR": assignment.master_addr,
+            "MASTER_PORT": str(assignment.master_port),
+            "TORCHELASTIC_RESTART_COUNT": str(assignment.restart_count),
+            "TORCHELASTIC_MAX_RESTARTS": str(plan.max_restarts),
+            "TORCHELASTIC_RUN_ID": plan.run_id,
+            "TORCHELASTIC_USE_AGENT_STORE": "False",
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING": env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+        }
+    )
+    return env
+
+
+def rank_environment(
+    plan: LaunchPlan, env: dict[str, str], rank: int, local_rank: int
+) -> dict[str, str]:
+    """``env`` plus one worker's rank variables.
+
+    With ``--virtual-local-rank``, ``LOCAL_RANK`` is 0 and ``CUDA_VISIBLE_DEVICES`` names
+    only this worker's device (the ``local_rank``-th of those visible to the launcher).
+    """
+    rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(local_rank), "ROLE_RANK": str(rank)}
+    if plan.virtual_local_rank:
+        visible = [d for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+        device = visible[local_rank] if local_rank < len(visible) else str(local_rank)
+        rank_env["CUDA_VISIBLE_DEVICES"] = device
+        rank_env["LOCAL_RANK"] = "0"
+    return rank_env
