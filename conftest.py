@@ -37,6 +37,8 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers",
         f"{PROCESSES_MARKER}: starts a process; not in the fast lane (-m 'not processes')",
     )
+    # pytest-xdist's own marker, named here too so that a run without xdist accepts it.
+    config.addinivalue_line("markers", "xdist_group(name): tests pytest-xdist runs on one worker")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -65,9 +67,11 @@ class _ProcessGuard:
     once per pytest process: ``os.fork`` (``fork`` start method, ``pty``,
     ``os.spawn*``), ``_posixsubprocess.fork_exec`` (``spawn`` and ``forkserver``
     servers), ``subprocess.Popen._execute_child`` (``subprocess.run`` and friends),
-    ``os.posix_spawn``/``posix_spawnp``, ``os.system`` and
-    ``multiprocessing``'s ``BaseProcess.start`` (a forkserver already running starts
-    workers without a local fork). The current test is the one pytest is running
+    ``os.posix_spawn``/``posix_spawnp`` and ``multiprocessing``'s
+    ``BaseProcess.start`` (a forkserver already running starts workers without a local
+    fork). ``os.system`` is left alone: a test may pickle it by reference (a planted
+    pickle payload), which a wrapper would break, and no test of ours starts a process
+    with it. The current test is the one pytest is running
     (setup, call and teardown, so module fixtures count for the first test that
     needs them).
     """
@@ -100,7 +104,6 @@ class _ProcessGuard:
 
     def install(self) -> None:
         self.wrap(os, "fork", "os.fork")
-        self.wrap(os, "system", "os.system")
         for name in ("posix_spawn", "posix_spawnp", "forkpty"):
             if hasattr(os, name):
                 self.wrap(os, name, f"os.{name}")

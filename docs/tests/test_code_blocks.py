@@ -183,7 +183,15 @@ def _run(command: list[str], cwd: Path, env: dict[str, str], block: Block) -> No
         )
 
 
-@pytest.mark.parametrize("block", ALL_BLOCKS, ids=lambda block: block.id)
+# A page's blocks run in page order in one directory: under pytest-xdist, one worker
+# takes a page's group whole (--dist loadgroup).
+@pytest.mark.parametrize(
+    "block",
+    [
+        pytest.param(block, id=block.id, marks=pytest.mark.xdist_group(block.page.stem))
+        for block in ALL_BLOCKS
+    ],
+)
 @pytest.mark.processes
 def test_code_block_runs(block: Block, workdirs: dict[Path, Path], shims: Path) -> None:
     workdir = workdirs[block.page]
