@@ -272,6 +272,8 @@ def _pytest(
         "--dist",
         dist,
         f"--junitxml={junit}",
+        "-o",
+        f"junit_suite_name={session.name}",
         *args,
         *session.posargs,
         env={"PYTHONDONTWRITEBYTECODE": "1", **(env or {})},
@@ -464,10 +466,13 @@ def summary(session: nox.Session) -> None:
     lines.append(f"{'all timed sessions':<32} {total:>8.0f}   ({total / 60:.1f} min)")
     tests: list[tuple[float, str, str]] = []
     for junit in _TIMINGS.glob("*.xml"):
-        owner = junit.name.split(".")[0]
-        for case in ElementTree.parse(junit).iter("testcase"):
-            name = f"{case.get('classname', '')}::{case.get('name', '')}"
-            tests.append((float(case.get("time") or 0.0), owner, name))
+        for suite in ElementTree.parse(junit).iter("testsuite"):
+            owner = suite.get("name", junit.stem)
+            for case in suite.iter("testcase"):
+                # JUnit's classname is the test file's path with dots: show it as pytest does.
+                path = case.get("classname", "").replace(".", "/")
+                name = f"{path}.py::{case.get('name', '')}"
+                tests.append((float(case.get("time") or 0.0), owner, name))
     tests.sort(reverse=True)
     lines.append("10 slowest tests:")
     lines.extend(f"{seconds:8.1f} s  {owner}  {name}" for seconds, owner, name in tests[:10])
