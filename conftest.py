@@ -37,8 +37,6 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers",
         f"{PROCESSES_MARKER}: starts a process; not in the fast lane (-m 'not processes')",
     )
-    # pytest-xdist's own marker, named here too so that a run without xdist accepts it.
-    config.addinivalue_line("markers", "xdist_group(name): tests pytest-xdist runs on one worker")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

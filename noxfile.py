@@ -7,12 +7,12 @@ budget of 30 minutes on the project's 2-core machine (``docs/testing.md`` says h
 measure it). ``nox -s fast`` runs every in-process test of the four packages;
 ``nox -s bench`` runs the benchmarks.
 
-Every venv is made with pip, and torch is pinned before anything else is installed. On
-the project's machines ``TORCH_SPEC`` (2.13.0) is a local CPU build: it is installed once
-into a template venv and linked into each session's venv (hard links, like a package
-manager's cache), so the eight sessions on it pay for one install. The other versions
-are CUDA builds of several GB, each installed once, in the one session that runs on it.
-The packages themselves declare only a lower bound on torch.
+Every venv is made with pip, and torch is pinned before anything else is installed.
+Each torch build is installed once, into a template venv under ``.nox/_torch``, and
+linked into every venv that needs it (hard links, like a package manager's cache): the
+eight sessions on ``TORCH_SPEC`` (2.13.0, a local CPU build on the project's machines)
+pay for one install. The other versions are CUDA builds of several GB from the package
+registry. The packages themselves declare only a lower bound on torch.
 
 Packages are installed non-editable from this repository, each session with only what
 it needs, and :func:`_check_provenance` fails the session when any installed
@@ -157,27 +157,37 @@ def _link_installed(template: Path, venv: Path) -> None:
             os.link(origin, destination)
 
 
-def _install_torch(session: nox.Session, torch_spec: str) -> None:
-    """Installs torch pinned to ``torch_spec``, before anything else.
+def _pip_env(torch_spec: str) -> dict[str, str] | None:
+    """The environment of pip installs beside ``torch_spec``: uncapped unless it is local."""
+    return None if torch_spec == TORCH_SPEC else _UNCAPPED
 
-    ``TORCH_SPEC`` goes once into a template venv under ``.nox/_torch`` and is then
-    linked into each session's venv (:func:`_link_installed`). Any other spec is a CUDA
-    build of several GB used by one session: it installs there directly, with
-    ``--no-cache-dir`` (pip's cache would hold a second copy of it, which ran a CI
-    machine out of disk once) and with pip's torch cap lifted.
+
+def _torch_template(session: nox.Session, *specs: str) -> Path:
+    """A venv under ``.nox/_torch`` holding ``specs`` (torch first), installed once.
+
+    Every venv that needs the same build links it from here (:func:`_link_installed`)
+    instead of unpacking it again. A torch other than ``TORCH_SPEC`` is a CUDA build of
+    several GB: it installs with ``--no-cache-dir`` (pip's cache would hold a second
+    copy, which ran a CI machine out of disk once) and with pip's torch cap lifted.
     """
-    if torch_spec != TORCH_SPEC:
-        session.install("--no-cache-dir", torch_spec, env=_UNCAPPED)
-        return
-    template = ROOT / ".nox" / "_torch" / torch_spec.replace("==", "-")
-    if not (template / "complete").exists():
-        shutil.rmtree(template, ignore_errors=True)
-        session.run(sys.executable, "-m", "venv", str(template), external=True)
-        session.run(str(template / "bin" / "python"), "-m", "pip", "install", "-q", torch_spec,
-                    external=True)  # fmt: skip
-        (template / "complete").touch()
-    _link_installed(template, Path(session.virtualenv.location))
-    session.install(torch_spec)  # checks the links: pip finds it installed
+    template = ROOT / ".nox" / "_torch" / "+".join(spec.replace("==", "-") for spec in specs)
+    if (template / "complete").exists():
+        return template
+    shutil.rmtree(template, ignore_errors=True)
+    session.run(sys.executable, "-m", "venv", str(template), external=True)
+    downloaded = ["--no-cache-dir"] if specs[0] != TORCH_SPEC else []
+    session.run(
+        str(template / "bin" / "python"), "-m", "pip", "install", "-q", *downloaded, *specs,
+        env=_pip_env(specs[0]), external=True,
+    )  # fmt: skip
+    (template / "complete").touch()
+    return template
+
+
+def _install_torch(session: nox.Session, torch_spec: str) -> None:
+    """Installs torch pinned to ``torch_spec`` before anything else, linked from its template."""
+    _link_installed(_torch_template(session, torch_spec), Path(session.virtualenv.location))
+    session.install(torch_spec, env=_pip_env(torch_spec))  # checks the links: pip finds it
 
 
 def _install_packages(
@@ -193,7 +203,7 @@ def _install_packages(
             target = f"{PACKAGES_DIR / name}{suffix}"
             if target not in targets:
                 targets.append(target)
-    session.install(*targets, env=None if torch_spec == TORCH_SPEC else _UNCAPPED)
+    session.install(*targets, env=_pip_env(torch_spec))
     _check_provenance(session)
 
 
@@ -260,7 +270,7 @@ def _pytest(
     """Runs pytest with the run's workers, keeping its per-test times for ``summary``.
 
     ``dist`` is pytest-xdist's distribution mode: ``worksteal`` balances tests of uneven
-    length; ``loadgroup`` keeps each ``xdist_group`` on one worker, in order.
+    length; ``loadscope`` keeps each class on one worker, in order.
     """
     _TIMINGS.mkdir(parents=True, exist_ok=True)
     runs = len(list(_TIMINGS.glob(f"{_file_name(session.name)}.*.xml")))
@@ -373,10 +383,36 @@ def typecheck(session: nox.Session) -> None:
     )
 
 
+# The docs' before-composer blocks run Composer's own launcher. mosaicml 0.32.1 pins a
+# torch (<2.7.1) that is not on the project's machines; torch 2.14.1 and torchvision
+# 0.29.1 are, and Composer's distributed API runs on them.
+COMPOSER = ("mosaicml==0.32.1", ("torch==2.14.1", "torchvision==0.29.1"))
+
+
+def _composer_venv(session: nox.Session) -> Path:
+    """A venv with Composer, for the docs' before-composer blocks; its bin directory."""
+    venv = ROOT / ".nox" / "_peers" / "composer"
+    if not (venv / "complete").exists():
+        shutil.rmtree(venv, ignore_errors=True)
+        session.run(sys.executable, "-m", "venv", str(venv), external=True)
+        package, torch_specs = COMPOSER
+        _link_installed(_torch_template(session, *torch_specs), venv)
+        pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q"]
+        requirements = ROOT / "docs" / "tests" / "requirements-composer.txt"
+        session.run(*pip, "-r", str(requirements), external=True)
+        session.run(*pip, "--no-deps", package, external=True)
+        (venv / "complete").touch()
+    return venv / "bin"
+
+
 @nox.session
 @_timed
 def docs(session: nox.Session) -> None:
-    """The Sphinx site, warnings as errors, offline; then the docs tests (docs/tests)."""
+    """The Sphinx site, warnings as errors, offline; then the docs tests (docs/tests).
+
+    The migration guides' "before" blocks run the peers' own code: torchft and Model
+    Optimizer are installed beside the packages, Composer in a venv of its own.
+    """
     _install_packages(session, PACKAGES)
     # matplotlib draws the benchmarks page's figures; it is never a package dependency.
     session.install("sphinx>=7", "myst-parser>=3", "sphinx-argparse>=0.5", "matplotlib>=3.8")
@@ -384,8 +420,15 @@ def docs(session: nox.Session) -> None:
     session.run("sphinx-build", "-W", "--keep-going", "-b", "html", str(ROOT / "docs"), str(output))
     session.log(f"docs built in {output}")
     session.install("pytest>=8", "pytest-timeout>=2", "pytest-xdist>=3")
-    # A page's blocks run in page order in one directory: one worker per page.
-    _pytest(session, str(ROOT / "docs" / "tests"), dist="loadgroup")
+    session.install("-r", str(ROOT / "docs" / "tests" / "requirements-peers.txt"))
+    composer = _composer_venv(session)
+    # A page's blocks run in page order in one directory: one worker per page (a class).
+    _pytest(
+        session,
+        str(ROOT / "docs" / "tests"),
+        dist="loadscope",
+        env={"DIST_DOCS_PEER_COMPOSER": str(composer)},
+    )
 
 
 @nox.session
