@@ -66,8 +66,11 @@ _NOT_ROUND_TRIPS = frozenset({"set", "set_timeout", "timeout"})
 METHODS = (
     "dist-workspace",
     "dist.gather",
+    "link prototype",
+    "tcp link prototype",
     "store handshake",
     "socket handshake",
+    "gloo handshake",
     "Model Optimizer",
 )
 
@@ -250,6 +253,16 @@ def _calls_of(method: str, kind: str) -> Callable[..., Any] | None:
         return _store_handshake
     if method == "socket handshake":
         return _socket_handshake
+    if method in ("link prototype", "tcp link prototype", "gloo handshake"):
+        from _lib import workspace_link
+
+        if method == "gloo handshake":
+            return workspace_link.gloo_handshake
+        if kind != "tensor":
+            return None
+        if method == "tcp link prototype":
+            return workspace_link.get_tensors_parallel_tcp
+        return workspace_link.get_tensors_parallel
     distribute = _modelopt()
     if distribute is None or kind != "tensor":
         # Its get_configs_parallel takes its own config classes only (LinearConfig, ...):
@@ -343,7 +356,7 @@ def report(results: dict[str, Any]) -> dict[str, Any]:
     print()
     print(f"the cost of a call ({WORLD} ranks, one host, gloo; ms per call on rank 0)")
     header = (
-        f"{'workload':<12}{'method':<17}{'call ms':>9}{'+read ms':>10}{'x floor':>9}"
+        f"{'workload':<12}{'method':<19}{'call ms':>9}{'+read ms':>10}{'x floor':>9}"
         f"{'store trips/call':>18}"
     )
     print(header)
@@ -362,17 +375,19 @@ def report(results: dict[str, Any]) -> dict[str, Any]:
             label = method if method != "dist.gather" or kind == "tensor" else "gather_object"
             if item is None:
                 why = (
-                    "takes its own config classes only, not a dict"
+                    "tensors only"
+                    if "prototype" in method
+                    else "takes its own config classes only, not a dict"
                     if kind == "config" and _modelopt() is not None
                     else "not installed (pip install nvidia-modelopt)"
                 )
-                print(f"{workload:<12}{label:<17}{why}")
+                print(f"{workload:<12}{label:<19}{why}")
                 row[method] = None
                 continue
             trips = item.get("round_trips_all_ranks")
             trips_text = f"{trips:.1f}" if trips is not None else "-"
             print(
-                f"{workload:<12}{label:<17}{item['call_ms']:>9.3f}{item['with_read_ms']:>10.3f}"
+                f"{workload:<12}{label:<19}{item['call_ms']:>9.3f}{item['with_read_ms']:>10.3f}"
                 f"{item['with_read_ms'] / floor:>9.2f}{trips_text:>18}"
             )
             row[method] = {
@@ -396,7 +411,7 @@ def report(results: dict[str, Any]) -> dict[str, Any]:
     for workload, per_method in results.items():
         ours = per_method["dist-workspace"]["with_read_ms"]
         floor = per_method["dist.gather"]["with_read_ms"]
-        for method in ("store handshake", "socket handshake"):
+        for method in ("store handshake", "socket handshake", "gloo handshake"):
             handshake = per_method.get(method)
             if handshake is not None:
                 print(
