@@ -84,7 +84,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dist_workspace import peer_socket
+from dist_workspace import peer_socket, protocol
 from dist_workspace.errors import WorkspaceError
 from dist_workspace.jobid import current_job_id, short_tag
 from dist_workspace.own_value import own_config, own_tensor
@@ -139,6 +139,10 @@ class _Exchange:
     @property
     def senders(self) -> list[int]:
         return self.ranks[1:]
+
+    @property
+    def call(self) -> protocol.Call:
+        return protocol.Call(self.kind, self.rank, tuple(self.ranks), self.timeout)
 
     def key(self, name: str, seq: int | None = None) -> str:
         """A key of this call (or of call number ``seq`` of these ranks)."""
@@ -322,18 +326,12 @@ def _await_verdict(exchange: _Exchange, link: peer_socket.Link | None) -> None:
         except peer_socket.PeerClosed as error:
             raise _receiver_lost(exchange, error) from None
     if raw is None:
-        raise WorkspaceError(
-            f"rank {exchange.rank}: {exchange.kind} timed out after {patience:g} s "
-            f"waiting for receiver rank {receiver} to read the values (did rank {receiver} "
-            f"call {exchange.kind} with ranks={exchange.ranks}?)"
-        )
+        raise WorkspaceError(protocol.receiver_timed_out(exchange.call, patience))
     verdict, _ = _decoded(raw)
     exchange.transport.settle(verdict)
-    if not verdict.get("ok"):
-        raise WorkspaceError(
-            f"rank {exchange.rank}: {exchange.kind} failed on receiver rank {receiver}: "
-            f"{verdict.get('error')}"
-        )
+    failure = protocol.verdict_error(exchange.call, verdict, patience)
+    if failure is not None:
+        raise WorkspaceError(failure)
     if link is None and exchange.transport.one_host and peer_socket.enabled():
         peer_socket.connect(
             exchange.prefix, exchange.rank, receiver, verdict.get("endpoint"), _host_id()
@@ -365,23 +363,7 @@ def _collect_statuses(
     else:
         raws = _wait_in_store(exchange)
         in_store = exchange.senders
-    posted = {sender: _decoded(raw) for sender, raw in raws.items()}
-    # A failed sender posts its error as its status: it is raised once every sender
-    # has posted, or at the timeout beside the ranks that never did.
-    for sender, (status, _) in posted.items():
-        if not status.get("ok"):
-            raise WorkspaceError(
-                f"{exchange.kind}: rank {sender} failed to write its value: {status.get('error')}"
-            )
-    missing = [r for r in exchange.senders if r not in posted]
-    if missing:
-        raise WorkspaceError(
-            f"{exchange.kind}: receiver rank {exchange.rank} timed out after "
-            f"{exchange.timeout:g} s: rank(s) {missing} never wrote their value (ranks "
-            f"{sorted(posted)} did). Did they call {exchange.kind} with "
-            f"ranks={exchange.ranks}? Set DIST_WORKSPACE_TIMEOUT for slower ranks"
-        )
-    return posted, in_store
+    return {sender: _decoded(raw) for sender, raw in raws.items()}, in_store
 
 
 def _wait_in_store(exchange: _Exchange) -> dict[int, bytes]:
@@ -402,38 +384,6 @@ def _posted_in_store(exchange: _Exchange, senders: list[int]) -> dict[int, bytes
     return dict(zip(keys, values, strict=True))
 
 
-def _check_statuses(
-    exchange: _Exchange, statuses: dict[int, dict[str, Any]], own_tensor: torch.Tensor | None
-) -> None:
-    host = _host_id()
-    for sender, status in statuses.items():
-        if status.get("ranks") != exchange.ranks:
-            raise WorkspaceError(
-                f"{exchange.kind}: rank {sender} passed ranks={status.get('ranks')}, receiver "
-                f"rank {exchange.rank} passed ranks={exchange.ranks}; every rank must pass the "
-                "same list"
-            )
-        if exchange.transport.one_host and status.get("host") != host:
-            raise WorkspaceError(
-                f"{exchange.kind}: rank {sender} runs on {status.get('host')}, receiver rank "
-                f"{exchange.rank} on {host}: shared memory needs one host. Pass "
-                "workspace_path (a directory every rank sees) instead"
-            )
-    if own_tensor is not None:
-        shapes: dict[int, tuple[Any, Any]] = {
-            exchange.rank: (list(own_tensor.shape), str(own_tensor.dtype))
-        }
-        shapes.update({r: (s.get("shape"), s.get("dtype")) for r, s in statuses.items()})
-        if any(value != shapes[exchange.rank] for value in shapes.values()):
-            described = ", ".join(
-                f"rank {r} has shape {tuple(shapes[r][0] or ())} {shapes[r][1]}"
-                for r in exchange.ranks
-            )
-            raise WorkspaceError(
-                f"get_tensors_parallel needs tensors of one shape and dtype: {described}"
-            )
-
-
 def _receive(
     exchange: _Exchange,
     own_value: Callable[[], tuple[Any, dict[str, torch.Tensor]]],
@@ -445,7 +395,19 @@ def _receive(
         own_tensor = own[1].get("tensor")
         _forget_earlier_calls(exchange)
         posted, in_store = _collect_statuses(exchange, listener)
-        _check_statuses(exchange, {r: status for r, (status, _) in posted.items()}, own_tensor)
+        # A failed sender posts its error as its status: it is raised once every
+        # sender has posted, or at the timeout beside the ranks that never did.
+        failure = protocol.decide_receipt(
+            exchange.call,
+            {r: status for r, (status, _) in posted.items()},
+            host=_host_id(),
+            one_host=exchange.transport.one_host,
+            own_shape=None
+            if own_tensor is None
+            else (list(own_tensor.shape), str(own_tensor.dtype)),
+        )
+        if failure is not None:
+            raise WorkspaceError(failure)
         values = [
             own if r == exchange.rank else exchange.transport.receive(r, *posted[r])
             for r in exchange.ranks

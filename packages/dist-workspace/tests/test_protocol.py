@@ -1,0 +1,88 @@
+"""The decisions of a call and the words of its errors, in one process, without a link."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dist_workspace import protocol
+
+CALL = protocol.Call("get_tensors_parallel", 0, (0, 1, 2), 30.0)
+HOST = "node-a/boot-1"
+
+
+def _head(**fields: Any) -> dict[str, Any]:
+    head: dict[str, Any] = {"ok": True, "ranks": [0, 1, 2], "host": HOST}
+    head.update(shape=[2, 3], dtype="torch.float32")
+    head.update(fields)
+    return head
+
+
+def _decide(heads: dict[int, dict[str, Any]], *, one_host: bool = True) -> str | None:
+    return protocol.decide_receipt(
+        CALL, heads, host=HOST, one_host=one_host, own_shape=([2, 3], "torch.float32")
+    )
+
+
+def test_heads_that_agree_let_the_receiver_read() -> None:
+    assert _decide({1: _head(), 2: _head()}) is None
+
+
+def test_a_senders_error_comes_before_missing_ranks() -> None:
+    error = _decide({1: {"ok": False, "error": "TypeError: config['ok'] is a builtins.set"}})
+    assert error == (
+        "get_tensors_parallel: rank 1 failed to write its value: TypeError: config['ok'] is "
+        "a builtins.set"
+    )
+
+
+def test_missing_senders_are_named_beside_those_that_came() -> None:
+    error = _decide({1: _head()})
+    assert error is not None
+    assert "receiver rank 0 timed out after 30 s" in error
+    assert "rank(s) [2] never wrote their value (ranks [1] did)" in error
+    assert "ranks=[0, 1, 2]" in error and "DIST_WORKSPACE_TIMEOUT" in error
+
+
+def test_heads_that_disagree_on_ranks_are_named() -> None:
+    error = _decide({1: _head(), 2: _head(ranks=[0, 2, 1])})
+    assert error == (
+        "get_tensors_parallel: rank 2 passed ranks=[0, 2, 1], receiver rank 0 passed "
+        "ranks=[0, 1, 2]; every rank must pass the same list"
+    )
+
+
+def test_a_sender_on_another_host_is_refused_without_a_directory() -> None:
+    elsewhere = {1: _head(), 2: _head(host="node-b/boot-9")}
+    error = _decide(elsewhere)
+    assert error is not None
+    assert "rank 2 runs on node-b/boot-9, receiver rank 0 on node-a/boot-1" in error
+    assert "Pass workspace_path" in error
+    assert _decide(elsewhere, one_host=False) is None
+
+
+def test_shapes_and_dtypes_that_differ_name_every_rank() -> None:
+    error = _decide({1: _head(), 2: _head(shape=[2, 4])})
+    assert error == (
+        "get_tensors_parallel needs tensors of one shape and dtype: rank 0 has shape (2, 3) "
+        "torch.float32, rank 1 has shape (2, 3) torch.float32, rank 2 has shape (2, 4) "
+        "torch.float32"
+    )
+    configs = protocol.Call("get_configs_parallel", 0, (0, 1), 30.0)
+    heads = {1: {"ok": True, "ranks": [0, 1], "host": HOST}}  # configs have no shape
+    assert protocol.decide_receipt(configs, heads, host=HOST, one_host=True, own_shape=None) is None
+
+
+def test_a_sender_raises_the_receivers_error_naming_it() -> None:
+    sender = protocol.Call("get_configs_parallel", 2, (0, 1, 2), 30.0)
+    assert protocol.verdict_error(sender, {"ok": True}, 40.0) is None
+    assert protocol.verdict_error(sender, {"ok": False, "error": "WorkspaceError: x"}, 40.0) == (
+        "rank 2: get_configs_parallel failed on receiver rank 0: WorkspaceError: x"
+    )
+
+
+def test_a_silent_receiver_is_named_with_the_wait() -> None:
+    sender = protocol.Call("get_configs_parallel", 2, (0, 1, 2), 30.0)
+    assert protocol.verdict_error(sender, None, 40.0) == (
+        "rank 2: get_configs_parallel timed out after 40 s waiting for receiver rank 0 to "
+        "read the values (did rank 0 call get_configs_parallel with ranks=[0, 1, 2]?)"
+    )
