@@ -21,8 +21,7 @@ Methods, interleaved (one full workload each, repeat after repeat; the fastest k
   ranks, what the wake-ups of a call cost before a byte moves.
 - ``socket handshake`` (a limit): the same two hops, one byte each way over a Unix
   socket per sender, connected at the first call: the least a call that tells every
-  sender how it ended costs here. dist-workspace's calls take this path after their
-  first call (``dist_workspace.peer_socket``); this one is written here, apart.
+  sender how it ended costs here; this one is written here, apart.
 - ``Model Optimizer``: its own ``modelopt.torch.export.distribute.get_tensors_parallel``,
   when ``nvidia-modelopt`` is installed (it is not a requirement of the benchmark; the
   run says when it is missing). Not for configs: its ``get_configs_parallel`` takes its
@@ -158,8 +157,6 @@ def _store_handshake(value: Any, ranks: list[int]) -> Iterator[list[Any]]:
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
 
-    from dist_workspace.store_reader import reader_for
-
     store = c10d._get_default_store()
     call = _handshakes[0]
     _handshakes[0] += 1
@@ -173,7 +170,8 @@ def _store_handshake(value: Any, ranks: list[int]) -> Iterator[list[Any]]:
         yield []  # moves no data
     else:
         store.set(f"{prefix}/{rank}", "posted")
-        reader_for(store).get(f"{prefix}/verdict", 60.0)  # dist-workspace's own waiting read
+        store.wait([f"{prefix}/verdict"], timedelta(seconds=60))
+        store.get(f"{prefix}/verdict")
         yield []
 
 

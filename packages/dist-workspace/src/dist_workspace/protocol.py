@@ -9,8 +9,13 @@ one owner (launchers look for ``Connection closed by peer`` in them).
 from __future__ import annotations
 
 import dataclasses
+import json
+import struct
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+from dist_workspace.errors import WorkspaceError
+from dist_workspace.safejson import JsonRefused, loads
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,3 +126,117 @@ def verdict_error(call: Call, verdict: Mapping[str, Any] | None, patience: float
     if not verdict.get("ok"):
         return receiver_failed(call, verdict.get("error"))
     return None
+
+
+# ---------------------------------------------------------------- the link's frames
+
+WIRE_VERSION = 5  # dist-workspace 0.5's frames; a rank with another is named at opening
+HEAD, VERDICT = 1, 2  # a sender's head (and record), the receiver's verdict
+VERDICT_MARGIN_SECONDS = 10.0  # beyond the timeout, for the receiver to read and answer
+_FIXED = struct.Struct("<4sHBxQIQ")  # magic, version, kind, call number, head, body bytes
+_MAGIC = b"dwsl"
+FIXED_BYTES = _FIXED.size
+_HEAD_MAX = 1 << 20  # a head is a few hundred bytes of JSON
+_HEAD_DEPTH = 4  # {"memory": {"spans": [[at, address, length]]}}
+
+
+def encode_frame(kind: int, seq: int, head: Mapping[str, Any], body_size: int) -> bytes:
+    """A frame's first bytes: its fixed part and its head; ``body_size`` bytes follow."""
+    text = json.dumps(head).encode()
+    return _FIXED.pack(_MAGIC, WIRE_VERSION, kind, seq, len(text), body_size) + text
+
+
+def decode_fixed(raw: bytes, peer: int) -> tuple[int, int, int, int]:
+    """A frame's kind, call number, head size and body size.
+
+    Raises:
+        WorkspaceError: Not a frame of this protocol and version (naming ``peer``).
+    """
+    magic, version, kind, seq, head_size, body_size = _FIXED.unpack(raw)
+    if magic != _MAGIC:
+        raise WorkspaceError(f"rank {peer} sent bytes that are not a dist-workspace frame")
+    if version != WIRE_VERSION:
+        raise WorkspaceError(
+            f"rank {peer} speaks dist-workspace wire version {version}, this rank "
+            f"{WIRE_VERSION}: install one dist-workspace version on every rank"
+        )
+    if kind not in (HEAD, VERDICT) or head_size > _HEAD_MAX:
+        raise WorkspaceError(f"rank {peer} sent a malformed frame (kind {kind}, {head_size} B)")
+    return kind, seq, head_size, body_size
+
+
+def decode_head(raw: bytes, peer: int) -> dict[str, Any]:
+    """A head's JSON object, parsed without trusting it (bounded depth, no NaN).
+
+    Raises:
+        WorkspaceError: Not a JSON object (naming ``peer``).
+    """
+    try:
+        head = loads(raw.decode(), max_depth=_HEAD_DEPTH)
+    except (JsonRefused, UnicodeDecodeError) as error:
+        raise WorkspaceError(f"rank {peer} sent a head that is not JSON: {error}") from None
+    if not isinstance(head, dict):
+        raise WorkspaceError(f"rank {peer} sent a head that is not a JSON object")
+    return head
+
+
+def out_of_order(peer: int, kind: int, seq: int, awaited_kind: int, awaited_seq: int) -> str:
+    """A frame of a later call, or of the wrong kind: the ranks made different calls."""
+    what = {HEAD: "its value", VERDICT: "a verdict"}.get(kind, f"kind {kind}")
+    return (
+        f"rank {peer} sent {what} for call {seq} while this rank waited for call "
+        f"{awaited_seq}: did the ranks call in different orders?"
+    )
+
+
+def stale_verdict(seq: int, failures: Mapping[int, str]) -> dict[str, Any]:
+    """The verdict for a sender's head of an earlier call: that call's error."""
+    error = failures.get(seq, f"the receiver had given up on call {seq}")
+    return {"ok": False, "error": error}
+
+
+# ---------------------------------------------------------------- opening the link
+
+
+def decide_open(call: Call, infos: Mapping[int, Mapping[str, Any]]) -> str | None:
+    """The receiver's verdict on opening: None when every rank came with this version."""
+    missing = [r for r in call.senders if r not in infos]
+    if missing:
+        return never_wrote(call, missing, [r for r in infos if r != call.rank])
+    for rank, info in infos.items():
+        if info.get("error"):
+            return f"{call.kind}: rank {rank} cannot take part in the link: {info['error']}"
+        if info.get("version") != WIRE_VERSION:
+            return (
+                f"{call.kind}: rank {rank} speaks dist-workspace wire version "
+                f"{info.get('version')}, receiver rank {call.rank} {WIRE_VERSION}: install "
+                "one dist-workspace version on every rank"
+            )
+    return None
+
+
+def could_not_connect(call: Call, missing: Sequence[int], error: object) -> str:
+    """The link's connections could not all be made: ``missing`` are the peers left out."""
+    return (
+        f"rank {call.rank}: {call.kind}: could not connect the link between ranks "
+        f"{sorted(call.ranks)}: no connection with rank(s) {list(missing)} ({error}). Every "
+        "rank listens on the address its host reaches the store's server from: can the "
+        "others reach it?"
+    )
+
+
+def connection_lost(call: Call, sender: int, why: str) -> str:
+    """The receiver's connection to a sender ended during the call."""
+    return (
+        f"{call.kind}: receiver rank {call.rank}: rank(s) [{sender}] never wrote their "
+        f"value: its connection to this receiver was lost ({why}) during the "
+        f"call (did rank {sender} exit or fail?)"
+    )
+
+
+def receiver_closed(call: Call, why: str) -> str:
+    """A sender's connection to the receiver ended before the verdict came."""
+    return (
+        f"rank {call.rank}: {call.kind}: receiver rank {call.receiver} closed its connection "
+        f"before its verdict ({why}): did it exit or fail?"
+    )
