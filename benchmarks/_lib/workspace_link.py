@@ -308,21 +308,9 @@ def _receive_frame(connection: Any) -> tuple[int, int, bytes, torch.Tensor | Non
 
 def _record_pieces(record: Any) -> list[Any]:
     """The record's bytes in order, from its tensors: header, data, zero padding, digest."""
-    from dist_workspace.writer import record_pieces
+    from dist_workspace.writer import record_buffers
 
-    pieces = record_pieces(record)
-    out: list[Any] = [pieces.head]
-    position = len(pieces.head)
-    for at, data in pieces.spans:
-        if at > position:
-            out.append(bytes(at - position))
-        out.append(data.numpy())
-        position = at + data.numel()
-    end = record.total_size - len(pieces.digest)
-    if end > position:
-        out.append(bytes(end - position))
-    out.append(pieces.digest)
-    return out
+    return record_buffers(record)
 
 
 @contextlib.contextmanager

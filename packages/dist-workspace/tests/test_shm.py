@@ -184,7 +184,7 @@ def test_a_tmpfs_filled_while_writing_is_the_same_error_and_leaves_nothing(
 
     import torch
 
-    from dist_workspace import shm_transport
+    from dist_workspace import protocol, shm_transport
     from dist_workspace.transport import CallId
 
     def full(fd: int, record: object) -> None:
@@ -192,6 +192,7 @@ def test_a_tmpfs_filled_while_writing_is_the_same_error_and_leaves_nothing(
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(shm_transport, "write_record", full)
+    monkeypatch.setattr(protocol, "LINK_MAX_BYTES", 0)  # a segment for the smallest record
     before = {path for path, _ in list_segments()}
     transport = shm_transport.SharedMemoryTransport(
         CallId("get_tensors_parallel", 3, "0123abcd", "cafe", 0, 30.0, 0)

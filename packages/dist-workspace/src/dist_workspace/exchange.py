@@ -5,17 +5,16 @@ Protocol (every wait bounded by ``timeout``):
 1. Every rank of ``ranks`` but the first (the *receiver*) writes its value as a
    record (see :mod:`dist_workspace.format`) through the call's transport (see
    :mod:`dist_workspace.transport`, chosen once per call by
-   :mod:`dist_workspace.transports`): into a fresh shared-memory segment when
-   ``workspace_path`` is None (a small record travels in its frame instead, and one
-   of at most 8 MiB may stay in the sender's memory for the receiver to copy, see
-   :mod:`dist_workspace.shm_transport`), else into a file of a per-exchange
-   subdirectory of ``workspace_path``. It then sends a frame to the receiver over
-   the link between ``ranks`` (:mod:`dist_workspace.link`, opened by the first call
-   with these ranks): a head saying what the transport needs to find the record,
-   shape and dtype, host, ``ranks`` and, when anything failed (a config that is not
-   JSON, a full /dev/shm, ...), the error instead. The frame goes after the record's
-   last byte is written, and nothing writes the record again: a receiver never sees
-   a half-written one.
+   :mod:`dist_workspace.transports`): a record of at most 8 MiB
+   (:func:`dist_workspace.protocol.route`) travels in its frame; a larger one goes
+   into a fresh shared-memory segment when ``workspace_path`` is None, else into a
+   file of a per-exchange subdirectory of ``workspace_path``. It then sends a frame
+   to the receiver over the link between ``ranks`` (:mod:`dist_workspace.link`,
+   opened by the first call with these ranks): a head saying what the transport
+   needs to find the record, shape and dtype, host, ``ranks`` and, when anything
+   failed (a config that is not JSON, a full /dev/shm, ...), the error instead. The
+   frame goes after the record's last byte is written, and nothing writes the record
+   again: a receiver never sees a half-written one.
 2. The receiver waits for every sender's frame at once. A missing one after
    ``timeout`` raises naming the ranks that never wrote; an error raises naming its
    rank (as soon as every sender has sent, else at the timeout); a connection that
@@ -38,9 +37,8 @@ Values given to the receiver from segments are zero-copy, copy-on-write mappings
 the writers' segments (nothing is copied or pre-faulted: the page tables fill as the
 tensors are read): writing to them never affects the writer, and they stay valid
 after the context exits (the memory is freed when the last tensor is dropped);
-values of records in their frame are over a private copy of their bytes, and values
-left in a sender's memory are copied into fresh memory of the receiver's. Segments
-are unlinked before the context body runs and, on every error path, in ``finally``
+values of records in their frame view the memory the receiver read the frame into,
+its own. Segments are unlinked before the context body runs and, on every error path, in ``finally``
 blocks.
 
 Device rule: every value the receiver gets is on CPU, its own included, whatever
@@ -59,7 +57,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -169,7 +167,7 @@ def _start(
     call = protocol.Call(kind, rank, tuple(checked), _timeout_seconds(timeout))
     ranks_tag = short_tag(",".join(map(str, sorted(checked))), 16)
     call_id = CallId(kind, rank, short_tag(job), ranks_tag, seq, call.timeout, checked[0])
-    transport = open_transport(workspace_path, call_id, inline=True)
+    transport = open_transport(workspace_path, call_id)
     return _Exchange(call, seq, state, getter(), job, transport)
 
 
@@ -189,22 +187,21 @@ def _send(exchange: _Exchange, weights: dict[str, torch.Tensor], config: Any) ->
             parcel = exchange.transport.send(weights, config)
         except BaseException as error:
             with contextlib.suppress(Exception):  # the error raised is this rank's own
-                failed = {"ok": False, "error": _error_text(error)}
-                _post_head(exchange, failed, b"")
+                _post_head(exchange, {"ok": False, "error": _error_text(error)}, ())
             raise
         head: dict[str, Any] = {"ok": True, "ranks": list(call.ranks), "host": _host_id()}
         head.update(parcel.status())
         tensor = weights.get("tensor")
         if tensor is not None:
             head.update(shape=list(tensor.shape), dtype=str(tensor.dtype))
-        deadline = _post_head(exchange, head, parcel.payload())
+        deadline = _post_head(exchange, head, parcel.body())
         _await_verdict(exchange, deadline)
     finally:
         if parcel is not None:
             parcel.release()
 
 
-def _post_head(exchange: _Exchange, head: dict[str, Any], payload: bytes) -> float:
+def _post_head(exchange: _Exchange, head: dict[str, Any], body: Sequence[Any]) -> float:
     """Sends this sender's frame; returns the deadline of its wait for the verdict.
 
     The receiver waits up to the timeout for the slowest sender, then reads: a sender
@@ -213,19 +210,14 @@ def _post_head(exchange: _Exchange, head: dict[str, Any], payload: bytes) -> flo
     call = exchange.call
     deadline = time.monotonic() + call.timeout + protocol.VERDICT_MARGIN_SECONDS
     frame = link.Frame(protocol.HEAD, exchange.seq, head)
-    closed = exchange.open().send(call.receiver, frame, (payload,), deadline)
+    closed = exchange.open().send(call.receiver, frame, body, deadline)
     if closed is not None:
         raise WorkspaceError(protocol.receiver_closed(call, closed.why))
     return deadline
 
 
 def _await_verdict(exchange: _Exchange, deadline: float) -> None:
-    """Waits for the receiver's verdict, tells the transport, raises if the call failed.
-
-    A failed call's verdict informs the transport too: a sender whose memory the
-    receiver could not read (a receiver restarted under another pid, say) sends
-    segments from the next call on instead of failing every call.
-    """
+    """Waits for the receiver's verdict; raises if the call failed."""
     call = exchange.call
     the_link = exchange.open()
     got = the_link.receive(
@@ -234,8 +226,6 @@ def _await_verdict(exchange: _Exchange, deadline: float) -> None:
     if isinstance(got, link.Closed):
         raise WorkspaceError(protocol.receiver_closed(call, got.why))
     verdict = None if got is None else got.head
-    if verdict is not None:
-        exchange.transport.settle(verdict)
     failure = protocol.verdict_error(call, verdict, call.timeout + protocol.VERDICT_MARGIN_SECONDS)
     if failure is not None:
         raise WorkspaceError(failure)
@@ -263,7 +253,8 @@ def _receive(
             if isinstance(frame, link.Closed):
                 closed.add(sender)
                 raise WorkspaceError(protocol.connection_lost(call, sender, frame.why))
-        heads = {r: f.head for r, f in frames.items() if isinstance(f, link.Frame)}
+        came = {r: f for r, f in frames.items() if isinstance(f, link.Frame)}
+        heads = {r: frame.head for r, frame in came.items()}
         failure = protocol.decide_receipt(
             call,
             heads,
@@ -275,24 +266,20 @@ def _receive(
         )
         if failure is not None:
             raise WorkspaceError(failure)
-        values = [own if r == call.rank else _value(exchange, r, frames[r]) for r in call.ranks]
+        values = [
+            own if r == call.rank else exchange.transport.receive(r, heads[r], came[r].body)
+            for r in call.ranks
+        ]
     except BaseException as error:
         text = _error_text(error)
         exchange.state.remember_failure(exchange.seq, text)
         if the_link is not None:
-            failed = {"ok": False, "error": text, **exchange.transport.verdict()}
-            _deliver_verdict(exchange, the_link, failed, closed)
+            _deliver_verdict(exchange, the_link, {"ok": False, "error": text}, closed)
         raise
     finally:
         exchange.transport.close()
-    _deliver_verdict(exchange, the_link, {"ok": True, **exchange.transport.verdict()}, closed)
+    _deliver_verdict(exchange, the_link, {"ok": True}, closed)
     return values
-
-
-def _value(exchange: _Exchange, sender: int, frame: Any) -> tuple[Any, dict[str, torch.Tensor]]:
-    body = frame.body
-    payload = b"" if body is None else bytes(body.numpy())
-    return exchange.transport.receive(sender, frame.head, payload)
 
 
 def _deliver_verdict(
@@ -340,12 +327,10 @@ def get_tensors_parallel(
     """Gives the first rank of ``ranks`` every listed rank's tensor, in ``ranks`` order.
 
     Every rank in ``ranks`` (and only those) calls it; the others get an empty list.
-    The tensors must have one shape and dtype. Exchanges through shared memory, so
-    all of ``ranks`` must be on one host. Reads ``DIST_WORKSPACE_TIMEOUT`` (seconds,
-    300 by default) when ``timeout`` is None, ``DIST_WORKSPACE_SHM_DIR``,
-    ``DIST_WORKSPACE_INLINE_BYTES`` (records up to this size, 64 KiB by default, travel
-    in the frame instead of a segment) and ``DIST_WORKSPACE_CROSS_MEMORY`` (``0``: no
-    copies straight from a sender's memory).
+    The tensors must have one shape and dtype. Records of at most 8 MiB travel on the
+    link between the ranks, larger ones through shared memory; all of ``ranks`` must
+    be on one host. Reads ``DIST_WORKSPACE_TIMEOUT`` (seconds, 300 by default) when
+    ``timeout`` is None and ``DIST_WORKSPACE_SHM_DIR``.
 
     Args:
         tensor: This rank's tensor, on any device (any dtype safetensors stores).
@@ -355,10 +340,10 @@ def get_tensors_parallel(
 
     Yields:
         On the first rank, the tensors, all on CPU whatever device they were on
-        (peers' ones zero-copy views of shared memory, or private copies of records
-        small enough to travel inline or copied out of the senders' memory, that
-        stay valid after the context; its own a CPU copy that never aliases
-        ``tensor``); on the other ranks an empty list.
+        (peers' ones zero-copy views of shared memory, or of this process's copy of
+        records small enough for the link, that stay valid after the context; its
+        own a CPU copy that never aliases ``tensor``); on the other ranks an empty
+        list.
 
     Raises:
         WorkspaceError: The caller is not in ``ranks``; a rank failed, timed out, or
@@ -390,10 +375,11 @@ def get_configs_parallel(
     """Gives the first rank of ``ranks`` every listed rank's config, in ``ranks`` order.
 
     A config is any JSON value (tuples come back as lists), tensors inside included.
-    Exchanges through shared memory on one host when ``workspace_path`` is None,
-    else through files in a subdirectory of ``workspace_path`` that the receiver
-    removes afterwards. Reads ``DIST_WORKSPACE_TIMEOUT``, ``DIST_WORKSPACE_SHM_DIR``,
-    ``DIST_WORKSPACE_INLINE_BYTES`` and ``DIST_WORKSPACE_CROSS_MEMORY``.
+    Records of at most 8 MiB travel on the link between the ranks; larger ones
+    through shared memory on one host when ``workspace_path`` is None, else through
+    files in a subdirectory of ``workspace_path`` that the receiver removes
+    afterwards (the ranks may then be on several hosts). Reads
+    ``DIST_WORKSPACE_TIMEOUT`` and ``DIST_WORKSPACE_SHM_DIR``.
 
     Args:
         config: This rank's config.

@@ -38,6 +38,30 @@ class Call:
         return self.ranks[1:]
 
 
+# ---------------------------------------------------------------- the one rule
+
+LINK_MAX_BYTES = 8 << 20
+"""Records up to this size travel in the sender's frame on the link.
+
+Larger ones go into a shared-memory segment (one host) or a file of the call's
+directory (``workspace_path``), which every sender writes at once and the receiver
+maps or reads. Measured with ``benchmarks/workspace.py --link-sweep`` on the
+development VM (4 ranks, the receiver reading every byte): a call through the link
+took 0.55-0.74 of one through segments from 64 KiB to 8 MiB, and as long at 16 MiB.
+"""
+
+
+def route(size: int, workspace_path: object) -> str:
+    """Where a record of ``size`` bytes goes: ``link``, ``segment`` or ``file``.
+
+    The size decides, and ``workspace_path`` (None: shared memory) where a large record
+    lies; nothing else does: not the call's history, the store or the environment.
+    """
+    if size <= LINK_MAX_BYTES:
+        return "link"
+    return "segment" if workspace_path is None else "file"
+
+
 # ---------------------------------------------------------------- receiver
 
 

@@ -4,12 +4,14 @@ The implementations live beside it (:mod:`dist_workspace.shm_transport`,
 :mod:`dist_workspace.dir_transport`) and this module imports neither:
 :func:`dist_workspace.transports.open_transport` picks one per call, and
 :mod:`dist_workspace.exchange` then only talks to the :class:`Transport` it got and
-never asks which one it is.
+never asks which one it is. Both send a record of at most
+:data:`dist_workspace.protocol.LINK_MAX_BYTES` in the sender's frame.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
@@ -22,8 +24,8 @@ class CallId:
     kind: str  # "get_tensors_parallel" or "get_configs_parallel", for messages
     rank: int  # this process's global rank
     job: str  # tag of the job id
-    group: str  # tag of the process group and the ranks list
-    seq: int  # this call's number among the calls with this group and ranks
+    group: str  # tag of the ranks list
+    seq: int  # this call's number among the calls with these ranks
     timeout: float  # seconds the receiver waits for a peer
     receiver: int  # the receiving rank (global)
 
@@ -35,8 +37,8 @@ class Parcel(Protocol):
         """JSON fields the receiver needs to find and check the record."""
         ...
 
-    def payload(self) -> bytes:
-        """Bytes posted with the status (a small record itself), or none."""
+    def body(self) -> Sequence[Any]:
+        """Buffers sent after the head in the frame (a small record itself), or none."""
         ...
 
     def release(self) -> None:
@@ -55,19 +57,11 @@ class Transport(Protocol):
         ...
 
     def receive(
-        self, sender: int, status: dict[str, Any], payload: bytes
+        self, sender: int, status: dict[str, Any], body: torch.Tensor | None
     ) -> tuple[Any, dict[str, torch.Tensor]]:
-        """The sender's ``(config, weights)``, from the status and payload it posted."""
+        """The sender's ``(config, weights)``, from its head and the frame's body."""
         ...
 
     def close(self) -> None:
         """Receiver: every value is read or the call failed; drops what the call left."""
-        ...
-
-    def verdict(self) -> dict[str, Any]:
-        """Receiver: JSON fields its verdict, success or failure, tells the senders."""
-        ...
-
-    def settle(self, verdict: dict[str, Any]) -> None:
-        """Sender: what the receiver's verdict said, for later calls."""
         ...

@@ -10,14 +10,8 @@ from dist_workspace.shm_transport import SharedMemoryTransport
 from dist_workspace.transport import CallId, Transport
 
 
-def open_transport(
-    workspace_path: str | os.PathLike[str] | None, call: CallId, *, inline: bool = False
-) -> Transport:
-    """Shared memory when ``workspace_path`` is None, else files under that directory.
-
-    ``inline``: small records may travel inside the status (the caller's store frees
-    what the receiver deletes); by default every record goes through a segment.
-    """
+def open_transport(workspace_path: str | os.PathLike[str] | None, call: CallId) -> Transport:
+    """Shared memory when ``workspace_path`` is None, else files under that directory."""
     if workspace_path is None:
-        return SharedMemoryTransport(call, inline=inline)
+        return SharedMemoryTransport(call)
     return DirectoryTransport(Path(workspace_path), call)
