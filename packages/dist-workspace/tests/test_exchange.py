@@ -259,20 +259,6 @@ def test_single_process_without_a_group() -> None:
         pass
 
 
-def test_the_transport_is_chosen_once_from_workspace_path(tmp_path: Path) -> None:
-    from dist_workspace.dir_transport import DirectoryTransport
-    from dist_workspace.shm_transport import SharedMemoryTransport
-    from dist_workspace.transport import CallId
-    from dist_workspace.transports import open_transport
-
-    call = CallId("get_configs_parallel", 1, "0123abcd", "cafe", 4, 30.0, 0)
-    shm = open_transport(None, call)
-    assert isinstance(shm, SharedMemoryTransport) and shm.one_host
-    directory = open_transport(tmp_path, call)
-    assert isinstance(directory, DirectoryTransport) and not directory.one_host
-    assert directory.directory == tmp_path / "exchange-0123abcd-cafe-4"
-
-
 def _where_received_tensors_live(elements: int) -> dict[str, Any]:
     import torch.distributed as dist
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from dist_workspace import protocol
@@ -86,3 +87,12 @@ def test_a_silent_receiver_is_named_with_the_wait() -> None:
         "rank 2: get_configs_parallel timed out after 40 s waiting for receiver rank 0 to "
         "read the values (did rank 0 call get_configs_parallel with ranks=[0, 1, 2]?)"
     )
+
+
+def test_route_is_by_size_alone(tmp_path: Path) -> None:
+    limit = protocol.LINK_MAX_BYTES
+    assert limit == 8 << 20
+    assert [protocol.route(size, None) for size in (0, 4096, limit)] == ["link"] * 3
+    assert protocol.route(limit + 1, None) == "segment"
+    assert protocol.route(limit, tmp_path) == "link"  # small records skip the directory
+    assert protocol.route(limit + 1, tmp_path) == "file"

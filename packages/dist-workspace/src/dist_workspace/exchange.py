@@ -1,51 +1,45 @@
 """get_configs_parallel and get_tensors_parallel: gather values on the first rank.
 
-Protocol (every wait bounded by ``timeout``):
+A call on ``ranks``: the first rank (the *receiver*) gets every value, the others (the
+*senders*) send theirs. Every wait is bounded by ``timeout``.
 
-1. Every rank of ``ranks`` but the first (the *receiver*) writes its value as a
-   record (see :mod:`dist_workspace.format`) through the call's transport (see
-   :mod:`dist_workspace.transport`, chosen once per call by
-   :mod:`dist_workspace.transports`): a record of at most 8 MiB
-   (:func:`dist_workspace.protocol.route`) travels in its frame; a larger one goes
-   into a fresh shared-memory segment when ``workspace_path`` is None, else into a
-   file of a per-exchange subdirectory of ``workspace_path``. It then sends a frame
-   to the receiver over the link between ``ranks`` (:mod:`dist_workspace.link`,
-   opened by the first call with these ranks): a head saying what the transport
-   needs to find the record, shape and dtype, host, ``ranks`` and, when anything
-   failed (a config that is not JSON, a full /dev/shm, ...), the error instead. The
-   frame goes after the record's last byte is written, and nothing writes the record
-   again: a receiver never sees a half-written one.
-2. The receiver waits for every sender's frame at once. A missing one after
-   ``timeout`` raises naming the ranks that never wrote; an error raises naming its
-   rank (as soon as every sender has sent, else at the timeout); a connection that
-   closes (a sender exited) raises at once, naming it. It checks the heads (see
-   :func:`dist_workspace.protocol.decide_receipt`), maps or reads every record, then
-   sends every sender its verdict: success, or the error that every sender raises
-   too (so no rank is left waiting).
-3. Senders wait for the verdict, keep what it tells the transport for later calls,
-   release what they wrote (a segment is unlinked: the receiver's private mapping
-   keeps the data alive) and get an empty list.
+Sender:
 
-No call uses the process group or its store, except to open the link; ``group``
-decides who may take part. A frame of an earlier call that failed (a sender that
-came late) is answered with that call's error and never taken for a later call's.
-A segment is never reused across calls because the receiver's tensors map it and
-stay valid after the context: writing the next call's value into it would change
-them.
+1. Lays its value out as a record (:func:`dist_workspace.writer.prepare_record`).
+2. Where the record goes depends on its size alone (:func:`dist_workspace.protocol.route`):
+   at most 8 MiB, in its frame; larger, into a fresh shared-memory segment
+   (:mod:`dist_workspace.shm`), or into a file of the call's directory when
+   ``workspace_path`` is given (:mod:`dist_workspace.call_directory`).
+3. Sends its frame over the link between ``ranks`` (:mod:`dist_workspace.link`,
+   opened by the first call with them): a head (``ranks``, host, route, size, segment
+   name, shape and dtype; or its error, when writing failed) and the record when it
+   travels on the link. The frame goes after the record's last byte is written, and
+   nothing writes the record again: a receiver never sees a half-written one.
+4. Waits for the receiver's verdict, raises the receiver's error if it failed, and
+   unlinks its segment (the receiver's private mapping keeps the data alive).
 
-Values given to the receiver from segments are zero-copy, copy-on-write mappings of
-the writers' segments (nothing is copied or pre-faulted: the page tables fill as the
-tensors are read): writing to them never affects the writer, and they stay valid
-after the context exits (the memory is freed when the last tensor is dropped);
-values of records in their frame view the memory the receiver read the frame into,
-its own. Segments are unlinked before the context body runs and, on every error path, in ``finally``
-blocks.
+Receiver:
 
-Device rule: every value the receiver gets is on CPU, its own included, whatever
-device the tensors were on. The receiver's own value is copied as a peer's record
-would give it back (see :mod:`dist_workspace.own_value`): into fresh anonymous
-memory, never aliasing the caller's tensors, shared storage inside it still shared,
-tuples as lists.
+1. Copies its own value (:mod:`dist_workspace.own_value`).
+2. Waits for every sender's frame at once: a connection that closes (a sender
+   exited) fails the call at once; a sender that never came is named at the timeout.
+3. Decides from the heads (:func:`dist_workspace.protocol.decide_receipt`), then reads
+   every record: from its frame, mapping the segment, or reading the file.
+4. Sends every sender the verdict: success, or the error that every sender raises
+   too, so no rank is left waiting. A sender's frame of a call that failed here (it
+   came late) is answered with that call's error and never taken for a later call's.
+
+No call uses the process group or its store, except the first, which opens the link;
+``group`` decides who may take part. A segment is never reused across calls: the
+receiver's tensors map it and stay valid after the context.
+
+What the receiver gets: values from segments are zero-copy, copy-on-write mappings of
+the senders' segments (writing to them never affects the sender; the page tables
+fill as they are read); values from the link view the memory this process read the
+frame into; values from files are read into memory of its own. All stay valid after
+the context. Every value is on CPU, its own included, whatever device the tensors
+were on, and its own value never aliases the caller's tensors; tuples come back as
+lists.
 """
 
 from __future__ import annotations
@@ -58,21 +52,24 @@ import os
 import socket
 import time
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from dist_workspace import link, protocol
+from dist_workspace import link, protocol, shm
+from dist_workspace.call_directory import CallDirectory
 from dist_workspace.errors import WorkspaceError
 from dist_workspace.jobid import current_job_id, short_tag
 from dist_workspace.own_value import own_config, own_tensor
-from dist_workspace.transport import CallId, Parcel, Transport
-from dist_workspace.transports import open_transport
+from dist_workspace.reader import assemble, parse_header, view_entries
+from dist_workspace.writer import prepare_record, record_buffers
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_SECONDS = 300.0
+Values = tuple[Any, dict[str, torch.Tensor]]  # (config, weights) of one rank
 
 
 def _timeout_seconds(timeout: float | None) -> float:
@@ -82,7 +79,8 @@ def _timeout_seconds(timeout: float | None) -> float:
 
 
 @functools.cache  # neither the host's name nor its boot changes while a process runs
-def _host_id() -> str:
+def host_id() -> str:
+    """This host's name and boot: ranks with the same one share memory."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as handle:
             boot = handle.read().strip()
@@ -92,22 +90,36 @@ def _host_id() -> str:
 
 
 @dataclasses.dataclass
-class _Exchange:
-    """One call: who takes part and its number, its link, the store, the transport."""
+class Exchange:
+    """One call: who takes part, its number on the link, where large records go."""
 
     call: protocol.Call
     seq: int  # this call's number on the link
-    state: link.LinkState
-    store: Any  # opens the link at the first call
-    job: str
-    transport: Transport
+    state: link.LinkState  # the link between the call's ranks, in this process
+    job: str  # the job id: names the link's store keys, segments and directories
+    workspace_path: Path | None
+    store: Any = None  # opens the link at the first call
+
+    @property
+    def names(self) -> dict[str, Any]:
+        """What names this call's segment or directory: job, ranks and call number."""
+        ranks = short_tag(",".join(map(str, sorted(self.call.ranks))), 16)
+        return {"job": short_tag(self.job), "group": ranks, "seq": self.seq}
+
+    @functools.cached_property
+    def directory(self) -> CallDirectory | None:
+        """The call's directory under ``workspace_path``, if given."""
+        if self.workspace_path is None:
+            return None
+        names = self.names
+        return CallDirectory(
+            self.workspace_path, job=names["job"], ranks=names["group"], seq=self.seq
+        )
 
     def open(self) -> link.Link:
         """The link between the call's ranks, opened by the first call that needs it."""
         if self.state.link is None:
-            self.state.link = link.open_link(
-                self.store, self.job, self.call, self.state, _host_id()
-            )
+            self.state.link = link.open_link(self.store, self.job, self.call, self.state, host_id())
         return self.state.link
 
     def answer_stale(self, peer: int, frame: link.Frame) -> None:
@@ -141,7 +153,7 @@ def _check_ranks(given: Any, rank: int, group_ranks: list[int], what: str) -> li
 
 def _start(
     kind: str, ranks: Any, group: Any, workspace_path: Any, timeout: float | None
-) -> _Exchange | None:
+) -> Exchange | None:
     """Validates the call; returns None when it is a single rank (no exchange needed)."""
     if not (dist.is_available() and dist.is_initialized()):
         from dist_core.ranks import get_rank  # noqa: PLC0415
@@ -163,12 +175,9 @@ def _start(
         raise WorkspaceError(f"rank {rank}: this torch has no default store to coordinate with")
     job = current_job_id()
     state = link.state_for(job, checked)
-    seq = state.next_seq()
     call = protocol.Call(kind, rank, tuple(checked), _timeout_seconds(timeout))
-    ranks_tag = short_tag(",".join(map(str, sorted(checked))), 16)
-    call_id = CallId(kind, rank, short_tag(job), ranks_tag, seq, call.timeout, checked[0])
-    transport = open_transport(workspace_path, call_id)
-    return _Exchange(call, seq, state, getter(), job, transport)
+    path = None if workspace_path is None else Path(workspace_path)
+    return Exchange(call, state.next_seq(), state, job, path, getter())
 
 
 def _error_text(error: BaseException) -> str:
@@ -178,30 +187,41 @@ def _error_text(error: BaseException) -> str:
 # ---------------------------------------------------------------- sender
 
 
-def _send(exchange: _Exchange, weights: dict[str, torch.Tensor], config: Any) -> None:
-    """Writes this rank's record, sends its head, waits for the receiver's verdict."""
+def send(exchange: Exchange, weights: dict[str, torch.Tensor], config: Any) -> None:
+    """Writes this rank's record, sends its frame, waits for the receiver's verdict."""
     call = exchange.call
-    parcel: Parcel | None = None
+    segment: shm.Segment | None = None
     try:
         try:
-            parcel = exchange.transport.send(weights, config)
+            record = prepare_record(
+                weights, config, rank=call.rank, job=exchange.job, checksums=False
+            )
+            route = protocol.route(record.total_size, exchange.workspace_path)
+            head: dict[str, Any] = {"ok": True, "ranks": list(call.ranks), "host": host_id()}
+            head.update(route=route, size=record.total_size)
+            tensor = weights.get("tensor")
+            if tensor is not None:
+                head.update(shape=list(tensor.shape), dtype=str(tensor.dtype))
+            body: Sequence[Any] = ()
+            if route == "link":
+                body = record_buffers(record)
+            elif exchange.directory is None:
+                segment = shm.write_segment(record, rank=call.rank, **exchange.names)
+                head["segment"] = segment.name
+            else:  # a file has checksums: laid out again for it
+                exchange.directory.write(call.rank, weights, config)
         except BaseException as error:
             with contextlib.suppress(Exception):  # the error raised is this rank's own
-                _post_head(exchange, {"ok": False, "error": _error_text(error)}, ())
+                _send_head(exchange, {"ok": False, "error": _error_text(error)}, ())
             raise
-        head: dict[str, Any] = {"ok": True, "ranks": list(call.ranks), "host": _host_id()}
-        head.update(parcel.status())
-        tensor = weights.get("tensor")
-        if tensor is not None:
-            head.update(shape=list(tensor.shape), dtype=str(tensor.dtype))
-        deadline = _post_head(exchange, head, parcel.body())
+        deadline = _send_head(exchange, head, body)
         _await_verdict(exchange, deadline)
     finally:
-        if parcel is not None:
-            parcel.release()
+        if segment is not None:
+            segment.unlink()
 
 
-def _post_head(exchange: _Exchange, head: dict[str, Any], body: Sequence[Any]) -> float:
+def _send_head(exchange: Exchange, head: dict[str, Any], body: Sequence[Any]) -> float:
     """Sends this sender's frame; returns the deadline of its wait for the verdict.
 
     The receiver waits up to the timeout for the slowest sender, then reads: a sender
@@ -216,17 +236,18 @@ def _post_head(exchange: _Exchange, head: dict[str, Any], body: Sequence[Any]) -
     return deadline
 
 
-def _await_verdict(exchange: _Exchange, deadline: float) -> None:
+def _await_verdict(exchange: Exchange, deadline: float) -> None:
     """Waits for the receiver's verdict; raises if the call failed."""
     call = exchange.call
-    the_link = exchange.open()
-    got = the_link.receive(
-        [call.receiver], protocol.VERDICT, exchange.seq, deadline, exchange.answer_stale
-    ).get(call.receiver)
+    got = (
+        exchange.open()
+        .receive([call.receiver], protocol.VERDICT, exchange.seq, deadline, exchange.answer_stale)
+        .get(call.receiver)
+    )
     if isinstance(got, link.Closed):
         raise WorkspaceError(protocol.receiver_closed(call, got.why))
-    verdict = None if got is None else got.head
-    failure = protocol.verdict_error(call, verdict, call.timeout + protocol.VERDICT_MARGIN_SECONDS)
+    patience = call.timeout + protocol.VERDICT_MARGIN_SECONDS
+    failure = protocol.verdict_error(call, None if got is None else got.head, patience)
     if failure is not None:
         raise WorkspaceError(failure)
 
@@ -234,10 +255,8 @@ def _await_verdict(exchange: _Exchange, deadline: float) -> None:
 # ---------------------------------------------------------------- receiver
 
 
-def _receive(
-    exchange: _Exchange,
-    own_value: Callable[[], tuple[Any, dict[str, torch.Tensor]]],
-) -> list[tuple[Any, dict[str, torch.Tensor]]]:
+def receive(exchange: Exchange, own_value: Callable[[], Values]) -> list[Values]:
+    """Every rank's values in ``ranks`` order, this rank's from ``own_value``."""
     call = exchange.call
     the_link: link.Link | None = None
     closed: set[int] = set()
@@ -249,41 +268,65 @@ def _receive(
         frames = the_link.receive(
             call.senders, protocol.HEAD, exchange.seq, deadline, exchange.answer_stale
         )
+        came: dict[int, link.Frame] = {}
         for sender, frame in frames.items():
             if isinstance(frame, link.Closed):
                 closed.add(sender)
                 raise WorkspaceError(protocol.connection_lost(call, sender, frame.why))
-        came = {r: f for r, f in frames.items() if isinstance(f, link.Frame)}
-        heads = {r: frame.head for r, frame in came.items()}
+            came[sender] = frame
         failure = protocol.decide_receipt(
             call,
-            heads,
-            host=_host_id(),
-            one_host=exchange.transport.one_host,
+            {sender: frame.head for sender, frame in came.items()},
+            host=host_id(),
+            one_host=exchange.workspace_path is None,
             own_shape=None
             if own_tensor is None
             else (list(own_tensor.shape), str(own_tensor.dtype)),
         )
         if failure is not None:
             raise WorkspaceError(failure)
-        values = [
-            own if r == call.rank else exchange.transport.receive(r, heads[r], came[r].body)
-            for r in call.ranks
-        ]
+        values = [own if r == call.rank else _read(exchange, r, came[r]) for r in call.ranks]
     except BaseException as error:
         text = _error_text(error)
         exchange.state.remember_failure(exchange.seq, text)
         if the_link is not None:
-            _deliver_verdict(exchange, the_link, {"ok": False, "error": text}, closed)
+            _send_verdicts(exchange, the_link, {"ok": False, "error": text}, closed)
         raise
     finally:
-        exchange.transport.close()
-    _deliver_verdict(exchange, the_link, {"ok": True}, closed)
+        if exchange.directory is not None:
+            exchange.directory.remove()
+    _send_verdicts(exchange, the_link, {"ok": True}, closed)
     return values
 
 
-def _deliver_verdict(
-    exchange: _Exchange, the_link: link.Link, verdict: dict[str, Any], closed: set[int]
+def _read(exchange: Exchange, sender: int, frame: link.Frame) -> Values:
+    """A sender's values, from where its head says the record lies."""
+    head = frame.head
+    route = head.get("route")
+    size = head.get("size")
+    if route == "file" and exchange.directory is not None:
+        return exchange.directory.read(sender, exchange.call.timeout, exchange.call.kind)
+    if route == "segment" and isinstance(size, int):
+        where = f"rank {sender}'s segment {head.get('segment')}"
+        return _values(shm.map_segment(str(head.get("segment")), size, where), size, sender, where)
+    where = f"rank {sender}'s record in its frame"
+    body = frame.body
+    got = 0 if body is None else body.numel()
+    if route != "link" or body is None or got != size:
+        raise WorkspaceError(f"{where}: {got} bytes by route {route!r:.20}, announced {size!r:.20}")
+    return _values(body.numpy(), got, sender, where)
+
+
+def _values(buffer: Any, size: int, sender: int, where: str) -> Values:
+    """The record in ``buffer`` (writable, private), checked to be ``sender``'s."""
+    header = parse_header(lambda at, length: bytes(buffer[at : at + length]), size, where)
+    if header.rank != sender:
+        raise WorkspaceError(f"{where} says it was written by rank {header.rank}")
+    return assemble(view_entries(buffer, header), header, where)
+
+
+def _send_verdicts(
+    exchange: Exchange, the_link: link.Link, verdict: dict[str, Any], closed: set[int]
 ) -> None:
     """Sends the verdict to every sender whose connection lives.
 
@@ -296,9 +339,7 @@ def _deliver_verdict(
         if sender not in closed:
             gone = the_link.send(sender, frame, (), deadline)
             if gone is not None:
-                logger.debug(
-                    "rank %s: no verdict sent to rank %s: %s", exchange.call.rank, sender, gone.why
-                )
+                logger.debug("no verdict sent to rank %s: %s", sender, gone.why)
 
 
 # ---------------------------------------------------------------- public API
@@ -353,13 +394,12 @@ def get_tensors_parallel(
     if exchange is None:
         yield [_own_tensor(tensor, None)]
         return
-    if exchange.call.rank != exchange.call.receiver:
-        _send(exchange, {"tensor": tensor}, None)
+    rank = exchange.call.rank
+    if rank != exchange.call.receiver:
+        send(exchange, {"tensor": tensor}, None)
         yield []
         return
-    received = _receive(
-        exchange, lambda: (None, {"tensor": _own_tensor(tensor, exchange.call.rank)})
-    )
+    received = receive(exchange, lambda: (None, {"tensor": _own_tensor(tensor, rank)}))
     yield [weights["tensor"] for _, weights in received]
 
 
@@ -402,9 +442,10 @@ def get_configs_parallel(
     if exchange is None:
         yield [_own_config(config, None)]
         return
-    if exchange.call.rank != exchange.call.receiver:
-        _send(exchange, {}, config)
+    rank = exchange.call.rank
+    if rank != exchange.call.receiver:
+        send(exchange, {}, config)
         yield []
         return
-    received = _receive(exchange, lambda: (_own_config(config, exchange.call.rank), {}))
+    received = receive(exchange, lambda: (_own_config(config, rank), {}))
     yield [value for value, _ in received]
