@@ -17,17 +17,13 @@ receiver, the receiver's verdict back. The first call with a list opens it:
    it; a connection presents the listener's token, so nobody who cannot read the
    store can join. The listeners close.
 
-No call uses the store after that: a call costs one frame each way. What the link
-guarantees: every wait ends at its deadline and leaves the link as it was (a timeout
-is not an error of the connection); a frame of an earlier call (a late sender's)
-goes to ``on_stale`` and never counts for a later one; a connection that ends (a rank
-exited) is reported at once, in the words launchers look for (``Connection closed by
-peer``), and every later call that needs it fails at once.
-
-Why TCP and not a gloo group of the ranks: measured on the development VM (2 cores,
-4 ranks), one byte each way between a receiver and three senders cost 2.3 ms over
-gloo's send/recv against 0.06 ms over TCP, and gloo closes every connection of a rank
-whose wait times out, so a missing rank would break the link for every later call.
+No call uses the store after that: a call costs one frame each way. Every wait ends
+at its deadline and leaves the link as it was; a frame of an earlier call (a late
+sender's) goes to ``on_stale`` and never counts for a later one; a connection that
+ends (a rank exited) is reported at once, in the words launchers look for
+(``Connection closed by peer``), and every later call that needs it fails at once.
+Not a gloo group: its send/recv cost 40 times a socket's, and a gloo wait that times
+out closes every connection of its rank (see the benchmarks page).
 """
 
 from __future__ import annotations
@@ -50,12 +46,10 @@ import torch
 from dist_workspace import protocol
 from dist_workspace.errors import WorkspaceError
 from dist_workspace.jobid import short_tag
-from dist_workspace.safejson import JsonRefused, loads
 
 logger = logging.getLogger(__name__)
 
 _IOV_MAX = 512  # buffers per sendmsg; Linux allows 1024
-_HELLO_MAX = 4096
 _FAILURES_KEPT = 64  # failed calls a receiver remembers for senders that come late
 
 
@@ -378,19 +372,17 @@ def _connect(
             host, port = infos[peer]["address"]
             sock = socket.create_connection((host, port), max(deadline - time.monotonic(), 0.001))
             peers[peer] = sock
-            text = json.dumps({"link": prefix, "rank": call.rank, "token": infos[peer]["token"]})
-            hello = len(text).to_bytes(4, "little") + text.encode()
-            _send_all(sock, [memoryview(hello)], deadline)
+            hello = {"link": prefix, "rank": call.rank, "token": infos[peer]["token"]}
+            _send_all(
+                sock, [memoryview(protocol.encode_frame(protocol.HEAD, 0, hello, 0))], deadline
+            )
         while expected:
             listener.settimeout(max(deadline - time.monotonic(), 0.001))
             sock, _ = listener.accept()
             said = _hello(sock, deadline)
-            if said.get("token") != token or said.get("link") != prefix:
-                sock.close()  # not a rank of this link: it could not read the store
-                continue
             rank = said.get("rank")
-            if rank not in expected:
-                sock.close()
+            if said.get("token") != token or said.get("link") != prefix or rank not in expected:
+                sock.close()  # not a rank of this link: it could not read the store
                 continue
             peers[rank] = sock
             expected.discard(rank)
@@ -405,11 +397,11 @@ def _connect(
 
 
 def _hello(sock: socket.socket, deadline: float) -> dict[str, Any]:
-    size = int.from_bytes(_read_exactly(sock, 4, deadline), "little")
-    if size > _HELLO_MAX:
-        return {}
+    """What a connecting rank says first (a frame of call 0); empty when it is not that."""
     try:
-        hello = loads(bytes(_read_exactly(sock, size, deadline)).decode(), max_depth=1)
-    except (JsonRefused, UnicodeDecodeError):
+        _, _, head_size, _ = protocol.decode_fixed(
+            bytes(_read_exactly(sock, protocol.FIXED_BYTES, deadline)), -1
+        )
+        return protocol.decode_head(bytes(_read_exactly(sock, head_size, deadline)), -1)
+    except WorkspaceError:
         return {}
-    return hello if isinstance(hello, dict) else {}

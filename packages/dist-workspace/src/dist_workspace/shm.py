@@ -221,11 +221,9 @@ def map_segment(name: str, expected_size: int, where: str) -> mmap.mmap:
     opened without following symlinks. The reader never unlinks it: the creator does.
 
     The page tables fill as the mapping is first read, 16 pages per fault
-    (fault-around), which costs less than filling them all here
-    (``MADV_POPULATE_READ`` goes page by page: reading 256 MiB once took 34 ms
-    mapped lazily against 23 + 17 ms pre-filled on the development VM) and lets a
-    receiver that reads a part pay for that part. Every page exists: the writer
-    filled the whole file with ``pwrite`` before announcing it.
+    (fault-around), which costs less than filling them all here and lets a receiver
+    that reads a part pay for that part. Every page exists: the writer filled the
+    whole file with ``pwrite`` before announcing it.
 
     Raises:
         WorkspaceError: The name, owner, type or size is not what the writer announced.
