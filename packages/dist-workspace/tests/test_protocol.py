@@ -5,7 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from dist_workspace import protocol
+import pytest
+
+from dist_workspace import WorkspaceError, protocol
 
 CALL = protocol.Call("get_tensors_parallel", 0, (0, 1, 2), 30.0)
 HOST = "node-a/boot-1"
@@ -96,3 +98,43 @@ def test_route_is_by_size_alone(tmp_path: Path) -> None:
     assert protocol.route(limit + 1, None) == "segment"
     assert protocol.route(limit, tmp_path) == "link"  # small records skip the directory
     assert protocol.route(limit + 1, tmp_path) == "file"
+
+
+def test_a_frame_that_is_not_ours_or_too_large_names_the_rank() -> None:
+    frame = protocol.encode_frame(protocol.HEAD, 7, {"ok": True}, 100)
+    fixed, head = frame[: protocol.FIXED_BYTES], frame[protocol.FIXED_BYTES :]
+    assert protocol.decode_fixed(fixed, 3) == (protocol.HEAD, 7, len(head), 100)
+    assert protocol.decode_head(head, 3) == {"ok": True}
+    with pytest.raises(WorkspaceError, match="rank 3 sent bytes that are not a dist-workspace"):
+        protocol.decode_fixed(b"GET / HTTP/1.1\r\n".ljust(protocol.FIXED_BYTES), 3)
+    huge = protocol.encode_frame(protocol.HEAD, 7, {}, protocol.LINK_MAX_BYTES + 1)
+    with pytest.raises(WorkspaceError, match="rank 3 sent a malformed frame"):
+        protocol.decode_fixed(huge[: protocol.FIXED_BYTES], 3)
+    for raw in (b"[1, 2]", b"not json", b'{"a": {"b": {"c": 1}}}', b"\xff"):
+        with pytest.raises(WorkspaceError, match="rank 3 sent a head that is not"):
+            protocol.decode_head(raw, 3)
+
+
+def test_a_late_head_is_answered_with_its_calls_error() -> None:
+    failures = {4: "WorkspaceError: rank(s) [2] never wrote their value"}
+    assert protocol.stale_verdict(4, failures) == {"ok": False, "error": failures[4]}
+    assert protocol.stale_verdict(3, failures) == {
+        "ok": False,
+        "error": "the receiver had given up on call 3",
+    }
+
+
+def test_opening_is_decided_by_the_receiver_naming_who_never_came() -> None:
+    version = protocol.WIRE_VERSION
+    came = {0: {"version": version}, 1: {"version": version}}
+    assert "rank(s) [2] never wrote their value (ranks [1] did)" in str(
+        protocol.decide_open(CALL, came)
+    )
+    assert protocol.decide_open(CALL, {**came, 2: {"version": version}}) is None
+    assert "rank 2 speaks dist-workspace wire version 4" in str(
+        protocol.decide_open(CALL, {**came, 2: {"version": 4}})
+    )
+    refused = {**came, 2: {"version": version, "error": "cannot listen on 10.0.0.9: ..."}}
+    assert "rank 2 cannot take part in the link: cannot listen on 10.0.0.9" in str(
+        protocol.decide_open(CALL, refused)
+    )

@@ -161,7 +161,7 @@ _FIXED = struct.Struct("<4sHBxQIQ")  # magic, version, kind, call number, head, 
 _MAGIC = b"dwsl"
 FIXED_BYTES = _FIXED.size
 _HEAD_MAX = 1 << 20  # a head is a few hundred bytes of JSON
-_HEAD_DEPTH = 4  # {"memory": {"spans": [[at, address, length]]}}
+_HEAD_DEPTH = 2  # {"ranks": [0, 1], "shape": [2, 3], ...}
 
 
 def encode_frame(kind: int, seq: int, head: Mapping[str, Any], body_size: int) -> bytes:
@@ -184,8 +184,11 @@ def decode_fixed(raw: bytes, peer: int) -> tuple[int, int, int, int]:
             f"rank {peer} speaks dist-workspace wire version {version}, this rank "
             f"{WIRE_VERSION}: install one dist-workspace version on every rank"
         )
-    if kind not in (HEAD, VERDICT) or head_size > _HEAD_MAX:
-        raise WorkspaceError(f"rank {peer} sent a malformed frame (kind {kind}, {head_size} B)")
+    if kind not in (HEAD, VERDICT) or head_size > _HEAD_MAX or body_size > LINK_MAX_BYTES:
+        raise WorkspaceError(
+            f"rank {peer} sent a malformed frame (kind {kind}, head {head_size} B, body "
+            f"{body_size} B; a record on the link has at most {LINK_MAX_BYTES} B)"
+        )
     return kind, seq, head_size, body_size
 
 
