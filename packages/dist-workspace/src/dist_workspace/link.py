@@ -131,8 +131,7 @@ class SocketLink:
         if sock is not None:
             with contextlib.suppress(OSError):
                 sock.close()
-        closed = self._closed.setdefault(peer, Closed(why))
-        return closed
+        return self._closed.setdefault(peer, Closed(why))
 
     def send(self, peer: int, frame: Frame, body: Sequence[Any], deadline: float) -> Closed | None:
         """Sends ``frame``, then ``body`` from the caller's buffers (nothing is copied)."""
@@ -227,7 +226,7 @@ class LinkState:
 
     attempt: int = 0  # openings that failed before; names the store keys of the next
     seq: int = 0  # the next call's number
-    link: SocketLink | None = None
+    link: Link | None = None  # a SocketLink once opened
     failures: dict[int, str] = dataclasses.field(default_factory=dict)  # seq -> error
 
     def next_seq(self) -> int:
