@@ -469,7 +469,7 @@ def main() -> int:
     parser.add_argument(
         "--link-sweep",
         default="",
-        help="KiB per rank, comma separated: time the link prototype against a segment per "
+        help="KiB per rank, comma separated: time records on the link against a segment per "
         "call at each size (see benchmarks/_lib/workspace_link.py), print, write nothing",
     )
     from _lib import workspace_calls, workspace_export
