@@ -59,15 +59,20 @@ def _launcher(
     )
 
 
-def test_collective_across_two_hosts(two_hosts: tuple[Host, Host]) -> None:
-    first, second = two_hosts
-    launchers = [_launcher(first, first, 0, {}), _launcher(second, first, 1, {})]
+def _succeeded(launchers: list[subprocess.Popen[str]]) -> str:
+    """Every launcher's output, joined, once each has exited 0."""
     outputs = []
     for launcher in launchers:
         out, _ = launcher.communicate(timeout=180)
         outputs.append(out)
         assert launcher.returncode == 0, out
-    joined = "\n".join(outputs)
+    return "\n".join(outputs)
+
+
+def test_collective_across_two_hosts(two_hosts: tuple[Host, Host]) -> None:
+    first, second = two_hosts
+    launchers = [_launcher(first, first, 0, {}), _launcher(second, first, 1, {})]
+    joined = _succeeded(launchers)
     for rank in range(4):
         assert f"rank={rank} world=4 sum=10" in joined, joined
 
@@ -110,12 +115,7 @@ def test_the_parallel_helpers_across_two_hosts(
         _launcher(host, first, index, {}, script, str(tmp_path))
         for index, host in enumerate((first, second))
     ]
-    outputs = []
-    for launcher in launchers:
-        out, _ = launcher.communicate(timeout=180)
-        outputs.append(out)
-        assert launcher.returncode == 0, out
-    joined = "\n".join(outputs)
+    joined = _succeeded(launchers)
     assert "small: ranks=[0, 1, 2, 3] hosts=2" in joined, joined
     assert "large: ranks=[0, 1, 2, 3] values=[0, 1, 2, 3]" in joined, joined
     assert "shared memory needs one host. Pass workspace_path" in joined, joined
