@@ -103,10 +103,13 @@ class Terminal:
             # terminal, which the launcher does not need. The environment is passed
             # as Python sees it: a module that loaded readline here (pytest's) has set
             # COLUMNS and LINES in the C environment a child would inherit otherwise.
+            # Without them, as a shell that does not export them: pytest-xdist's
+            # workers have COLUMNS=80 in os.environ, which would win over the pty's size.
+            env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
             self.process = subprocess.Popen(
                 [*LAUNCH, *args],
                 cwd=cwd,
-                env=dict(os.environ),
+                env=env,
                 stdin=subprocess.DEVNULL,
                 stdout=slave,
                 stderr=slave if stderr is None else stderr,
