@@ -259,6 +259,23 @@ def demo(session: nox.Session) -> None:
     )
 
 
+# The soak runs on the newest torch release (not a default session).
+SOAK_TORCH_SPEC = "torch==2.15.0"
+
+
+@nox.session
+def soak(session: nox.Session) -> None:
+    """The ft soak on the newest torch: ``benchmarks/ft.py --only soak``. Not a default session.
+
+    Runs the replica groups' lose-a-rank-and-rejoin scenario of dist-collectives' tests
+    30 times in a row and writes how many runs ended with shards that differ between
+    groups to docs/_data/bench/ft.json (about a minute a run here; ``nox -s soak --
+    --soak-runs 5`` for fewer).
+    """
+    _install_packages(session, ["dist-collectives"], extras="[test]", torch_spec=SOAK_TORCH_SPEC)
+    session.run("python", str(ROOT / "benchmarks" / "ft.py"), "--only", "soak", *session.posargs)
+
+
 @nox.session
 def bench(session: nox.Session) -> None:
     """Every benchmark under benchmarks/, side by side with its peers; prints ratios.

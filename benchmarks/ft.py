@@ -27,6 +27,11 @@ Real processes on this machine share one TCPStore hosted by this script.
    form a quorum of N, time until every replica saw one die, and the store load against
    the store's own rate (a count left out of ``--scale`` is scaled from the largest
    run): see ``_lib/ft_quorum_scale.py``.
+6. The soak, only with ``--only soak``: the replica groups' lose-a-rank-and-rejoin
+   scenario of the tests, ``--soak-runs`` times in a row (30), counting the runs whose
+   shards differ between groups at the end (target: none); see ``_lib/ft_soak.py``.
+   ``nox -s soak`` runs it on the newest torch. The count of the run before the fix
+   that made it 0 stays in the JSON as ``soak.before_fix``.
 
 Prints the medians and the ratios with the targets (reconfigure <= 0.25x torchft's,
 managed step <= 1.05x the plain one on the large MLP), and the commit vote's own cost
@@ -71,6 +76,7 @@ TRANSFER_TARGET_GBPS = 2.5  # per rank, for a state of at least 1 GiB
 SCALE_SIMULATED = "64,256,1024"
 SCALE_COMPUTED = (1024,)
 SCENARIO_TIMEOUT = 180.0
+SOAK_RUNS = 30
 
 
 def _barrier(store: Any, name: str, count: int) -> None:
@@ -483,6 +489,27 @@ def _transfer_and_scale(port: int, args: Any, only: str | None) -> dict[str, Any
     return results
 
 
+def _soak(runs: int, previous: dict[str, Any] | None) -> dict[str, Any]:
+    """Part 6 (see the module doc): runs, prints and returns the soak's JSON entry.
+
+    The entry keeps the previous one's ``before_fix``, the count before the fix.
+    """
+    from _lib import ft_soak
+
+    soak = ft_soak.measure(runs)
+    if previous is not None and previous.get("before_fix") is not None:
+        soak["before_fix"] = previous["before_fix"]
+    print(
+        f"soak on torch {soak['torch']}: {soak['scenario']}: {soak['diverged']} of "
+        f"{soak['runs']} runs ended with shards that differ between groups (target 0), "
+        f"{soak['failed']} failed otherwise"
+    )
+    for line in soak["divergences"] + soak["failures"]:
+        print(f"  {line[:300]}")
+    sys.stdout.flush()
+    return {"soak": soak}
+
+
 def main() -> None:
     import torch.distributed as dist
     from _lib.results import add_json_argument, describe_run, write_results
@@ -509,8 +536,11 @@ def main() -> None:
     )
     parser.add_argument(
         "--only",
-        choices=["transfer", "scale"],
-        help="run one new part alone (the transfer or the quorum at scale)",
+        choices=["transfer", "scale", "soak"],
+        help="run one part alone (the transfer, the quorum at scale, or the soak)",
+    )
+    parser.add_argument(
+        "--soak-runs", type=int, default=SOAK_RUNS, help="runs of the soak's scenario in a row"
     )
     args = parser.parse_args()
 
@@ -523,10 +553,13 @@ def main() -> None:
     port = get_unused_port()
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
     if args.only is not None:
-        new = _transfer_and_scale(port, args, args.only)
-        del store
         target = Path(args.json)
         previous = json.loads(target.read_text()) if args.json != "-" and target.is_file() else {}
+        if args.only == "soak":
+            new = _soak(args.soak_runs, previous.get("soak"))
+        else:
+            new = _transfer_and_scale(port, args, args.only)
+        del store
         previous.pop("benchmark", None)
         # The other parts' numbers stay as they were, from the run that measured them.
         runs = previous.pop("runs", {})
