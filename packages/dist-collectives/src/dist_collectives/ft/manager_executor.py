@@ -48,11 +48,11 @@ from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch
-import torch.distributed as dist
 from torch.distributed import PrefixStore, Store  # type: ignore[attr-defined]  # public, not re-exported in the stubs
 from torch.futures import Future
 
 from dist_collectives.ft.errors import ManagerConfigError, ReplicaError
+from dist_collectives.ft.generation import Generation
 from dist_collectives.ft.manager_config import ManagerConfig
 from dist_collectives.ft.manager_decisions import (
     COMMIT_FAIL,
@@ -68,7 +68,7 @@ from dist_collectives.ft.manager_decisions import (
     read_commit,
     votes_key,
 )
-from dist_collectives.ft.manager_futures import BufferPool, PendingAllreduce, WrappedFutures
+from dist_collectives.ft.manager_futures import BufferPool, WrappedFutures
 from dist_collectives.ft.manager_state import StepState
 from dist_collectives.ft.manager_watcher import Watcher, reported_error
 from dist_collectives.ft.process_group import ProcessGroup
@@ -144,8 +144,6 @@ class ManagerExecutor:
         # Looked up once: the lookup missed on most groups, and a miss costs an exception.
         error_of = getattr(pg, "error", None)
         self._error_of: Callable[[], object] | None = error_of if callable(error_of) else None
-        self._sum_options = dist.AllreduceOptions()
-        self._sum_options.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]
         self._incarnation = 0
         if config.grouped:
             self._join_group()
@@ -210,7 +208,9 @@ class ManagerExecutor:
         if self._closed:
             raise RuntimeError(f"replica {self._config.replica_id}: the Manager was shut down")
         reuse, self._reuse_quorum = self._reuse_quorum, False
-        generation, reused = self.state.begin_step(reuse=reuse)
+        generation, reused = self.state.begin_step(
+            reuse=reuse, open_generation=self._open_generation
+        )
         future: concurrent.futures.Future[Quorum] = concurrent.futures.Future()
         self._quorum_future = future
         if reused is not None:  # no store round trip at all
@@ -230,6 +230,17 @@ class ManagerExecutor:
         threading.Thread(target=run, name=f"ft-quorum-{generation}", daemon=True).start()
         if self._config.init_sync and step == 0:
             self._load_first_state()
+
+    def _open_generation(self, number: int) -> Generation:
+        """The :class:`Generation` of the step ``number``: its operations on the group."""
+        return Generation(
+            number,
+            self._pg,
+            self._buffers,
+            on_error=lambda error: self.fail(error, number),
+            swallowed_error=self._swallowed_error,
+            copy_wait=self._config.timeout.total_seconds(),
+        )
 
     def _load_first_state(self) -> None:
         """Before this replica's first step: waits for the quorum, loads the state it sent.
@@ -363,58 +374,22 @@ class ManagerExecutor:
         return future.result()
 
     def allreduce(self, tensor: torch.Tensor, *, average: bool) -> WorkFuture:
-        """Sums ``tensor`` in place over this step's participants, or averages it.
+        """Sums ``tensor`` over this step's participants, or averages it (the step's generation).
 
         Returns:
             A future of ``tensor`` that never raises (see ``Manager.allreduce``).
         """
-        # With CUDA tensors the future records an event where its result is set: on
-        # the stream the group's own future runs ``finish`` on (after the exchange and
-        # the division), so a waiter's stream is ordered after both.
-        result = future_for(tensor, WorkFuture)
         quorum = self.wait_for_quorum()
-        if quorum is None or self.state.error is not None:
+        generation = self.state.current()
+        if quorum is None or generation is None or self.state.error is not None:
+            result = future_for(tensor, WorkFuture)
             result.set_result(tensor)
             return result
-        participants = len(quorum.participants) if average else 1
-        if quorum.is_behind(self._config.replica_id):
-            tensor.zero_()  # computed from stale weights: contributes nothing
-        in_place = tensor.is_contiguous() and (tensor.is_floating_point() or tensor.is_complex())
-        # Dividing first makes the sum the average: the exchange's own result is the
-        # answer, and the callback below has no tensor work to do.
-        buffer = tensor.div_(participants) if in_place else self._buffers.copy_of(tensor)
-        pending = PendingAllreduce(result, tensor)
-        generation = self.state.add_pending(pending)
-        if generation is None:  # failed meanwhile; its failure may not have seen this one
-            pending.complete()
-            return result
-        try:
-            work = self._pg.allreduce([buffer], self._sum_options)
-        except Exception as error:
-            self.fail(error, generation)
-            return result
-
-        def finish(future: Future[Any]) -> None:
-            try:
-                future.value()
-                swallowed = self._swallowed_error()
-                if swallowed is not None:
-                    raise swallowed
-            except Exception as error:
-                self.fail(error, generation)
-                return
-            if pending.future.done():
-                return  # failed meanwhile: the step is discarded
-            if not in_place:
-                if buffer.is_floating_point() or buffer.is_complex():
-                    torch.div(buffer, participants, out=tensor)
-                else:
-                    torch.floor_divide(buffer, participants, out=tensor)
-                self._buffers.give_back(buffer)
-            pending.complete()
-
-        work.get_future().then(finish)
-        return result
+        return generation.allreduce(
+            tensor,
+            participants=len(quorum.participants) if average else 1,
+            behind=quorum.is_behind(self._config.replica_id),
+        )
 
     def wrap_future(self, fut: Future[_T], default: _T, timeout: timedelta | None) -> Future[_T]:
         """``fut``'s value, or ``default`` after its error or timeout (``Manager.wrap_future``)."""
@@ -460,24 +435,25 @@ class ManagerExecutor:
     def fail(self, error: Exception, generation: int | None, *, publish: bool = True) -> None:
         """Fails the step of ``generation`` (None: the current one), unless it failed already.
 
-        Completes the step's allreduces, logs the failure and, with ``publish``, writes it
-        to the store, where every other replica's watcher or vote finds it.
+        Fails the step's :class:`Generation` first (once that returns, no operation of
+        the step writes into a caller's tensor again, and the step's futures are
+        complete), logs the failure and, with ``publish``, has the watcher write it to
+        the store, where every other replica's watcher or vote finds it. Any thread may
+        call it; it makes no store call.
         """
         failed = self.state.fail(error, generation)
         if failed is None:
             return
-        for pending in failed.pending:
-            pending.complete()
+        if failed.generation is not None:
+            failed.generation.fail()
         self._log.warning(
             "replica %s: step %d failed: %s", self._config.label, failed.step, failure_cause(error)
         )
         quorum = failed.quorum
         if publish and quorum is not None:
-            try:
-                message = f"{self._config.replica_id}: {type(error).__name__}: {error}"[:1000]
-                self._watcher.publish(quorum, message)
-            except Exception:
-                self._log.warning("could not publish the error to the store", exc_info=True)
+            message = f"{self._config.replica_id}: {type(error).__name__}: {error}"[:1000]
+            self.state.to_publish(quorum, message)
+            self._watcher.wake()
 
     def should_commit(self) -> bool:
         """Ends the step: waits for its allreduces, loads a healed state, votes."""
@@ -486,8 +462,9 @@ class ManagerExecutor:
         # Each future completes through its exchange or a failure; past the deadline the
         # watcher fails the step, which completes them all.
         self.state.set_deadlines(allreduce=deadline, vote=None)
-        for pending in self.state.pending():
-            pending.future.wait()
+        generation = self.state.current()
+        for future in generation.futures() if generation is not None else ():
+            future.wait()
         self.state.set_deadlines(allreduce=None, vote=None)
         # A group that records errors instead of raising them (the error-swallowing
         # wrapper; a baby group whose child died after its work was handed back on the

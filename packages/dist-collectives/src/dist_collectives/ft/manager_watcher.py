@@ -8,6 +8,10 @@ group's and the registry version: heartbeats only back up the error path, and
 newcomers only wait a little longer, so they are read less often to keep the store
 traffic small.
 
+It also writes the failures the other threads queued in the state to the store, at
+once when woken (:meth:`Watcher.wake`): the threads that complete operations (a
+group's callbacks) make no store calls.
+
 The watcher owns its store connection and its liveness observer. It reads and writes
 the step only through :class:`~dist_collectives.ft.manager_state.StepState`, and fails
 it through the executor's ``fail``.
@@ -82,6 +86,7 @@ class Watcher:
         self._fail = fail
         self._log = log
         self._stop = threading.Event()
+        self._wake = threading.Event()
         self._thread = threading.Thread(
             target=self._loop, name=f"ft-monitor-{config.replica_id}", daemon=True
         )
@@ -97,21 +102,34 @@ class Watcher:
     def stop(self) -> None:
         """Stops the thread; waits a little for it to end."""
         self._stop.set()
+        self._wake.set()
         self._thread.join(timeout=5)
 
-    def publish(self, quorum: Quorum, message: str) -> None:
-        """Writes a failure of ``quorum``'s step to the store, for every other replica.
+    def wake(self) -> None:
+        """Has the thread write the failures queued in the state now, not at its next tick."""
+        self._wake.set()
 
-        Called from whichever thread saw the failure; the store client serialises its
-        callers.
-        """
-        self._store.set(error_key(quorum), message)
-        self._store.compare_set(commit_key(quorum), "", COMMIT_FAIL)
+    def _publish(self) -> None:
+        """Writes each queued failure to the store, for every other replica."""
+        for quorum, message in self._state.take_unpublished():
+            self._store.set(error_key(quorum), message)
+            self._store.compare_set(commit_key(quorum), "", COMMIT_FAIL)
 
     def _loop(self) -> None:
         interval = self._config.heartbeat_interval.total_seconds()
         ticks = 0
-        while not self._stop.wait(interval):
+        next_tick = time.monotonic() + interval
+        while not self._stop.is_set():
+            self._wake.wait(max(next_tick - time.monotonic(), 0.0))
+            self._wake.clear()
+            try:
+                self._publish()
+            except Exception:
+                if not self._stop.is_set():
+                    self._log.warning("could not publish the error to the store", exc_info=True)
+            if self._stop.is_set() or time.monotonic() < next_tick:
+                continue
+            next_tick = time.monotonic() + interval
             ticks += 1
             try:
                 self._wrapped.expire()
@@ -170,7 +188,7 @@ class Watcher:
         overdue = overdue_error(
             time.monotonic(),
             allreduce_deadline=watched.allreduce_deadline,
-            allreduce_unfinished=any(not pending.future.done() for pending in watched.pending),
+            allreduce_unfinished=watched.operations is not None and watched.operations.unfinished(),
             vote_deadline=watched.vote_deadline,
             timeout=self._config.timeout,
         )
