@@ -95,6 +95,8 @@ _VOTE_WAIT_GRACE_SECONDS = 5.0
 # that the worker's own bounded error (a store call that timed out, naming the call)
 # reaches it before its own "still busy" one.
 _QUORUM_WAIT_GRACE_SECONDS = 1.0
+# How long shutdown() waits for the quorum worker to finish what it is doing.
+_WORKER_STOP_SECONDS = 5.0
 
 _T = TypeVar("_T")
 
@@ -637,13 +639,15 @@ class ManagerExecutor:
         if self._closed:
             return
         self._closed = True
-        timeout = self._config.timeout.total_seconds()
-        if not self._worker.stop(timeout):
+        # A worker still in a round of a failed step ends when its bounded calls do;
+        # shutdown does not wait the whole timeout for it.
+        wait = min(self._config.timeout.total_seconds(), _WORKER_STOP_SECONDS)
+        if not self._worker.stop(wait):
             self._log.warning(
                 "replica %s: the quorum worker is still %s after %.0f s; leaving it",
                 self._config.label,
                 self._worker.doing,
-                timeout,
+                wait,
             )
         self._watcher.stop()
         try:
