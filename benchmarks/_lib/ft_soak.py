@@ -58,12 +58,12 @@ def measure(runs: int) -> dict[str, Any]:
             except Exception as error:  # a run that ended otherwise: counted, not fatal
                 lines = str(error).strip().splitlines()
                 failed.append(f"run {run}: {type(error).__name__}: {lines[0] if lines else ''}")
-                verdict = "failed"
+                verdict = f"failed: {failed[-1]}"
             else:
                 divergent = group_scenario.divergent_shards(result)
                 if divergent:
                     diverged.append(f"run {run}: {divergent}"[:2000])
-                verdict = "diverged" if divergent else "identical"
+                verdict = f"diverged: {diverged[-1]}" if divergent else "identical"
         print(
             f"soak run {run}/{runs}: {verdict} ({len(diverged)} diverged, {len(failed)} "
             f"failed so far, {time.monotonic() - started:.0f} s)",

@@ -38,6 +38,7 @@ def test_the_first_error_of_a_step_wins_and_hands_over_its_generation() -> None:
     assert current is not None and current.number == generation
     failed = state.fail(RuntimeError("first"), generation)
     assert failed is not None and failed.generation is current and failed.step == 4
+    assert state.failed_quorum_id == 1, "the group of a failed step is never used again"
     assert state.fail(RuntimeError("second"), None) is None
     assert str(state.error) == "first" and state.error_wall_time is not None
 

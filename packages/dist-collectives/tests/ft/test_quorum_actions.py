@@ -7,6 +7,7 @@ from dist_collectives.ft.manager_decisions import (
     ReceiveState,
     SendState,
     describe_action,
+    kept_a_failed_quorum,
     quorum_actions,
     request_is_stale,
 )
@@ -58,3 +59,9 @@ def test_a_stuck_action_is_named_for_the_timeout_message() -> None:
     )
     assert describe_action(ReceiveState(0)) == "receiving a state from rank 0"
     assert describe_action(SendState((1, 2))) == "sending its state to ranks [1, 2]"
+
+
+def test_a_kept_quorum_id_of_a_failed_step_is_refused() -> None:
+    assert kept_a_failed_quorum(_quorum(7, (5, 5)), failed_quorum_id=7)
+    assert not kept_a_failed_quorum(_quorum(8, (5, 5)), failed_quorum_id=7)
+    assert not kept_a_failed_quorum(_quorum(7, (5, 5)), failed_quorum_id=None)

@@ -181,6 +181,15 @@ def describe_action(action: QuorumAction) -> str:
     return f"sending its state to ranks {list(action.healers)}"
 
 
+def kept_a_failed_quorum(quorum: Quorum, failed_quorum_id: int | None) -> bool:
+    """Whether a decided quorum keeps the id of a configuration whose step failed here.
+
+    Such a group is never used again: the failed step's exchanges may still be running
+    on it and would pair with the next step's.
+    """
+    return failed_quorum_id is not None and quorum.quorum_id == failed_quorum_id
+
+
 def request_is_stale(request_generation: int, current_generation: int) -> bool:
     """Whether a quorum request of ``request_generation`` was superseded by a newer step.
 

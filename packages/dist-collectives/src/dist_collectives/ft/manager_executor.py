@@ -67,7 +67,9 @@ from dist_collectives.ft.manager_decisions import (
     commit_key,
     commit_proposal,
     describe_action,
+    error_key,
     failure_cause,
+    kept_a_failed_quorum,
     lost_since,
     membership_change,
     quorum_actions,
@@ -320,6 +322,25 @@ class ManagerExecutor:
         return quorum
 
     def _compute_quorum(self, step: int) -> Quorum:
+        """The round's decision; one more round when it kept the id of a failed step.
+
+        A step of this replica that failed on a configuration leaves that group unused
+        for good: its exchanges may still run and would pair with the next step's.
+        The round keeps the id only when nobody reported the failure under it before
+        the round was decided (the watcher writes it as soon as it can); then this
+        replica reports it and joins the next round, which gives a new id.
+        """
+        quorum = self._round(step, self.state.last_quorum)
+        if kept_a_failed_quorum(quorum, self.state.failed_quorum_id):
+            message = (
+                f"{self._config.replica_id}: quorum {quorum.quorum_id} kept the id of a "
+                "configuration whose step failed"
+            )
+            self._quorum_store.set(error_key(quorum), message)
+            quorum = self._round(step, quorum)
+        return quorum
+
+    def _round(self, step: int, previous: Quorum | None) -> Quorum:
         return compute_quorum(
             self._quorum_store,
             self._config.replica_id,
@@ -328,7 +349,7 @@ class ManagerExecutor:
             min_replicas=self._config.min_replica_size,
             join_timeout=self._config.join_timeout,
             timeout=self._config.timeout,
-            previous=self.state.last_quorum,
+            previous=previous,
             first_quorum_window=self._config.first_quorum_window,
             init_sync=self._config.init_sync,
         )
@@ -581,7 +602,7 @@ class ManagerExecutor:
                 if proposal is not None:
                     decision = self._store.compare_set(key, "", proposal)
             if decision is None:
-                decision = self._await_decision(key, deadline)
+                decision = self._await_decision(quorum, deadline)
         except StoreTimeoutError as error:
             # The store does not answer: no decision can be read, so this replica does
             # not commit; the watcher writes the failure once the store answers again.
@@ -604,7 +625,7 @@ class ManagerExecutor:
             )
         return committed
 
-    def _await_decision(self, key: str, deadline: float) -> bytes:
+    def _await_decision(self, quorum: Quorum, deadline: float) -> bytes:
         """The commit decision, after one blocking wait (no check first: it is rarely there).
 
         The wait ends when the last voter writes the decision, or when any replica
@@ -612,8 +633,9 @@ class ManagerExecutor:
         watcher too when a peer stops beating or the deadline passes. No wait with a
         short timeout, then: torch logs a warning each time one runs out.
         """
-        if self.state.error is not None:  # failed before voting: publish it again, to be sure
-            self._store.compare_set(key, "", COMMIT_FAIL)
+        key = commit_key(quorum)
+        if self.state.error is not None:  # failed before voting: publish it here, to be sure
+            self._publish_failure(quorum)
         else:
             self.state.set_deadlines(allreduce=None, vote=deadline)
             try:
@@ -626,13 +648,26 @@ class ManagerExecutor:
                     self.report_error(
                         TimeoutError(f"no commit decision within {self._config.timeout}")
                     )
-                    self._store.compare_set(key, "", COMMIT_FAIL)
+                    self._publish_failure(quorum)
             finally:
                 self.state.set_deadlines(allreduce=None, vote=None)
         # The key exists now, so this reads it in one round trip (get would first wait
         # again): compare_set answers with the stored value unless it equals "ok:same",
         # which it then leaves as it is.
         return bytes(self._store.compare_set(key, COMMIT_SAME, COMMIT_SAME))
+
+    def _publish_failure(self, quorum: Quorum) -> None:
+        """Writes this step's failure to the store from the training thread, before it ends.
+
+        The watcher writes it too, as soon as it can; this write makes sure that
+        ``err/<quorum id>`` exists before this replica asks for its next quorum, so that
+        the round gives the group a new id instead of keeping the one whose exchanges
+        failed.
+        """
+        error = self.state.error
+        message = f"{self._config.replica_id}: {type(error).__name__}: {error}"[:1000]
+        self._store.set(error_key(quorum), message)
+        self._store.compare_set(commit_key(quorum), "", COMMIT_FAIL)
 
     def shutdown(self) -> None:
         """Leaves the quorum for good, stops the worker and the watcher, releases the group."""

@@ -83,6 +83,8 @@ class StepState:
         registry_version: The registry version as the watcher last read it.
         unpublished: Failures recorded but not yet written to the store; the watcher
             writes them (no thread that completes an operation makes store calls).
+        failed_quorum_id: The last quorum a step failed in: its group is never used
+            again.
     """
 
     def __init__(self) -> None:
@@ -106,6 +108,7 @@ class StepState:
         self._awaited_key: str | None = None
         self._registry_version = 0
         self._unpublished: list[tuple[Quorum, str]] = []
+        self._failed_quorum_id: int | None = None
 
     # -- reads ------------------------------------------------------------------------
 
@@ -156,6 +159,12 @@ class StepState:
         """The registry version as the watcher last read it."""
         with self._lock:
             return self._registry_version
+
+    @property
+    def failed_quorum_id(self) -> int | None:
+        """The id of the last quorum a step of this replica failed in, if any."""
+        with self._lock:
+            return self._failed_quorum_id
 
     @property
     def configured(self) -> tuple[int | None, tuple[str, ...]]:
@@ -335,6 +344,8 @@ class StepState:
             self._error = error
             self._error_wall_time = time.time()
             quorum = self._quorum
+            if quorum is not None:
+                self._failed_quorum_id = quorum.quorum_id
             step = quorum.max_step if quorum is not None else self._step
             if self._failure is None:
                 self._failure = Failure(
