@@ -54,7 +54,10 @@ def measure(runs: int) -> dict[str, Any]:
     for run in range(1, runs + 1):
         with tempfile.TemporaryDirectory(prefix="ft-soak-") as workdir:
             try:
-                result = group_scenario.run_lose_a_rank_and_rejoin(Path(workdir), get_unused_port())
+                # Not the well-known 29500 (get_unused_port's default): a process of
+                # another job on this host that defaults to it would reach this store.
+                port = get_unused_port(0)
+                result = group_scenario.run_lose_a_rank_and_rejoin(Path(workdir), port)
             except Exception as error:  # a run that ended otherwise: counted, not fatal
                 lines = str(error).strip().splitlines()
                 failed.append(f"run {run}: {type(error).__name__}: {lines[0] if lines else ''}")
