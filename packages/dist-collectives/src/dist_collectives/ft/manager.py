@@ -38,8 +38,14 @@ The Manager is a facade over small modules, after torch elastic's dynamic rendez
   and which thread owns what;
 - :mod:`~dist_collectives.ft.manager_executor`: the store and group calls of a step,
   and the threads that make them;
+- :mod:`~dist_collectives.ft.quorum_worker`: the one thread that forms quorums,
+  configures the group and heals;
 - :mod:`~dist_collectives.ft.manager_watcher`: the watcher thread the executor runs;
-- :mod:`~dist_collectives.ft.manager_futures`: the futures and buffers it hands out.
+- :mod:`~dist_collectives.ft.generation`: a step's operations, exchanged through
+  buffers of its own;
+- :mod:`~dist_collectives.ft.bounded_store`: store calls that return within the
+  timeout;
+- :mod:`~dist_collectives.ft.manager_futures`: the buffers and futures it reuses.
 """
 
 from __future__ import annotations
@@ -230,8 +236,9 @@ class Manager:
     def start_quorum(self) -> None:
         """Starts forming this step's quorum in the background and forgets the last error.
 
-        The quorum, a reconfiguration of the group and healing all happen on a
-        background thread; :meth:`allreduce` and :meth:`should_commit` wait for it.
+        The quorum, a reconfiguration of the group and healing all happen on the
+        Manager's quorum worker thread; :meth:`allreduce` and :meth:`should_commit`
+        wait for it, at most the Manager's ``timeout``.
         """
         self._executor.start_quorum()
 

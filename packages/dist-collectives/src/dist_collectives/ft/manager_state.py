@@ -4,7 +4,7 @@ A Manager runs on four kinds of thread:
 
 - the *training* thread, which calls the public API (``start_quorum``, ``allreduce``,
   ``should_commit``, ...);
-- a *quorum* thread per step that needs a round: it forms the quorum, configures the
+- the *quorum worker*, one long-lived thread: it forms the quorums, configures the
   group and heals;
 - the *watcher*, which beats the heartbeats and fails a step that another replica
   failed, that lost a member or that ran past its deadline;
@@ -79,7 +79,7 @@ class StepState:
         failure: The first failure since the last commit, for the recovery log.
         step_active: Between ``start_quorum`` and the end of ``should_commit``.
         group_broken: Why this replica group left the quorum for good, once it has.
-        arrival_key, awaited_key: The group keys the quorum thread is blocked on.
+        arrival_key, awaited_key: The group keys the quorum worker is blocked on.
         registry_version: The registry version as the watcher last read it.
         unpublished: Failures recorded but not yet written to the store; the watcher
             writes them (no thread that completes an operation makes store calls).
@@ -196,7 +196,7 @@ class StepState:
 
         Returns:
             The step's generation, and its quorum when it reuses the last one (else a
-            quorum thread decides it).
+            quorum worker decides it).
         """
         with self._lock:
             self._generation += 1
@@ -250,7 +250,7 @@ class StepState:
                 self._step = quorum.max_step + 1
             return recovered
 
-    # -- the quorum thread's transitions ------------------------------------------------
+    # -- the quorum worker's transitions ------------------------------------------------
 
     def adopt_quorum(self, quorum: Quorum, generation: int) -> bool:
         """Records a decided quorum; whether it is still the current step's."""
@@ -276,7 +276,7 @@ class StepState:
     def wait_for_group(
         self, *, arrival_key: str | None = None, awaited_key: str | None = None
     ) -> str | None:
-        """Records the group key the quorum thread blocks on next; why the group broke, if so.
+        """Records the group key the quorum worker blocks on next; why the group broke, if so.
 
         The watcher ends that wait (:meth:`break_group`) when the group breaks; a group
         that broke before the key was recorded is answered here instead.
