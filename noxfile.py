@@ -466,6 +466,104 @@ def demo(session: nox.Session) -> None:
     )
 
 
+# The soak runs on the newest torch release (not a default session).
+SOAK_TORCH_SPEC = "torch==2.15.0"
+
+
+@nox.session
+def soak(session: nox.Session) -> None:
+    """The ft soak on the newest torch: ``benchmarks/ft.py --only soak``. Not a default session.
+
+    Runs the replica groups' lose-a-rank-and-rejoin scenario of dist-collectives' tests
+    30 times in a row and writes how many runs ended with shards that differ between
+    groups to docs/_data/bench/ft.json (about a minute a run here; ``nox -s soak --
+    --soak-runs 5`` for fewer).
+    """
+    _install_packages(session, ["dist-collectives"], extras="[test]", torch_spec=SOAK_TORCH_SPEC)
+    session.run("python", str(ROOT / "benchmarks" / "ft.py"), "--only", "soak", *session.posargs)
+
+
+# torchft's own tests of its process groups, run against dist_collectives.ft through
+# an import-only shim written at run time (no torchft code is committed here).
+TORCHFT_SPEC = "torchft==0.2.0"
+TORCHFT_SHIM = {
+    "__init__.py": "",
+    "process_group.py": (
+        "from dist_collectives.ft import *  # noqa: F403\n"
+        "from dist_collectives.ft.wrappers import _SwallowingWork as _ErrorSwallowingWork\n"
+    ),
+    "manager.py": "from dist_collectives.ft import Manager\n",
+    "work.py": "from dist_collectives.ft import DummyWork as _DummyWork\n",
+}
+TORCHFT_MIN_PASSED = 46
+_UNPACK_TORCHFT_TEST = """
+import sys, zipfile
+from pathlib import Path
+wheel, out = Path(sys.argv[1]), Path(sys.argv[2])
+source = zipfile.ZipFile(next(wheel.glob("torchft-*.whl"))).read("torchft/process_group_test.py")
+text = source.decode()
+for name in ("TCPStore", "PrefixStore"):
+    target = f"torchft.process_group.{name}"
+    assert target in text, f"process_group_test.py no longer patches {target}"
+    text = text.replace(target, f"dist_collectives.ft.store.{name}")
+(out / "process_group_test.py").write_text(text)
+"""
+_COUNT_PASSED = """
+import sys, xml.etree.ElementTree as ET
+suite = ET.parse(sys.argv[1]).getroot().iter("testsuite").__next__()
+total, failed = int(suite.get("tests")), int(suite.get("failures")) + int(suite.get("errors"))
+skipped = int(suite.get("skipped"))
+passed = total - failed - skipped
+print(f"torchft 0.2.0 process_group_test.py: {passed} passed, {failed} failed, {skipped} skipped")
+sys.exit(0 if passed >= int(sys.argv[2]) else f"fewer than {sys.argv[2]} passed")
+"""
+
+
+@nox.session
+def torchft_compat(session: nox.Session) -> None:
+    """Runs torchft 0.2.0's own process_group_test.py against dist_collectives.ft (not default).
+
+    Downloads the torchft wheel into the session, takes its test file (the two
+    ``patch("torchft.process_group.TCPStore")``/``PrefixStore`` targets renamed), writes
+    a ``torchft`` package beside it that only re-exports ``dist_collectives.ft``, and
+    runs the file once; it fails when fewer than 46 of its CPU tests pass (one reads
+    private attributes of torchft's baby group and fails). About 3 minutes here.
+    """
+    _install_packages(session, ["dist-collectives"], extras="[test]")
+    session.install("parameterized", "numpy")
+    run_dir = Path(session.create_tmp()).resolve() / "torchft-compat"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    (run_dir / "torchft").mkdir(parents=True)
+    wheel_dir = run_dir / "wheel"
+    session.run("pip", "download", "--no-deps", TORCHFT_SPEC, "-d", str(wheel_dir))
+    session.run("python", "-c", _UNPACK_TORCHFT_TEST, str(wheel_dir), str(run_dir))
+    for name, text in TORCHFT_SHIM.items():
+        (run_dir / "torchft" / name).write_text(text)
+    # Its own settings file: none of this repository's conftest or pytest settings.
+    (run_dir / "pytest.ini").write_text("[pytest]\n")
+    report = run_dir / "report.xml"
+    session.chdir(run_dir)
+    session.run(
+        "pytest",
+        "-c",
+        str(run_dir / "pytest.ini"),
+        "--rootdir",
+        str(run_dir),
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "--timeout",
+        "600",
+        "--junitxml",
+        str(report),
+        "process_group_test.py",
+        *session.posargs,
+        env={"PYTHONPATH": str(run_dir)},
+        success_codes=[0, 1],
+    )
+    session.run("python", "-c", _COUNT_PASSED, str(report), str(TORCHFT_MIN_PASSED))
+
+
 @nox.session
 def bench(session: nox.Session) -> None:
     """Every benchmark under benchmarks/, side by side with its peers; prints ratios.
