@@ -7,7 +7,6 @@ static one or the c10d one on :mod:`fake_rendezvous`'s store.
 from __future__ import annotations
 
 import io
-import os
 import signal
 
 import pytest
@@ -110,9 +109,7 @@ def decide(plan: LaunchPlan, rdzv: Rendezvous, group: GroupOutcome) -> RunOutcom
     try:
         return agent._after_failure(rdzv, assignment, group)
     finally:
-        agent.selector.close()
-        os.close(agent._change_read)
-        os.close(agent._change_write)
+        agent.loop.close()
 
 
 def test_static_restarts_until_this_nodes_budget_is_spent(
@@ -169,9 +166,7 @@ def decide_hang(
     try:
         return agent._after_hang(rdzv, assignment, group, hang)
     finally:
-        agent.selector.close()
-        os.close(agent._change_read)
-        os.close(agent._change_write)
+        agent.loop.close()
 
 
 SLEEPING = 'Thread 0x1 (most recent call first):\n  File "/job/loader.py", line 4 in load\n'

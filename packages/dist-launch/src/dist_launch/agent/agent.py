@@ -32,19 +32,19 @@ script's own start-up but not for a new ``import torch``.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import re
-import selectors
 import signal
 import socket
 import sys
 import time
 from dataclasses import replace
+from functools import partial
+from typing import Any
 
 from dist_core.supervisor import GroupOutcome, Supervisor
-from dist_launch.agent.background_call import BackgroundCall
+from dist_launch.agent.event_loop import EventLoop, Pending
 from dist_launch.agent.local_group import LocalGroup
 from dist_launch.agent.run_outcome import HANG_EXIT_STATUS, RunOutcome, report_run_outcome
 from dist_launch.agent.signal_inbox import DUMP_SIGNAL, SignalInbox
@@ -97,11 +97,12 @@ class Agent:
         self,
         plan: LaunchPlan,
         *,
-        selector: selectors.BaseSelector | None = None,
+        loop: EventLoop | None = None,
         fork_server: ForkServerClient | None = None,
     ) -> None:
         self.plan = plan
-        self.selector = selector if selector is not None else selectors.DefaultSelector()
+        # The one loop of the launcher: the CLI makes it first, for the fork server.
+        self.loop = loop if loop is not None else EventLoop()
         # Started by the caller before it imported this module, when it could: the fork
         # server's import of torch is the longest step of a start.
         self._fork_server = fork_server
@@ -110,8 +111,6 @@ class Agent:
         self._supervisor: Supervisor | None = None
         self._interrupted: int | None = None  # the first stopping signal received
         self._change: RoundChange | None = None  # why the rendezvous asked for a new round
-        self._change_read, self._change_write = os.pipe()
-        os.set_blocking(self._change_read, False)
         self._timers: FileTimerWatch | None = None  # torch elastic's timer server
         self._longest_quiet = 0.0  # what --hang-timeout auto learned, over every round
 
@@ -156,36 +155,24 @@ class Agent:
         )
 
     def _on_change(self, why: RoundChange) -> None:
-        """From the watcher thread: wake the main loop through a pipe."""
+        """On the loop (posted by the watch's thread): the round must end."""
         self._change = why
-        with contextlib.suppress(OSError):
-            os.write(self._change_write, b"x")
-
-    def _on_change_readable(self) -> None:
-        with contextlib.suppress(OSError):
-            os.read(self._change_read, 4096)
-        if self._supervisor is not None and self._change is not None:
+        if self._supervisor is not None:
             self._supervisor.interrupt(signal.SIGTERM)
 
     # -- the run --------------------------------------------------------------------
 
-    def _wait_for(self, background: BackgroundCall) -> bool:
-        """Serves signals until ``background`` finished; False when interrupted first."""
-        while not background.done:
-            if self._interrupted is not None:
-                return False
-            for key, _ in self.selector.select(None):
-                if callable(key.data):
-                    key.data()
-        return True
+    def _wait_for(self, pending: Pending[Any]) -> bool:
+        """Serves signals until ``pending`` is done; False when interrupted first."""
+        self.loop.run_until(lambda: pending.done or self._interrupted is not None)
+        return pending.done
 
     def run(self) -> int:
         """Runs the job, reports how it ended; returns the exit status."""
         plan = self.plan
         logger.info("%s", describe_sources(plan))
         self.inbox = SignalInbox((*plan.signals_to_handle, DUMP_SIGNAL))
-        self.selector.register(self.inbox.read_fd, selectors.EVENT_READ, self._on_signal)
-        self.selector.register(self._change_read, selectors.EVENT_READ, self._on_change_readable)
+        self.loop.watch(self.inbox.read_fd, self._on_signal)
         node_env = node_environment(plan, os.environ)
         self.layout: LogLayout | None = None
         if plan.routing.needs_files(range(plan.nproc)):
@@ -201,17 +188,15 @@ class Agent:
                 self._fork_server.close()
             if self._rdzv is not None:
                 self._rdzv.close()
+            self.loop.unwatch(self.inbox.read_fd)
             self.inbox.close()
-            self.selector.close()
-            for fd in (self._change_read, self._change_write):
-                with contextlib.suppress(OSError):
-                    os.close(fd)
+            self.loop.close()
 
     def _run(self, node_env: dict[str, str]) -> RunOutcome:
         plan = self.plan
         # Connecting may wait for the endpoint's node (torch's read_timeout): on a
         # thread, so that Ctrl-C is served meanwhile.
-        connecting = BackgroundCall(self.selector, lambda: open_rendezvous(plan))
+        connecting = self.loop.call_in_thread(lambda: open_rendezvous(plan), "rendezvous-connect")
         if not self._wait_for(connecting):
             return self._interrupted_outcome(None)
         error = connecting.error
@@ -231,7 +216,7 @@ class Agent:
                     f"FileTimerServer could not be started: {error}",
                 )
         if self._fork_server is None:
-            self._fork_server = start_fork_server(plan, self.selector)
+            self._fork_server = start_fork_server(plan, self.loop)
         return self._rounds(rdzv, node_env, self._fork_server)
 
     def _interrupted_outcome(
@@ -246,7 +231,7 @@ class Agent:
 
     def _join(self, rdzv: Rendezvous) -> Assignment | RunOutcome:
         """The next round's assignment, or how the run ended."""
-        joining = BackgroundCall(self.selector, rdzv.next_round)
+        joining = self.loop.call_in_thread(rdzv.next_round, "rendezvous-join")
         if not self._wait_for(joining):
             return self._interrupted_outcome(rdzv)
         error = joining.error
@@ -278,7 +263,9 @@ class Agent:
                 return joined
             assignment = joined
             self._change = None
-            watch = rdzv.watch(plan.monitor_interval, self._on_change)
+            watch = rdzv.watch(
+                plan.monitor_interval, lambda why: self.loop.post(partial(self._on_change, why))
+            )
             board = (
                 rdzv.progress_board(plan.hang_policy.look_period)
                 if plan.hang_policy.enabled
@@ -288,7 +275,7 @@ class Agent:
                 plan,
                 assignment,
                 node_env,
-                self.selector,
+                self.loop,
                 fork_server,
                 self._set_supervisor,
                 self.layout,
@@ -305,6 +292,7 @@ class Agent:
                 )
             finally:
                 watch.stop()
+                self.loop.run_posted()  # a change the watch saw before it stopped
                 if board is not None:
                     board.stop()
                 group.cleanup()

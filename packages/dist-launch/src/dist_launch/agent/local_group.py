@@ -8,9 +8,7 @@ by the agent and kept warm across attempts, so a restart pays no new ``import to
 
 from __future__ import annotations
 
-import contextlib
 import os
-import selectors
 import shutil
 import signal
 import socket
@@ -23,6 +21,7 @@ from typing import BinaryIO
 
 from dist_core.rank_files import RankFiles
 from dist_core.supervisor import GroupOutcome, Supervisor, Worker
+from dist_launch.agent.event_loop import EventLoop
 from dist_launch.diagnostics.hang_report import HangReport
 from dist_launch.diagnostics.stacks import without_launcher_frames
 from dist_launch.in_worker.bootstrap import PARENT_PID_VARIABLE, RUN_DIR_VARIABLE
@@ -36,7 +35,7 @@ from dist_launch.rendezvous.protocol import Assignment
 from dist_launch.watch.file_timer import FILE_VARIABLE, FileTimerWatch
 from dist_launch.watch.hang_watch import HangWatch, node_name
 from dist_launch.workers.environment import rank_environment, worker_environment
-from dist_launch.workers.fork_server_client import ForkServerClient
+from dist_launch.workers.fork_server_client import ForkedWorker, ForkServerClient
 from dist_launch.workers.subprocess_start import start_subprocess_worker
 from dist_launch.workers.terminals import WindowSizeFollower, WorkerTerminals, worker_terminals
 
@@ -56,13 +55,12 @@ def _flush_partial_lines(relays: list[LineRelay], now: float) -> float | None:
 
 
 def _pump_callback(
-    selector: selectors.BaseSelector, relay: LineRelay, on_output: Callable[[], None]
+    loop: EventLoop, relay: LineRelay, on_output: Callable[[], None]
 ) -> Callable[[], None]:
     def pump() -> None:
         on_output()
         if not relay.pump():
-            with contextlib.suppress(KeyError, ValueError):
-                selector.unregister(relay.fd)
+            loop.unwatch(relay.fd)
 
     return pump
 
@@ -74,8 +72,8 @@ class LocalGroup:
         plan: The launch plan.
         assignment: This node's place in the round.
         node_env: :func:`node_environment`.
-        selector: The agent's selector (signal pipe, fork server socket, rendezvous
-            watcher are registered on it).
+        loop: The launcher's event loop (signals, the fork server's replies and the
+            rendezvous watch are served by it too).
         fork_server: The warm fork server, or None to start fresh interpreters.
         on_supervisor: Called with the supervisor once it exists (signals reach it).
         layout: The run's log directory, when some stream goes to a file.
@@ -93,7 +91,7 @@ class LocalGroup:
         plan: LaunchPlan,
         assignment: Assignment,
         node_env: dict[str, str],
-        selector: selectors.BaseSelector,
+        loop: EventLoop,
         fork_server: ForkServerClient | None,
         on_supervisor: Callable[[Supervisor | None], None],
         layout: LogLayout | None,
@@ -104,7 +102,7 @@ class LocalGroup:
         self.plan = plan
         self.assignment = assignment
         self.node_env = node_env
-        self.selector = selector
+        self.loop = loop
         self.fork_server = fork_server
         self.on_supervisor = on_supervisor
         self.routing = plan.routing
@@ -192,9 +190,10 @@ class LocalGroup:
             OSError, RuntimeError: A worker could not be started.
         """
         plan, assignment = self.plan, self.assignment
-        selector = self.selector
+        loop = self.loop
         logs = self._open_logs(attempt)
         relays: list[LineRelay] = []
+        timers: list[int] = []
         env = worker_environment(plan, assignment, self.node_env)
         env[RUN_DIR_VARIABLE] = self.run_dir
         env[PARENT_PID_VARIABLE] = str(os.getpid())
@@ -204,26 +203,38 @@ class LocalGroup:
             with (
                 WindowSizeFollower() as follower,
                 Supervisor(
-                    grace_period=plan.grace_period, timeout=timeout, selector=selector
+                    grace_period=plan.grace_period, timeout=timeout, selector=loop.selector
                 ) as supervisor,
             ):
-                supervisor.add_timer(lambda now: _flush_partial_lines(relays, now))
-                # A hang is stopped as a signal is: every rank's stack first, then SIGTERM.
-                self.watch.on_hang = lambda reason: supervisor.interrupt(signal.SIGTERM)
-                supervisor.add_timer(self.watch.due)
+                started: list[tuple[Worker, int, int, WorkerTerminals]] = []
                 for local_rank in range(plan.nproc):
                     terminals = self._terminals(local_rank)
                     worker, out_fd, err_fd = self._start(env, local_rank, terminals)
                     supervisor.add(worker, self.files[worker.rank])
-                    self.watch.started(worker.rank, worker.pid)
+                    started.append((worker, out_fd, err_fd, terminals))
                     relays.extend(
                         self._relays(worker.rank, local_rank, out_fd, err_fd, logs, terminals)
                     )
+                if self.fork_server is not None:
+                    forked = [w for w, *_ in started if isinstance(w, ForkedWorker)]
+                    self.fork_server.wait_until_started(forked)
+                for worker, out_fd, err_fd, terminals in started:
+                    self.watch.started(worker.rank, worker.pid)
                     for fd, stream in zip((out_fd, err_fd), STREAMS, strict=True):
                         if terminals.of(stream) is not None:
-                            follower.add(fd, stream, self._prefix_width(local_rank), worker.pid)
+                            follower.add(
+                                fd, stream, self._prefix_width(worker.local_rank), worker.pid
+                            )
+                timers.append(loop.add_timer(lambda now: _flush_partial_lines(relays, now)))
+                # A hang is stopped as a signal is: every rank's stack first, then SIGTERM.
+                self.watch.on_hang = lambda reason: supervisor.interrupt(signal.SIGTERM)
+                timers.append(loop.add_timer(self.watch.due))
+                timers.append(loop.add_timer(lambda now: supervisor.advance()))
                 self.on_supervisor(supervisor)
-                outcome = supervisor.run()
+                loop.run_until(lambda: supervisor.finished)
+                outcome = supervisor.outcome()
+                for handle in timers:
+                    loop.remove_timer(handle)
                 self._drain(relays)
             self.hang = self._hang_report(outcome)
             if self.hang is not None:
@@ -232,11 +243,12 @@ class LocalGroup:
                 self._write_error_files(attempt, outcome)
             return outcome
         finally:
+            for handle in timers:
+                loop.remove_timer(handle)
             self.watch.close()
             self.on_supervisor(None)
             for relay in relays:
-                with contextlib.suppress(KeyError, ValueError):
-                    selector.unregister(relay.fd)
+                loop.unwatch(relay.fd)
                 relay.close()
             for log in logs.values():
                 log.close()
@@ -295,22 +307,14 @@ class LocalGroup:
                 terminal=terminals.of(stream) is not None,
             )
             relays.append(relay)
-            self.selector.register(
-                fd, selectors.EVENT_READ, _pump_callback(self.selector, relay, self.watch.output)
-            )
+            self.loop.watch(fd, _pump_callback(self.loop, relay, self.watch.output))
         return relays
 
     def _drain(self, relays: list[LineRelay]) -> None:
         """Passes on what the ended workers left in their pipes (bounded)."""
-        deadline = time.monotonic() + DRAIN_SECONDS
-        fds = {relay.fd for relay in relays}
-        while any(not relay.closed for relay in relays):
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
-            for key, _ in self.selector.select(remaining):
-                if callable(key.data) and key.fd in fds:
-                    key.data()
+        self.loop.run_until(
+            lambda: all(relay.closed for relay in relays), time.monotonic() + DRAIN_SECONDS
+        )
 
     def cleanup(self) -> None:
         """Removes the attempt's scratch directory."""
