@@ -29,10 +29,10 @@ REPLY_SECONDS = 120.0
 class Loop(Protocol):
     """What the client needs of the launcher's event loop (:mod:`dist_launch.agent.event_loop`)."""
 
-    def watch(self, fd: socket.socket, callback: Callable[[], None] | None) -> None:
+    def watch(self, fd: int | socket.socket, callback: Callable[[], None] | None) -> None:
         """Calls ``callback`` on the loop whenever ``fd`` is readable."""
 
-    def unwatch(self, fd: socket.socket) -> None:
+    def unwatch(self, fd: int | socket.socket) -> None:
         """Stops watching ``fd``."""
 
     def run_until(self, done: Callable[[], bool], deadline: float | None = None) -> bool:

@@ -1,0 +1,327 @@
+"""One round of this node's workers: one owner, one result.
+
+A :class:`Round` owns, from its start to its end, everything that lives for one round
+of the job: the rendezvous's membership watch (a node closed the job, nodes join or
+left), the job's progress board (c10d, several nodes), the hang watch, and the workers
+(:class:`~dist_launch.workers.worker_group.WorkerGroup`). Every one is stopped on every
+way out of :meth:`Round.run`, which returns one :class:`RoundResult`: how the round
+ended and what the agent needs to decide what comes next
+(:func:`~dist_launch.agent.next_step.decide_next`). The agent routes the signals it
+receives to the round in progress (:meth:`Round.interrupt`, :meth:`Round.dump_stacks`,
+:meth:`Round.resize`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import signal
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import partial
+from typing import Literal
+
+from dist_core.supervisor import GroupOutcome
+from dist_launch.agent.event_loop import EventLoop
+from dist_launch.diagnostics.hang_report import HangReport
+from dist_launch.diagnostics.stacks import format_stack_dump, without_launcher_frames
+from dist_launch.output.log_layout import LogLayout, write_torch_error_file
+from dist_launch.plan.hang_policy import HangPolicy
+from dist_launch.plan.launch_plan import LaunchPlan
+from dist_launch.rendezvous.protocol import Assignment, FailureRecord, Rendezvous, RoundChange
+from dist_launch.watch.file_timer import FILE_VARIABLE, FileTimerWatch
+from dist_launch.watch.hang_watch import HangWatch, node_name
+from dist_launch.workers.fork_server_client import ForkServerClient
+from dist_launch.workers.worker_group import WorkerGroup
+
+_ADDRESS_IN_USE = re.compile(r"EADDRINUSE|address already in use", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class RoundContext:
+    """What outlives a round: built once by the agent, given to every round.
+
+    Attributes:
+        node_env: The variables every worker of this node shares
+            (:func:`~dist_launch.workers.environment.node_environment`).
+        fork_server: The warm fork server, or None to start fresh interpreters.
+        layout: The run's log directory, when some stream goes to a file.
+        timers: torch elastic's timer server, when the launcher serves one.
+        deadline: When ``--timeout`` ends (monotonic), or None.
+    """
+
+    node_env: Mapping[str, str]
+    fork_server: ForkServerClient | None = None
+    layout: LogLayout | None = None
+    timers: FileTimerWatch | None = None
+    deadline: float | None = None
+
+
+RoundEnding = Literal[
+    "succeeded", "failed", "hung", "timed_out", "interrupted", "changed", "start_failed"
+]
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    """How a round ended.
+
+    Attributes:
+        ending: ``succeeded`` (every rank exited 0), ``failed`` (a rank failed),
+            ``hung`` (no progress for ``--hang-timeout``, or an expired torch elastic
+            timer), ``timed_out`` (``--timeout``), ``interrupted`` (a signal stopped the
+            workers), ``changed`` (the rendezvous asked for a new round: :attr:`change`),
+            ``start_failed`` (the workers could not be started: :attr:`message`).
+        group: The workers' outcome; None when they never started.
+        change: What the membership watch saw, if it saw something.
+        hang: The hang's report, for ``hung``.
+        record: This node's record of a failed or hung round, as shared with the
+            other nodes (the rank it blames, and whether that is only an effect).
+        address_in_use: The root cause's traceback says its master port was taken.
+        learned_quiet: The longest quiet interval ``--hang-timeout auto`` learned so far.
+        message: Why the workers could not be started.
+    """
+
+    ending: RoundEnding
+    group: GroupOutcome | None = None
+    change: RoundChange | None = None
+    hang: HangReport | None = None
+    record: FailureRecord | None = None
+    address_in_use: bool = False
+    learned_quiet: float = 0.0
+    message: str = ""
+
+
+def address_in_use(outcome: GroupOutcome) -> bool:
+    """True when the root cause's traceback says its master port was taken."""
+    root = outcome.root_cause
+    return (
+        root is not None
+        and root.record is not None
+        and _ADDRESS_IN_USE.search(root.record.traceback) is not None
+    )
+
+
+def round_ending(
+    outcome: GroupOutcome, hang: HangReport | None, change: RoundChange | None
+) -> RoundEnding:
+    """How a round whose workers ran ended, from their outcome and what was watched."""
+    if outcome.status == "succeeded":
+        return "succeeded"
+    if hang is not None:
+        return "hung"
+    if change is not None and outcome.status == "interrupted":
+        return "changed"
+    if outcome.status in ("timed_out", "interrupted"):
+        return outcome.status
+    return "failed"
+
+
+def hang_record(hang: HangReport, assignment: Assignment, host: str) -> FailureRecord:
+    """This node's record of a hang: the odd rank out, else this node's first rank."""
+    odd = hang.odd_rank
+    return FailureRecord(
+        node=host,
+        group_rank=assignment.group_rank,
+        rank=odd if odd is not None else min(hang.stacks, default=assignment.base_rank),
+        timestamp=time.time(),
+        summary=f"hang: {hang.summary}",
+        # Every rank here waits in the same place: the rank they wait for, if any node
+        # can name it, is another node's.
+        consequence=odd is None,
+    )
+
+
+class Round:
+    """One round of this node's workers; see the module docstring.
+
+    Args:
+        plan: The launch plan.
+        assignment: This node's place in the round.
+        rdzv: The rendezvous that formed the round.
+        context: What outlives the round.
+        loop: The launcher's event loop.
+        attempt: The round's number in this run.
+        learned_quiet: What ``--hang-timeout auto`` learned in earlier rounds.
+    """
+
+    def __init__(
+        self,
+        plan: LaunchPlan,
+        assignment: Assignment,
+        rdzv: Rendezvous,
+        context: RoundContext,
+        loop: EventLoop,
+        *,
+        attempt: int,
+        learned_quiet: float = 0.0,
+    ) -> None:
+        self.plan = plan
+        self.assignment = assignment
+        self.rdzv = rdzv
+        self.context = context
+        self.loop = loop
+        self.attempt = attempt
+        self.learned_quiet = learned_quiet
+        self._group: WorkerGroup | None = None
+        self._signals: list[int] = []  # received before the workers existed
+        self._change: RoundChange | None = None
+
+    # -- what the agent routes here -------------------------------------------------
+
+    def interrupt(self, signum: int) -> None:
+        """A stopping signal: every worker gets it, after its stack was taken."""
+        if self._group is None:
+            self._signals.append(signum)
+        else:
+            self._group.interrupt(signum)
+
+    def dump_stacks(self) -> str | None:
+        """Every running rank's stack, stopping nothing (SIGQUIT); None without workers."""
+        group = self._group
+        if group is None or group.supervisor is None or not group.supervisor.workers:
+            return None
+        group.supervisor.dump_stacks()
+        return format_stack_dump(group.supervisor.outcomes, "SIGQUIT; nothing stopped")
+
+    def resize(self) -> None:
+        """The launcher's terminal was resized (SIGWINCH)."""
+        if self._group is not None:
+            self._group.resize()
+
+    def _on_change(self, why: RoundChange) -> None:
+        """On the loop (posted by the membership watch's thread): the round must end."""
+        if self._change is None:
+            self._change = why
+            self.interrupt(signal.SIGTERM)
+
+    # -- the round ------------------------------------------------------------------
+
+    def _hang_policy(self) -> HangPolicy:
+        policy = self.plan.hang_policy
+        if self.plan.target.no_python and policy.mode == "auto":
+            return HangPolicy("off")  # no bootstrap: no stack to watch (documented)
+        return policy
+
+    def run(self) -> RoundResult:
+        """Runs the round to its end; every part of it is stopped when this returns."""
+        plan, loop = self.plan, self.loop
+        deadline = self.context.deadline
+        timeout = None if deadline is None else max(0.01, deadline - time.monotonic())
+        with contextlib.ExitStack() as stack:
+            watch = self.rdzv.watch(
+                plan.monitor_interval, lambda why: loop.post(partial(self._on_change, why))
+            )
+            # Stopped first thing on the way out, then a change it posted meanwhile is read.
+            stack.callback(loop.run_posted)
+            stack.callback(watch.stop)
+            policy = self._hang_policy()
+            board = self.rdzv.progress_board(policy.look_period) if policy.enabled else None
+            if board is not None:
+                stack.callback(board.stop)
+            group = stack.enter_context(
+                WorkerGroup(
+                    plan,
+                    self.assignment,
+                    self.context.node_env,
+                    loop,
+                    self.context.fork_server,
+                    self.context.layout,
+                    attempt=self.attempt,
+                    timeout=timeout,
+                )
+            )
+            hang_watch = HangWatch(
+                policy,
+                group.run_dir,
+                node_name(group.hostname, self.assignment.group_rank),
+                self.context.timers,
+                self.learned_quiet,
+                board,
+            )
+            stack.callback(hang_watch.close)
+            self._group = group
+            stack.callback(setattr, self, "_group", None)
+            for signum in self._signals:
+                group.interrupt(signum)
+            node_variables = {}
+            if self.context.timers is not None:
+                node_variables[FILE_VARIABLE] = self.context.timers.path
+            try:
+                workers = group.start(
+                    node_variables=node_variables,
+                    rank_variables=hang_watch.worker_variables,
+                    on_output=hang_watch.output,
+                )
+            except (OSError, RuntimeError) as error:
+                return RoundResult(
+                    "start_failed",
+                    learned_quiet=hang_watch.quiet.longest_quiet,
+                    message=f"error: could not start the workers: {error}",
+                )
+            for worker in workers:
+                hang_watch.started(worker.rank, worker.pid)
+            # A hang is stopped as a signal is: every rank's stack first, then SIGTERM.
+            hang_watch.on_hang = lambda reason: group.interrupt(signal.SIGTERM)
+            stack.callback(loop.remove_timer, loop.add_timer(hang_watch.due))
+            loop.run_until(lambda: group.ended)
+            outcome = group.finish()
+            hang = self._hang_report(hang_watch, outcome)
+            if hang is not None:
+                self._write_hang_files(hang)
+                print(hang.format(), file=sys.stderr, flush=True)
+            else:
+                group.write_error_files(outcome)
+            host = group.hostname
+            learned_quiet = hang_watch.quiet.longest_quiet
+        return self._result(outcome, hang, host, learned_quiet)
+
+    def _result(
+        self, outcome: GroupOutcome, hang: HangReport | None, host: str, learned_quiet: float
+    ) -> RoundResult:
+        ending = round_ending(outcome, hang, self._change)
+        record = None
+        if ending == "hung":
+            assert hang is not None
+            record = hang_record(hang, self.assignment, host)
+        elif ending == "failed":
+            record = FailureRecord.of_round(outcome, self.assignment.group_rank)
+        elif ending == "timed_out":
+            outcome.timeout = self.plan.timeout  # the job's, not this round's remainder
+        return RoundResult(
+            ending,
+            outcome,
+            change=self._change,
+            hang=hang,
+            record=record,
+            address_in_use=address_in_use(outcome),
+            learned_quiet=learned_quiet,
+        )
+
+    @staticmethod
+    def _hang_report(hang_watch: HangWatch, outcome: GroupOutcome) -> HangReport | None:
+        reason = hang_watch.reason
+        if reason is None:
+            return None
+        stacks = {rank.rank: rank.live_stack for rank in outcome.ranks if rank.live_stack}
+        return HangReport(reason, hang_watch.node, stacks)
+
+    def _write_hang_files(self, hang: HangReport) -> None:
+        """The hang report in the attempt's directory, and each rank's error.json."""
+        layout = self.context.layout
+        if layout is None:
+            return
+        # The attempt's directories exist: the worker group made them.
+        (layout.attempt_dir(self.attempt) / "hang.txt").write_text(hang.format() + "\n")
+        now = time.time()
+        base = self.assignment.base_rank
+        for local_rank in range(self.plan.nproc):
+            stack = without_launcher_frames(hang.stacks.get(base + local_rank, ""))
+            write_torch_error_file(
+                layout.error_file(self.attempt, local_rank),
+                message=f"HangError: {hang.reason}; {hang.summary}",
+                traceback=stack,
+                timestamp=now,
+            )
