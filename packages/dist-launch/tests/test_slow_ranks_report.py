@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import random
+from pathlib import Path
+
+import pytest
 
 from dist_launch.diagnostics.flight_records import GroupRecords, Op, RankRecords
 from dist_launch.diagnostics.slow_ranks import find_slow_ranks, last_seqs
+from dist_launch.watch.rank_requests import RankRequests
+from dist_launch.watch.slow_rank_watch import SlowRankWatch
 
 STEP_NS = 50_000_000  # 50 ms steps
 
@@ -94,3 +99,16 @@ def test_a_whole_node_late_may_be_a_clock_offset() -> None:
     assert [s.rank for s in slow] == [2, 3]
     assert all(s.clock_note for s in slow)
     assert slow[0].describe(60).endswith("(a clock offset between nodes looks the same)")
+
+
+def test_a_costly_dump_stretches_the_window(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    watch = SlowRankWatch(
+        60.0, RankRequests(tmp_path), lambda call: None, job_ranks=range(2), nodes={0: 0, 1: 0}
+    )
+    watch._stretch(0.04)  # 2000 entries: 40 ms, under 1% of 60 s
+    assert watch._interval == 60.0
+    watch._stretch(4.0)  # a TORCH_FR_BUFFER_SIZE of 200000
+    assert watch._interval == 400.0
+    assert "a window every 400 s keeps that under 1% of its time" in caplog.text
