@@ -37,7 +37,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from _lib.hang import _timed_lines
+from _lib.hang import STEPS, _timed_lines, best_step_times
 from _lib.multinode import LaunchFailed, launcher
 
 VERDICT_TIMEOUT = 10.0
@@ -68,31 +68,6 @@ if dist.get_rank() == 2:
         f.write(repr(time.time()))
 threading.Thread(target=dump_later, args=(sys.argv[2],), daemon=True).start()
 dist.all_reduce(value, group=group)
-"""
-
-STEPS = """\
-import sys, time
-import torch
-import torch.distributed as dist
-
-torch.set_num_threads(1)
-dist.init_process_group("gloo")
-a = torch.randn(512, 512)
-matmuls = int(sys.argv[2])
-def step():
-    b = a
-    for _ in range(matmuls):
-        b = torch.tanh(b @ a)
-    t = b.sum().reshape(1)
-    dist.all_reduce(t)
-for _ in range(10):
-    step()
-steps = int(sys.argv[1])
-start, cpu = time.perf_counter(), time.thread_time()
-for _ in range(steps):
-    step()
-wall, cpu = (time.perf_counter() - start) / steps, (time.thread_time() - cpu) / steps
-print(f"step_s rank={dist.get_rank()} {wall:.6f} {cpu:.6f}", flush=True)
 """
 
 LATE = """\
@@ -253,21 +228,13 @@ def recorder_cost_part(scratch: Path, env: dict[str, str]) -> dict[str, object]:
     )
     script = scratch / "steps50.py"
     script.write_text(STEPS)
-    best: dict[str, float] = {}
-    best_cpu: dict[str, float] = {}
-    for _ in range(COST_REPEAT):
-        for name, (flags, extra) in COST_SETTINGS.items():  # interleaved: noise hits both
-            argv = [*launcher("dist-launch"), "-n", "2", *flags, str(script), str(COST_STEPS),
-                    str(matmuls)]  # fmt: skip
-            status, lines = _timed_lines(argv, {**base_env, **extra})
-            output = "".join(line for _, line in lines)
-            if status != 0:
-                raise LaunchFailed(f"{argv} failed:\n{output[-2000:]}")
-            rows = [line.split()[-2:] for _, line in lines if "step_s rank=" in line]
-            wall = max(float(row[0]) for row in rows)
-            cpu = max(float(row[1]) for row in rows)
-            best[name] = min(best.get(name, wall), wall)
-            best_cpu[name] = min(best_cpu.get(name, cpu), cpu)
+    commands = {
+        name: [*launcher("dist-launch"), "-n", "2", *flags, str(script), str(COST_STEPS),
+               str(matmuls), "512"]
+        for name, (flags, _) in COST_SETTINGS.items()
+    }  # fmt: skip
+    envs = {name: {**base_env, **extra} for name, (_, extra) in COST_SETTINGS.items()}
+    best, best_cpu = best_step_times(commands, envs, COST_REPEAT)
     wall_percent = round(100 * (best["defaults"] / best["off"] - 1), 2)
     cpu_percent = round(100 * (best_cpu["defaults"] / best_cpu["off"] - 1), 2)
     print(f"  off {best['off'] * 1e3:.2f} ms wall, {best_cpu['off'] * 1e3:.2f} ms CPU; defaults "
