@@ -1,41 +1,80 @@
 """Every session of the dist-* monorepo.
 
-Plain ``nox`` runs the default sessions (tests of every package, integration, the
-suites again on torch 2.14 and 2.11, lint, typecheck, docs, demo); ``nox -s bench``
-runs the benchmarks.
+Plain ``nox`` runs the default sessions: each package's tests, integration, every suite
+again on the newest torch (2.15) and on the lowest the packages declare (2.11), lint,
+typecheck, docs, the demo, and a summary of where the time went. The whole run has a
+budget of 30 minutes on the project's 2-core machine (``docs/testing.md`` says how to
+measure it). ``nox -s fast`` runs every in-process test of the four packages;
+``nox -s bench`` runs the benchmarks.
 
-Every venv is made with pip, and torch is pinned to ``TORCH_SPEC`` before anything
-else is installed: on the project's machines that version is a local CPU build that
-installs in seconds, while any other spec downloads a CUDA build of several GB. The
-packages themselves declare only a lower bound on torch.
+Every venv is made with pip, and torch is pinned before anything else is installed.
+Each torch build is installed once, into a template venv under ``.nox/_torch``, and
+linked into every venv that needs it (hard links, like a package manager's cache): the
+eight sessions on ``TORCH_SPEC`` (2.13.0, a local CPU build on the project's machines)
+pay for one install. The other versions are CUDA builds of several GB from the package
+registry. The packages themselves declare only a lower bound on torch.
 
 Packages are installed non-editable from this repository, each session with only what
 it needs, and :func:`_check_provenance` fails the session when any installed
 ``dist-*`` distribution came from anywhere else (``dist-launch`` is also the name of an
 unrelated project on the public index).
+
+Tests run side by side (pytest-xdist): most of them wait on real processes, so more
+workers than cores keep the machine busy (``DIST_TEST_WORKERS`` overrides the count).
+Every session records its wall and CPU time, and every pytest run its per-test times,
+under ``.nox/_timings/<run>/``; the ``summary`` session prints them.
 """
 
 from __future__ import annotations
 
+import csv
+import functools
+import json
 import os
+import resource
 import shutil
+import sys
+import time
 import tomllib
+import xml.etree.ElementTree as ElementTree
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import nox
 
 ROOT = Path(__file__).resolve().parent
 PACKAGES_DIR = ROOT / "packages"
 TORCH_SPEC = os.environ.get("DIST_TORCH_SPEC", "torch==2.13.0")
-# The other torch versions CI tests, each in one venv holding all four packages: the
-# newest release, and the lowest version every package declares (``torch>=2.11``).
-# Both are CUDA builds that run on the CPU; on the project's machines they install from
-# the package registry (about 4 GB each, a minute or two).
-OTHER_TORCH_SPECS = {"2.14": "torch==2.14.1", "2.11": "torch==2.11.0"}
+# The other torch versions, each in one venv holding all four packages: the newest
+# release (2.15) and the lowest version every package declares (``torch>=2.11``) are
+# default sessions; 2.14 runs on request (``nox -s "torch(2.14)"``). All are CUDA builds
+# that run on the CPU; on the project's machines they install from the package
+# registry (about 4 GB each, a minute or two).
+OTHER_TORCH_SPECS = {"2.15": "torch==2.15.0", "2.11": "torch==2.11.0", "2.14": "torch==2.14.1"}
+# Some of the project's machines cap pip at torch 2.14.1 with a constraints file in
+# pip's configuration; an empty constraints file in its place lifts the cap for the
+# sessions that install another torch (an empty PIP_CONSTRAINT would not).
+_UNCAPPED = {"PIP_CONSTRAINT": os.devnull}
+# pytest-xdist workers per pytest run: most tests wait on real processes, not the CPU.
+TEST_WORKERS = os.environ.get("DIST_TEST_WORKERS", str(2 * (os.cpu_count() or 1)))
 
 nox.options.default_venv_backend = "virtualenv"
 nox.options.error_on_missing_interpreters = True
-nox.options.sessions = ["tests", "integration", "torch", "lint", "typecheck", "docs", "demo"]
+nox.options.sessions = [
+    "tests",
+    "integration",
+    "torch(2.15)",
+    "torch(2.11)",
+    "lint",
+    "typecheck",
+    "docs",
+    "demo",
+    "summary",
+]
+
+# One directory per nox invocation: the summary reads only this run's timings.
+_TIMINGS = ROOT / ".nox" / "_timings" / time.strftime("%Y%m%d-%H%M%S")
 
 
 def _discover_packages() -> list[str]:
@@ -78,19 +117,84 @@ def _sibling_closure(package: str) -> list[str]:
     return seen
 
 
+def _site_packages(venv: Path) -> Path:
+    [site] = venv.glob("lib/python*/site-packages")
+    return site
+
+
+# Distributions of a fresh venv itself, never linked from the template.
+_VENV_OWN = frozenset({"pip", "setuptools", "wheel"})
+
+
+def _link_installed(template: Path, venv: Path) -> None:
+    """Hard-links every distribution installed in ``template`` into ``venv``.
+
+    Each file a distribution's RECORD lists is linked, not copied, so a venv costs no
+    extra disk and no unpacking; console scripts (``torchrun``) are written anew with
+    the target venv's interpreter in their first line. pip then sees the distributions
+    as installed, exactly as if it had installed them.
+    """
+    source, target = _site_packages(template), _site_packages(venv)
+    for record in sorted(source.glob("*.dist-info/RECORD")):
+        if record.parent.name.split("-")[0].lower() in _VENV_OWN:
+            continue
+        with record.open(newline="") as handle:
+            paths = [row[0] for row in csv.reader(handle) if row]
+        for relative in paths:
+            origin = source / relative
+            if relative.startswith("../../../bin/"):
+                script = venv / "bin" / Path(relative).name
+                lines = origin.read_text().splitlines(keepends=True)
+                if lines and lines[0].startswith("#!"):
+                    lines[0] = f"#!{venv / 'bin' / 'python'}\n"
+                script.write_text("".join(lines))
+                script.chmod(0o755)
+                continue
+            destination = target / relative
+            if destination.exists() or not origin.is_file():
+                continue
+            destination.parent.mkdir(parents=True, exist_ok=True)
+            os.link(origin, destination)
+
+
+def _pip_env(torch_spec: str) -> dict[str, str] | None:
+    """The environment of pip installs beside ``torch_spec``: uncapped unless it is local."""
+    return None if torch_spec == TORCH_SPEC else _UNCAPPED
+
+
+def _torch_template(session: nox.Session, *specs: str) -> Path:
+    """A venv under ``.nox/_torch`` holding ``specs`` (torch first), installed once.
+
+    Every venv that needs the same build links it from here (:func:`_link_installed`)
+    instead of unpacking it again. A torch other than ``TORCH_SPEC`` is a CUDA build of
+    several GB: it installs with ``--no-cache-dir`` (pip's cache would hold a second
+    copy, which ran a CI machine out of disk once) and with pip's torch cap lifted.
+    """
+    template = ROOT / ".nox" / "_torch" / "+".join(spec.replace("==", "-") for spec in specs)
+    if (template / "complete").exists():
+        return template
+    shutil.rmtree(template, ignore_errors=True)
+    session.run(sys.executable, "-m", "venv", str(template), external=True)
+    downloaded = ["--no-cache-dir"] if specs[0] != TORCH_SPEC else []
+    session.run(
+        str(template / "bin" / "python"), "-m", "pip", "install", "-q", *downloaded, *specs,
+        env=_pip_env(specs[0]), external=True,
+    )  # fmt: skip
+    (template / "complete").touch()
+    return template
+
+
+def _install_torch(session: nox.Session, torch_spec: str) -> None:
+    """Installs torch pinned to ``torch_spec`` before anything else, linked from its template."""
+    _link_installed(_torch_template(session, torch_spec), Path(session.virtualenv.location))
+    session.install(torch_spec, env=_pip_env(torch_spec))  # checks the links: pip finds it
+
+
 def _install_packages(
     session: nox.Session, packages: list[str], extras: str = "", torch_spec: str = TORCH_SPEC
 ) -> None:
-    """Installs torch first (pinned), then the packages, non-editable, from this repo.
-
-    A torch other than ``TORCH_SPEC`` is a CUDA build of several GB: pip's cache would
-    hold a second copy of it, which is what ran a CI machine out of disk once, so it
-    installs with ``--no-cache-dir``.
-    """
-    if torch_spec == TORCH_SPEC:
-        session.install(torch_spec)
-    else:
-        session.install("--no-cache-dir", torch_spec)
+    """Installs torch first (pinned), then the packages, non-editable, from this repo."""
+    _install_torch(session, torch_spec)
     targets = []
     for package in packages:
         closure = _sibling_closure(package)
@@ -99,7 +203,7 @@ def _install_packages(
             target = f"{PACKAGES_DIR / name}{suffix}"
             if target not in targets:
                 targets.append(target)
-    session.install(*targets)
+    session.install(*targets, env=_pip_env(torch_spec))
     _check_provenance(session)
 
 
@@ -130,17 +234,81 @@ def _check_provenance(session: nox.Session) -> None:
     session.run("python", "-c", _PROVENANCE_CHECK, str(PACKAGES_DIR), silent=False)
 
 
+def _timed(function: Callable[..., None]) -> Callable[..., None]:
+    """Records the session's wall and CPU time (its commands' user + system) for ``summary``."""
+
+    @functools.wraps(function)
+    def session_body(session: nox.Session, *args: Any, **kwargs: Any) -> None:
+        started = time.monotonic()
+        used = resource.getrusage(resource.RUSAGE_CHILDREN)
+        status = "failed"
+        try:
+            function(session, *args, **kwargs)
+            status = "success"
+        finally:
+            ended = resource.getrusage(resource.RUSAGE_CHILDREN)
+            cpu = (ended.ru_utime - used.ru_utime) + (ended.ru_stime - used.ru_stime)
+            record = {
+                "session": session.name,
+                "wall": round(time.monotonic() - started, 1),
+                "cpu": round(cpu, 1),
+                "status": status,
+            }
+            _TIMINGS.mkdir(parents=True, exist_ok=True)
+            (_TIMINGS / f"{_file_name(session.name)}.json").write_text(json.dumps(record))
+
+    return session_body
+
+
+def _file_name(session_name: str) -> str:
+    return "".join(c if c.isalnum() or c in ".-" else "_" for c in session_name)
+
+
+def _pytest(
+    session: nox.Session, *args: str, dist: str = "worksteal", env: dict[str, str] | None = None
+) -> None:
+    """Runs pytest with the run's workers, keeping its per-test times for ``summary``.
+
+    ``dist`` is pytest-xdist's distribution mode: ``worksteal`` balances tests of uneven
+    length; ``loadscope`` keeps each class on one worker, in order.
+    """
+    _TIMINGS.mkdir(parents=True, exist_ok=True)
+    runs = len(list(_TIMINGS.glob(f"{_file_name(session.name)}.*.xml")))
+    junit = _TIMINGS / f"{_file_name(session.name)}.{runs}.xml"
+    session.run(
+        "pytest",
+        "-n",
+        TEST_WORKERS,
+        "--dist",
+        dist,
+        f"--junitxml={junit}",
+        "-o",
+        f"junit_suite_name={session.name}",
+        *args,
+        *session.posargs,
+        env={"PYTHONDONTWRITEBYTECODE": "1", **(env or {})},
+    )
+
+
 @nox.session
 @nox.parametrize("package", PACKAGES, ids=PACKAGES)
+@_timed
 def tests(session: nox.Session, package: str) -> None:
     """One package's tests, in a venv holding only that package and what it declares."""
     _install_packages(session, [package], extras="[test]")
-    session.run(
-        "pytest",
-        str(PACKAGES_DIR / package / "tests"),
-        *session.posargs,
-        env={"PYTHONDONTWRITEBYTECODE": "1"},
-    )
+    _pytest(session, str(PACKAGES_DIR / package / "tests"))
+
+
+@nox.session
+def fast(session: nox.Session) -> None:
+    """The fast lane: every in-process test of the four packages (no ``processes`` mark).
+
+    For the edit-test loop; ``nox -R -s fast`` reuses the venv. The root conftest fails
+    any test in it that starts a process, so the lane stays in one process.
+    """
+    _install_packages(session, PACKAGES, extras="[test]")
+    test_dirs = [str(PACKAGES_DIR / package / "tests") for package in PACKAGES]
+    session.run("pytest", "-m", "not processes", "-q", *test_dirs, *session.posargs)
 
 
 @nox.session
@@ -162,33 +330,35 @@ def cuda(session: nox.Session) -> None:
 
 
 @nox.session
+@_timed
 def integration(session: nox.Session) -> None:
     """Tests that need several packages at once, real processes and real faults."""
     _install_packages(session, PACKAGES, extras="")
-    session.install("pytest>=8", "pytest-timeout>=2")
-    session.run("pytest", str(ROOT / "tests-integration"), *session.posargs)
+    session.install("pytest>=8", "pytest-timeout>=2", "pytest-xdist>=3")
+    _pytest(session, str(ROOT / "tests-integration"))
 
 
 @nox.session(name="torch")
 @nox.parametrize("version", list(OTHER_TORCH_SPECS), ids=list(OTHER_TORCH_SPECS))
+@_timed
 def other_torch(session: nox.Session, version: str) -> None:
     """Every package's tests and tests-integration on another torch, in one venv.
 
-    ``nox -s "torch(2.14)"`` runs them on the newest torch, ``nox -s "torch(2.11)"`` on
-    the lowest one the packages declare. One venv for all four packages, so that torch
-    installs once per session.
+    ``nox -s "torch(2.15)"`` runs them on the newest torch, ``nox -s "torch(2.11)"`` on
+    the lowest one the packages declare (both default sessions), ``nox -s "torch(2.14)"``
+    on the release before the newest. One venv for all four packages, so that torch
+    installs once per session, and one pytest run, so that its workers share the load.
     """
     free_gib = shutil.disk_usage(ROOT).free / 2**30
     session.log(f"{free_gib:.1f} GiB free on the disk of {ROOT}; this venv takes about 5 GiB")
     _install_packages(session, PACKAGES, extras="[test]", torch_spec=OTHER_TORCH_SPECS[version])
     session.run("python", "-m", "dist_core")  # its report names the torch it runs on
-    env = {"PYTHONDONTWRITEBYTECODE": "1"}
-    for package in PACKAGES:
-        session.run("pytest", str(PACKAGES_DIR / package / "tests"), *session.posargs, env=env)
-    session.run("pytest", str(ROOT / "tests-integration"), *session.posargs, env=env)
+    test_dirs = [str(PACKAGES_DIR / package / "tests") for package in PACKAGES]
+    _pytest(session, *test_dirs, str(ROOT / "tests-integration"))
 
 
 @nox.session
+@_timed
 def lint(session: nox.Session) -> None:
     """Run ruff check and ruff format --check over the whole repository."""
     session.install("ruff>=0.6")
@@ -197,6 +367,7 @@ def lint(session: nox.Session) -> None:
 
 
 @nox.session
+@_timed
 def typecheck(session: nox.Session) -> None:
     """Run mypy --strict on every package's sources."""
     _install_packages(session, PACKAGES)
@@ -212,20 +383,56 @@ def typecheck(session: nox.Session) -> None:
     )
 
 
+# The docs' before-composer blocks run Composer's own launcher. mosaicml 0.32.1 pins a
+# torch (<2.7.1) that is not on the project's machines; torch 2.14.1 and torchvision
+# 0.29.1 are, and Composer's distributed API runs on them.
+COMPOSER = ("mosaicml==0.32.1", ("torch==2.14.1", "torchvision==0.29.1"))
+
+
+def _composer_venv(session: nox.Session) -> Path:
+    """A venv with Composer, for the docs' before-composer blocks; its bin directory."""
+    venv = ROOT / ".nox" / "_peers" / "composer"
+    if not (venv / "complete").exists():
+        shutil.rmtree(venv, ignore_errors=True)
+        session.run(sys.executable, "-m", "venv", str(venv), external=True)
+        package, torch_specs = COMPOSER
+        _link_installed(_torch_template(session, *torch_specs), venv)
+        pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q"]
+        requirements = ROOT / "docs" / "tests" / "requirements-composer.txt"
+        session.run(*pip, "-r", str(requirements), external=True)
+        session.run(*pip, "--no-deps", package, external=True)
+        (venv / "complete").touch()
+    return venv / "bin"
+
+
 @nox.session
+@_timed
 def docs(session: nox.Session) -> None:
-    """The Sphinx site, warnings as errors, offline; then the docs tests (docs/tests)."""
+    """The Sphinx site, warnings as errors, offline; then the docs tests (docs/tests).
+
+    The migration guides' "before" blocks run the peers' own code: torchft and Model
+    Optimizer are installed beside the packages, Composer in a venv of its own.
+    """
     _install_packages(session, PACKAGES)
     # matplotlib draws the benchmarks page's figures; it is never a package dependency.
     session.install("sphinx>=7", "myst-parser>=3", "sphinx-argparse>=0.5", "matplotlib>=3.8")
     output = Path(session.create_tmp()) / "html"
     session.run("sphinx-build", "-W", "--keep-going", "-b", "html", str(ROOT / "docs"), str(output))
     session.log(f"docs built in {output}")
-    session.install("pytest>=8", "pytest-timeout>=2")
-    session.run("pytest", str(ROOT / "docs" / "tests"), *session.posargs)
+    session.install("pytest>=8", "pytest-timeout>=2", "pytest-xdist>=3")
+    session.install("-r", str(ROOT / "docs" / "tests" / "requirements-peers.txt"))
+    composer = _composer_venv(session)
+    # A page's blocks run in page order in one directory: one worker per page (a class).
+    _pytest(
+        session,
+        str(ROOT / "docs" / "tests"),
+        dist="loadscope",
+        env={"DIST_DOCS_PEER_COMPOSER": str(composer)},
+    )
 
 
 @nox.session
+@_timed
 def demo(session: nox.Session) -> None:
     """The main job: the MoE demo on 4 ranks, its export inspected, the fault-tolerant path.
 
@@ -277,3 +484,39 @@ def bench(session: nox.Session) -> None:
     # Each benchmark wrote docs/_data/bench/<name>.json; draw them as the docs will.
     figures = Path(session.create_tmp()) / "figures"
     session.run("python", str(ROOT / "docs" / "_ext" / "bench_plots.py"), str(figures))
+
+
+@nox.session(python=False)
+def summary(session: nox.Session) -> None:
+    """Where this run's time went: each session's wall and CPU time, the slowest tests.
+
+    The last default session, so that CI's output ends with it. CPU time is the user and
+    system time of the session's commands: far below twice the wall time on 2 cores
+    means the session mostly waited.
+    """
+    records = [json.loads(path.read_text()) for path in sorted(_TIMINGS.glob("*.json"))]
+    if not records:
+        session.log(f"no timings recorded under {_TIMINGS}")
+        return
+    total = sum(record["wall"] for record in records)
+    lines = [f"{'session':<32} {'wall s':>8} {'cpu s':>8} {'cpu/wall':>8}  status"]
+    for record in sorted(records, key=lambda record: str(record["session"])):
+        ratio = record["cpu"] / record["wall"] if record["wall"] else 0.0
+        lines.append(
+            f"{record['session']:<32} {record['wall']:>8.0f} {record['cpu']:>8.0f}"
+            f" {ratio:>8.2f}  {record['status']}"
+        )
+    lines.append(f"{'all timed sessions':<32} {total:>8.0f}   ({total / 60:.1f} min)")
+    tests: list[tuple[float, str, str]] = []
+    for junit in _TIMINGS.glob("*.xml"):
+        for suite in ElementTree.parse(junit).iter("testsuite"):
+            owner = suite.get("name", junit.stem)
+            for case in suite.iter("testcase"):
+                # JUnit's classname is the test file's path with dots: show it as pytest does.
+                path = case.get("classname", "").replace(".", "/")
+                name = f"{path}.py::{case.get('name', '')}"
+                tests.append((float(case.get("time") or 0.0), owner, name))
+    tests.sort(reverse=True)
+    lines.append("10 slowest tests:")
+    lines.extend(f"{seconds:8.1f} s  {owner}  {name}" for seconds, owner, name in tests[:10])
+    session.log("time of this run (.nox/_timings/" + _TIMINGS.name + "):\n" + "\n".join(lines))

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import importlib.util
 import os
 import re
 import select
@@ -253,7 +252,7 @@ def test_window_size_follows_the_launchers_terminal(tmp_path: Path, method: str)
         assert expected.encode() in shown, shown
 
 
-@pytest.mark.skipif(importlib.util.find_spec("tqdm") is None, reason="tqdm is not installed")
+@pytest.mark.processes
 def test_tqdm_bar_is_relayed_behind_its_prefix(tmp_path: Path) -> None:
     shown = _shown(tmp_path, TQDM_SCRIPT, "-n", "2")
     for rank in (0, 1):
@@ -265,7 +264,7 @@ def test_tqdm_bar_is_relayed_behind_its_prefix(tmp_path: Path) -> None:
         assert widths <= {COLUMNS - 1, COLUMNS}, (widths, finals)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("rich") is None, reason="rich is not installed")
+@pytest.mark.processes
 def test_rich_live_progress_keeps_its_prefix_when_it_redraws(tmp_path: Path) -> None:
     shown = _shown(tmp_path, RICH_SCRIPT, "-n", "1")
     assert f"rich terminal=True width={COLUMNS - PREFIX_WIDTH}".encode() in shown, shown

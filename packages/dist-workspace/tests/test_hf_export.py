@@ -151,10 +151,10 @@ def _export_a_llama(output: str) -> str:
     return "no error"
 
 
+@pytest.mark.processes
 def test_transformers_loads_the_export_as_it_loads_save_pretrained(tmp_path: Path) -> None:
-    transformers = pytest.importorskip(
-        "transformers", reason="transformers is not a test dependency; this runs where it is"
-    )
+    import transformers  # a test dependency (dist-workspace[test])
+
     out = tmp_path / "llama"
     assert run_ranks(_export_a_llama, 3, str(out), timeout=300) == ["no error"] * 3
     torch.manual_seed(0)
