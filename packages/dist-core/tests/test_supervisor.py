@@ -236,3 +236,72 @@ def test_root_cause_prefers_the_first_failure_that_is_not_a_peer_vanishing() -> 
     assert pick_root_cause([peer, real, later]) is real
     assert pick_root_cause([peer]) is peer
     assert pick_root_cause([RankOutcome(0, 0, 0, status="succeeded", returncode=0)]) is None
+
+
+class FakeWorker:
+    """A worker whose exit the test decides: no process (the fast lane)."""
+
+    own_process_group = False
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.local_rank = rank
+        self.node_rank = 0
+        self.code: int | None = None
+        self.signals: list[int] = []
+
+    @property
+    def pid(self) -> int | None:
+        return None  # nothing to signal: the supervisor skips it
+
+    def returncode(self) -> int | None:
+        return self.code
+
+    def exit_fd(self) -> int | None:
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+def test_advance_steps_the_group_without_waiting(tmp_path: Path) -> None:
+    fakes = [FakeWorker(0), FakeWorker(1)]
+    files = {rank: RankFiles.for_rank(tmp_path, rank) for rank in range(2)}
+    with Supervisor(fakes, files, grace_period=1.0) as supervisor:
+        timer_calls: list[float] = []
+        supervisor.add_timer(lambda now: timer_calls.append(now) or now + 7.0)
+        started = time.monotonic()
+        wake_at = supervisor.advance()
+        assert not supervisor.finished
+        # Workers without an exit descriptor are polled, sooner than the timer asks.
+        assert wake_at is not None and started < wake_at < started + 1.0
+        assert len(timer_calls) == 1
+        with pytest.raises(RuntimeError, match="has not finished"):
+            supervisor.outcome()
+        fakes[0].code = 0
+        supervisor.advance()
+        assert not supervisor.finished
+        fakes[1].code = 0
+        assert supervisor.advance() is None
+        assert supervisor.finished
+        outcome = supervisor.outcome()
+        assert time.monotonic() - started < 1.0  # nothing waited
+    assert outcome.status == "succeeded"
+    assert [rank.status for rank in outcome.ranks] == ["succeeded", "succeeded"]
+    assert supervisor.run() is outcome  # run() after the end returns the same outcome
+
+
+def test_advance_reports_a_failure_and_an_interrupt_without_stacks(tmp_path: Path) -> None:
+    fakes = [FakeWorker(0), FakeWorker(1)]
+    files = {rank: RankFiles.for_rank(tmp_path, rank) for rank in range(2)}
+    with Supervisor(fakes, files, grace_period=60.0) as supervisor:
+        supervisor.interrupt(signal.SIGTERM, take_stacks=False)
+        supervisor.advance()
+        assert [rank.stop_signal for rank in supervisor.outcomes] == [signal.SIGTERM] * 2
+        fakes[0].code = -signal.SIGTERM
+        fakes[1].code = 3
+        supervisor.advance()
+        outcome = supervisor.outcome()
+    assert (outcome.status, outcome.signum) == ("interrupted", signal.SIGTERM)
+    assert [rank.status for rank in outcome.ranks] == ["stopped", "stopped"]
+    assert all(rank.live_stack == "" for rank in outcome.ranks)

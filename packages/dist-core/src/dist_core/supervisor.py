@@ -38,6 +38,11 @@ A signal the caller forwards with :meth:`Supervisor.interrupt` (SIGINT, SIGTERM)
 the same way: stacks first, so that a Ctrl-C on a hung job can say where every rank
 was, then the signal itself instead of SIGTERM. :meth:`Supervisor.request_stacks`
 asks for the stacks without stopping anything (a launcher's SIGQUIT).
+
+:meth:`Supervisor.run` waits on the supervisor's selector. A caller whose own event
+loop owns the selector drives the supervisor instead: :meth:`Supervisor.advance` is one
+turn of :meth:`~Supervisor.run`'s loop that never waits, and says by when it needs the
+next one; :attr:`~Supervisor.finished` and :meth:`~Supervisor.outcome` say how it ended.
 """
 
 from __future__ import annotations
@@ -293,7 +298,7 @@ class Supervisor:
         self.selector = selector if selector is not None else selectors.DefaultSelector()
         self.workers: list[Worker] = []
         self.outcomes: list[RankOutcome] = []
-        self._signals: list[int] = []
+        self._signals: list[tuple[int, bool]] = []  # (signum, take stacks first)
         self._exit_fds: dict[int, int] = {}
         self._timers: list[Callable[[float], float | None]] = []
         self._closed = False
@@ -305,6 +310,7 @@ class Supervisor:
         self._stop_at: float | None = None
         self._kill_at: float | None = None
         self._give_up_at: float | None = None
+        self._outcome: GroupOutcome | None = None
         for worker in workers:
             self.add(worker)
 
@@ -399,13 +405,15 @@ class Supervisor:
             if self._owns_selector:
                 self.selector.close()
 
-    def interrupt(self, signum: int) -> None:
+    def interrupt(self, signum: int, *, take_stacks: bool = True) -> None:
         """Records a signal the caller received; :meth:`run` forwards it to every rank.
 
         Before forwarding it, :meth:`run` asks every live rank for its stack (each
-        outcome's ``live_stack``). A second signal skips the rest of the grace period.
+        outcome's ``live_stack``), unless ``take_stacks`` is False (a caller that took
+        them already, e.g. with :meth:`dump_stacks`). A second signal skips the rest of
+        the grace period.
         """
-        self._signals.append(signum)
+        self._signals.append((signum, take_stacks))
 
     # -- observing ------------------------------------------------------------------
 
@@ -441,7 +449,14 @@ class Supervisor:
                 key.data()
 
     def _wait_quietly(self, until: float) -> None:
-        """:meth:`_wait` for cleanup, where the caller's selector may be closed already."""
+        """:meth:`_wait` for cleanup.
+
+        A selector the caller owns is the caller's loop's (and may be closed already):
+        cleanup runs none of its callbacks, it sleeps and polls instead.
+        """
+        if not self._owns_selector:
+            time.sleep(max(0.0, until - time.monotonic()))
+            return
         try:
             self._wait(until)
         except (OSError, ValueError, RuntimeError):
@@ -529,8 +544,8 @@ class Supervisor:
         if not received:
             return
         if self._status != "interrupted":
-            first = received.pop(0)
-            if self._kill_at is None and self._live():
+            first, take_stacks = received.pop(0)
+            if take_stacks and self._kill_at is None and self._live():
                 self.dump_stacks()  # not yet stopping: say where each rank was
                 self._poll()
             self._status, self._signum = "interrupted", first
@@ -542,6 +557,21 @@ class Supervisor:
         if received:
             self._kill_at = time.monotonic()  # asked again: stop waiting for a clean exit
 
+    @property
+    def finished(self) -> bool:
+        """True once every rank ended (or outlived SIGKILL's wait): :meth:`outcome` is ready."""
+        return self._outcome is not None
+
+    def outcome(self) -> GroupOutcome:
+        """The group's outcome, with each rank's record and stacks read.
+
+        Raises:
+            RuntimeError: The group has not finished (see :attr:`finished`).
+        """
+        if self._outcome is None:
+            raise RuntimeError("the group has not finished: call advance() or run() first")
+        return self._outcome
+
     def run(self) -> GroupOutcome:
         """Waits until every rank ended, stopping them all after a failure.
 
@@ -551,58 +581,86 @@ class Supervisor:
         Returns:
             The group's outcome, with each rank's record and stacks read.
         """
+        while not self.finished:
+            wake_at = self.advance()
+            if not self.finished:
+                self._wait(wake_at)
+        return self.outcome()
+
+    def advance(self, now: float | None = None) -> float | None:
+        """One turn of :meth:`run`'s loop, without waiting.
+
+        Reads which ranks ended, forwards the signals :meth:`interrupt` recorded,
+        stops the group after a failure or at the timeout, sends SIGKILL once the
+        grace period is over, and runs the :meth:`add_timer` timers. A caller whose
+        loop owns the selector calls it whenever the loop wakes (a worker's exit
+        descriptor is registered on the selector with no callback: it only wakes the
+        loop) and by the time it returns. Workers are all added before the first call.
+
+        Args:
+            now: The monotonic time; by default read here.
+
+        Returns:
+            The monotonic time by which it needs its next call, or None when only a
+            ready descriptor needs one (or the group has finished: :attr:`finished`).
+        """
+        if self._outcome is not None:
+            return None
         if self._deadline is None and self.timeout is not None:
             self._deadline = time.monotonic() + self.timeout
         deadline = self._deadline
-        while True:
+        self._poll()
+        self._take_signals()
+        now = time.monotonic() if now is None else now
+        if self._status is None and any(o.status == "failed" for o in self.outcomes):
+            self._status = "failed"
+            self._stop_at = now + self.report_window
+        if self._status is None and deadline is not None and now >= deadline:
+            self._status = "timed_out"
+            self._stop_at = now
+        if (
+            self._kill_at is None
+            and self._stop_at is not None
+            and (now >= self._stop_at or (deadline is not None and now >= deadline))
+            and self._live()
+        ):
+            self.dump_stacks()
             self._poll()
-            self._take_signals()
-            now = time.monotonic()
-            if self._status is None and any(o.status == "failed" for o in self.outcomes):
-                self._status = "failed"
-                self._stop_at = now + self.report_window
-            if self._status is None and deadline is not None and now >= deadline:
-                self._status = "timed_out"
-                self._stop_at = now
-            if (
-                self._kill_at is None
-                and self._stop_at is not None
-                and (now >= self._stop_at or (deadline is not None and now >= deadline))
-                and self._live()
-            ):
-                self.dump_stacks()
-                self._poll()
-                self._stop(signal.SIGTERM)
-                self._kill_at = time.monotonic() + self.grace_period
-            live = self._live()
-            if not live:
-                break
-            now = time.monotonic()
-            if self._kill_at is not None and now >= self._kill_at and self._give_up_at is None:
-                logger.info("grace period over: SIGKILL to %d rank(s)", len(live))
-                self._stop(signal.SIGKILL)
-                self._give_up_at = now + KILL_WAIT_SECONDS
-            if self._give_up_at is not None and now >= self._give_up_at:
-                break
-            wake_points = [
-                t
-                for t in (
-                    deadline if self._status is None else None,
-                    self._stop_at if self._kill_at is None else None,
-                    self._kill_at,
-                    self._give_up_at,
-                )
-                if t is not None and t > now
-            ]
-            for due in self._timers:
-                when = due(now)
-                if when is not None:
-                    wake_points.append(max(when, now))
-            # The exit of a worker without a descriptor is not watched: poll it now and then.
-            if len(self._exit_fds) < len(live):
-                wake_points.append(now + _POLL_SECONDS)
-            self._wait(min(wake_points) if wake_points else None)
-        outcome = GroupOutcome(
+            self._stop(signal.SIGTERM)
+            self._kill_at = time.monotonic() + self.grace_period
+        live = self._live()
+        if not live:
+            self._finish()
+            return None
+        now = time.monotonic()
+        if self._kill_at is not None and now >= self._kill_at and self._give_up_at is None:
+            logger.info("grace period over: SIGKILL to %d rank(s)", len(live))
+            self._stop(signal.SIGKILL)
+            self._give_up_at = now + KILL_WAIT_SECONDS
+        if self._give_up_at is not None and now >= self._give_up_at:
+            self._finish()
+            return None
+        wake_points = [
+            t
+            for t in (
+                deadline if self._status is None else None,
+                self._stop_at if self._kill_at is None else None,
+                self._kill_at,
+                self._give_up_at,
+            )
+            if t is not None and t > now
+        ]
+        for due in self._timers:
+            when = due(now)
+            if when is not None:
+                wake_points.append(max(when, now))
+        # The exit of a worker without a descriptor is not watched: poll it now and then.
+        if len(self._exit_fds) < len(live):
+            wake_points.append(now + _POLL_SECONDS)
+        return min(wake_points) if wake_points else None
+
+    def _finish(self) -> None:
+        self._outcome = GroupOutcome(
             status=self._status or "succeeded",
             ranks=self.outcomes,
             signum=self._signum,
@@ -610,7 +668,6 @@ class Supervisor:
             unkillable=[self.workers[i].rank for i in self._live()],
         )
         self._read_records()
-        return outcome
 
     def _read_records(self) -> None:
         for outcome in self.outcomes:

@@ -28,12 +28,14 @@ from dist_launch.plan.hang_policy import DEFAULT_HANG_TIMEOUT, parse_hang_timeou
 from dist_launch.plan.launch_plan import LaunchPlan, UsageError, WorkerTarget
 from dist_launch.plan.slurm import slurm_defaults
 from dist_launch.plan.values import (
+    DEFAULT_SLOW_RANKS_WINDOW,
     parse_int,
     parse_nnodes,
     parse_nproc,
     parse_positive_float,
     parse_rdzv_conf,
     parse_signals,
+    parse_slow_ranks,
 )
 
 RDZV_BACKENDS = ("static", "c10d")
@@ -203,6 +205,15 @@ def build_plan(
         source = sources.get("hang_timeout", "flag")
         where = "" if source == "flag" else f" (from {source})"
         raise UsageError(f"{error}{where}") from None
+    slow_given = get("slow_ranks", None)
+    slow_where = "--slow-ranks"
+    if sources.get("slow_ranks", "flag") != "flag":
+        slow_where = f"--slow-ranks (from {sources['slow_ranks']})"
+    slow_ranks = (
+        DEFAULT_SLOW_RANKS_WINDOW
+        if slow_given is None
+        else parse_slow_ranks(str(slow_given), slow_where)
+    )
     raw_timeout = values.get("timeout")
     timeout = None if raw_timeout is None else parse_positive_float(str(raw_timeout), "--timeout")
     run_id = str(values.get("run_id") or "")
@@ -251,4 +262,5 @@ def build_plan(
         standalone=standalone,
         sources=sources,
         hang_policy=hang_policy,
+        slow_ranks=slow_ranks,
     )

@@ -69,6 +69,8 @@ class LaunchPlan:
     hang_policy: HangPolicy = field(
         default_factory=lambda: parse_hang_timeout(DEFAULT_HANG_TIMEOUT)
     )
+    # --slow-ranks: the slow-rank report's window in seconds; None when off.
+    slow_ranks: float | None = 60.0
 
     @property
     def nnodes(self) -> int:
