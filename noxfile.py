@@ -286,8 +286,20 @@ def _pytest(
         f"junit_suite_name={session.name}",
         *args,
         *session.posargs,
-        env={"PYTHONDONTWRITEBYTECODE": "1", **(env or {})},
+        env={"PYTHONDONTWRITEBYTECODE": "1", **_shared_torch_site(), **(env or {})},
     )
+
+
+def _shared_torch_site() -> dict[str, str]:
+    """``DIST_TEST_TORCH_SITE``: the site-packages of the ``TORCH_SPEC`` template, if made.
+
+    tests-integration's install test makes a venv of its own with that torch; it links
+    this one instead of unpacking it again.
+    """
+    template = ROOT / ".nox" / "_torch" / TORCH_SPEC.replace("==", "-")
+    if not (template / "complete").exists():
+        return {}
+    return {"DIST_TEST_TORCH_SITE": str(_site_packages(template))}
 
 
 @nox.session
