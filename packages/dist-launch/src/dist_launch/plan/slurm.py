@@ -33,7 +33,7 @@ def under_srun(environ: Mapping[str, str]) -> bool:
     )
 
 
-def slurm_defaults(environ: Mapping[str, str]) -> dict[str, tuple[str, str]]:
+def slurm_settings(environ: Mapping[str, str]) -> dict[str, tuple[str, str]]:
     """Node settings from srun's variables: name -> (value, source)."""
     if not under_srun(environ):
         return {}
