@@ -35,7 +35,16 @@ OTHER_TORCH_SPECS = {"2.14": "torch==2.14.1", "2.11": "torch==2.11.0"}
 
 nox.options.default_venv_backend = "virtualenv"
 nox.options.error_on_missing_interpreters = True
-nox.options.sessions = ["tests", "integration", "torch", "lint", "typecheck", "docs", "demo"]
+nox.options.sessions = [
+    "tests",
+    "integration",
+    "torch",
+    "cluster",
+    "lint",
+    "typecheck",
+    "docs",
+    "demo",
+]
 
 
 def _discover_packages() -> list[str]:
@@ -167,6 +176,43 @@ def integration(session: nox.Session) -> None:
     _install_packages(session, PACKAGES, extras="")
     session.install("pytest>=8", "pytest-timeout>=2")
     session.run("pytest", str(ROOT / "tests-integration"), *session.posargs)
+
+
+# What the real-launcher session installs (Debian), and the programs it needs from them.
+CLUSTER_APT_PACKAGES = ("slurm-wlm", "munge", "openmpi-bin")
+CLUSTER_PROGRAMS = ("munged", "slurmctld", "slurmd", "srun", "sbatch", "scancel", "mpirun")
+
+
+@nox.session
+def cluster(session: nox.Session) -> None:
+    """Real srun, sbatch, scancel and mpirun against a one-host SLURM cluster.
+
+    tests-cluster/ brings the cluster up itself (munged, slurmctld and slurmd as child
+    processes, stopped on every exit path). Needs root: the Debian packages are
+    installed with apt-get when a program is missing. Without root it is skipped, except
+    in CI (``CI`` set), where it fails. Runs once, on ``TORCH_SPEC``.
+    """
+    if os.geteuid() != 0:
+        reason = "needs root (apt-get, and slurmd runs jobs as any user)"
+        if os.environ.get("CI"):
+            session.error(f"nox -s cluster {reason}: CI must run the real launchers")
+        session.skip(reason)
+    path = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])
+    if any(shutil.which(program, path=path) is None for program in CLUSTER_PROGRAMS):
+        apt_env = {"DEBIAN_FRONTEND": "noninteractive"}
+        session.run("apt-get", "update", external=True, env=apt_env)
+        session.run(
+            "apt-get",
+            "install",
+            "-y",
+            "--no-install-recommends",
+            *CLUSTER_APT_PACKAGES,
+            external=True,
+            env=apt_env,
+        )
+    _install_packages(session, ["dist-core", "dist-launch"])
+    session.install("pytest>=8", "pytest-timeout>=2", "pytest-xdist>=3")
+    session.run("pytest", str(ROOT / "tests-cluster"), "-n", "2", "--durations=0", *session.posargs)
 
 
 @nox.session(name="torch")

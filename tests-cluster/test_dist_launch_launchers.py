@@ -1,0 +1,127 @@
+"""dist-launch under real srun and sbatch: start, failure, preemption, two steps."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from job_output import ranks_of, two_steps_at_once
+from one_host_slurm import SlurmCluster
+from processes import read_until
+
+from conftest import SCRIPTS
+
+pytestmark = pytest.mark.processes
+
+PY = sys.executable
+LAUNCH = [PY, "-m", "dist_launch"]
+CHECKPOINT = str(SCRIPTS / "checkpoint_on_sigterm.py")
+
+
+def checkpoints(directory: Path) -> dict[int, dict[str, int]]:
+    """Each complete checkpoint's signal counts, by rank."""
+    done = {}
+    for path in directory.glob("ckpt-*.done"):
+        rank = int(path.name.split("-")[1].split(".")[0])
+        assert path.stat().st_size == 16 << 16, f"{path.name} is incomplete"
+        done[rank] = json.loads((directory / f"ckpt-{rank}.json").read_text())
+    return done
+
+
+def test_dist_launch_under_srun(slurm: SlurmCluster, job_env: dict[str, str]) -> None:
+    argv = ["srun", "-n1", *LAUNCH, "-n", "4", str(SCRIPTS / "init_group.py")]
+    done = slurm.run(argv, job_env, timeout=90)
+    assert done.returncode == 0, done.stderr
+    assert ranks_of(done.stdout) == [(r, 4) for r in range(4)]
+
+
+def test_failing_rank_is_named_first_with_its_traceback(
+    slurm: SlurmCluster, job_env: dict[str, str]
+) -> None:
+    argv = ["srun", "-n1", *LAUNCH, "-n", "4", str(SCRIPTS / "fail_rank.py")]
+    done = slurm.run(argv, job_env, timeout=90)
+    report = done.stderr
+    assert done.returncode == 1, report
+    # After the ranks' own output, the launcher's report: the root cause first.
+    tail = report[report.index("dist-launch: rank 1 (local rank 1, node 0) failed first") :]
+    assert tail.index("ValueError: rank 1 fails on purpose") < tail.index("other ranks:"), report
+
+
+@pytest.mark.xfail(strict=True, reason="issue 32 bug 3: a batch script is taken for a task")
+def test_dist_launch_in_batch_script(slurm: SlurmCluster, job_env: dict[str, str]) -> None:
+    launch = " ".join([*LAUNCH, "-n", "2", str(SCRIPTS / "init_group.py")])
+    state, out = slurm.batch(f"exec {launch}\n", "--ntasks=4", env=job_env, timeout=90)
+    assert state == "COMPLETED", out
+    assert ranks_of(out) == [(0, 2), (1, 2)]
+
+
+@pytest.mark.xfail(strict=True, reason="issue 32 bug 4: steps of one job share a master port")
+def test_two_launcher_steps_in_one_allocation(
+    slurm: SlurmCluster, job_env: dict[str, str], tmp_path: Path
+) -> None:
+    meet = tmp_path / "meet"
+    meet.mkdir()
+    launch = " ".join(
+        [*LAUNCH, "-n", "2", str(SCRIPTS / "init_group.py"), "--meet", str(meet), "2"]
+    )
+    step = f"srun --exact -n1 -c1 {launch}"
+    state, out = slurm.batch(
+        two_steps_at_once(step, tmp_path), "-n2", "-c1", env=job_env, timeout=90
+    )
+    assert state == "COMPLETED", out[-3000:]
+    assert [ranks_of((tmp_path / name).read_text()) for name in ("a.txt", "b.txt")] == [
+        [(0, 2), (1, 2)]
+    ] * 2
+
+
+def _run_until_stopped(
+    slurm: SlurmCluster,
+    job_env: dict[str, str],
+    tag: str,
+    tmp_path: Path,
+    scancel: list[str],
+    launcher_flags: tuple[str, ...] = (),
+) -> tuple[int, str]:
+    """A 4-rank job under default flags, cancelled as ``scancel`` says once it trains."""
+    argv = ["srun", "-n1", "-J", tag, *LAUNCH, *launcher_flags, "-n", "4", CHECKPOINT]
+    srun = slurm.popen([*argv, str(tmp_path)], job_env)
+    try:
+        read_until(srun, "training", 4, timeout=60)
+        slurm.scancel(slurm.job_id(tag), *scancel)
+        _, err = srun.communicate(timeout=60)
+    finally:
+        srun.kill()
+        srun.wait(10)
+    return srun.returncode, err
+
+
+@pytest.mark.xfail(strict=True, reason="issue 32 bug 2: a preemption kills every worker at once")
+def test_scancel_signal_term_completes_every_checkpoint(
+    slurm: SlurmCluster, job_env: dict[str, str], tag: str, tmp_path: Path
+) -> None:
+    status, err = _run_until_stopped(slurm, job_env, tag, tmp_path, ["--signal=TERM"])
+    assert sorted(checkpoints(tmp_path)) == [0, 1, 2, 3], err
+    assert [c["SIGTERM"] for c in checkpoints(tmp_path).values()] == [1] * 4
+    assert status == 143, err
+
+
+@pytest.mark.xfail(strict=True, reason="issue 32 bug 2: a preemption kills every worker at once")
+def test_plain_scancel_completes_every_checkpoint(
+    slurm: SlurmCluster, job_env: dict[str, str], tag: str, tmp_path: Path
+) -> None:
+    _, err = _run_until_stopped(slurm, job_env, tag, tmp_path, [])
+    assert sorted(checkpoints(tmp_path)) == [0, 1, 2, 3], err
+    assert [c["SIGTERM"] for c in checkpoints(tmp_path).values()] == [1] * 4
+
+
+@pytest.mark.xfail(strict=True, reason="issue 32 bug 2: a preemption kills every worker at once")
+def test_spawn_start_method_completes_every_checkpoint(
+    slurm: SlurmCluster, job_env: dict[str, str], tag: str, tmp_path: Path
+) -> None:
+    flags = ("--start-method", "spawn")
+    status, err = _run_until_stopped(slurm, job_env, tag, tmp_path, ["--signal=TERM"], flags)
+    assert sorted(checkpoints(tmp_path)) == [0, 1, 2, 3], err
+    assert [c["SIGTERM"] for c in checkpoints(tmp_path).values()] == [1] * 4
+    assert status == 143, err
