@@ -41,7 +41,6 @@ def test_init_group_in_sbatch_step(slurm: SlurmCluster, job_env: dict[str, str])
     assert ranks_of(out) == [(0, 2), (1, 2)]
 
 
-@pytest.mark.xfail(strict=True, reason="issue 32 bug 3: a batch script is taken for a task")
 def test_plain_python_in_batch_script_is_one_rank(
     slurm: SlurmCluster, job_env: dict[str, str]
 ) -> None:

@@ -49,7 +49,6 @@ def test_failing_rank_is_named_first_with_its_traceback(
     assert tail.index("ValueError: rank 1 fails on purpose") < tail.index("other ranks:"), report
 
 
-@pytest.mark.xfail(strict=True, reason="issue 32 bug 3: a batch script is taken for a task")
 def test_dist_launch_in_batch_script(slurm: SlurmCluster, job_env: dict[str, str]) -> None:
     launch = " ".join([*LAUNCH, "-n", "2", str(SCRIPTS / "init_group.py")])
     state, out = slurm.batch(f"exec {launch}\n", "--ntasks=4", env=job_env, timeout=90)

@@ -17,7 +17,10 @@ TORCHRUN = {
     "MASTER_ADDR": "node0",
     "MASTER_PORT": "29400",
 }
+# Every task of a job step has a step id; a batch script has none.
+STEP = {"SLURM_STEP_ID": "0"}
 SLURM = {
+    **STEP,
     "SLURM_PROCID": "6",
     "SLURM_LOCALID": "2",
     "SLURM_NODEID": "1",
@@ -54,6 +57,15 @@ def test_torchrun_node_rank_and_defaults() -> None:
     assert (env.local_rank, env.node_rank) == (1, 1)
     env = DistEnv.from_environ({"RANK": "3", "WORLD_SIZE": "4", "NODE_RANK": "7"})
     assert env.node_rank == 7
+
+
+def test_a_batch_script_is_not_a_task_of_the_job() -> None:
+    # SLURM 22.05 gives the batch script of `sbatch --ntasks=4` these, and no step id.
+    batch = {k: v for k, v in SLURM.items() if k != "SLURM_STEP_ID"}
+    batch.update({"SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0"})
+    env = DistEnv.from_environ(batch)
+    assert (env.rank, env.world_size, env.source) == (0, 1, "default")
+    assert DistEnv.from_environ({**batch, "SLURM_STEPID": "3"}).source == "slurm"
 
 
 def test_composer_single_variable_world_of_one() -> None:
@@ -166,14 +178,15 @@ def test_master_variables_alone_do_not_make_a_torchrun_job() -> None:
         ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "http"}, "MASTER_PORT=http"),
         ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "70000"}, "MASTER_PORT=70000"),
         ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "two words"}, "MASTER_ADDR=two words"),
-        ({"SLURM_PROCID": "4", "SLURM_NTASKS": "4"}, "SLURM_PROCID=4 with SLURM_NTASKS=4"),
-        ({"SLURM_PROCID": "a", "SLURM_NTASKS": "4"}, "SLURM_PROCID=a"),
+        ({**STEP, "SLURM_PROCID": "4", "SLURM_NTASKS": "4"}, "SLURM_PROCID=4 with SLURM_NTASKS=4"),
+        ({**STEP, "SLURM_PROCID": "a", "SLURM_NTASKS": "4"}, "SLURM_PROCID=a"),
         (
-            {"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_TASKS_PER_NODE": "4(y2)"},
+            {**STEP, "SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_TASKS_PER_NODE": "4(y2)"},
             "SLURM_TASKS_PER_NODE=4(y2)",
         ),
         (
             {
+                **STEP,
                 "SLURM_PROCID": "0",
                 "SLURM_NTASKS": "4",
                 "SLURM_NODEID": "3",
@@ -182,12 +195,16 @@ def test_master_variables_alone_do_not_make_a_torchrun_job() -> None:
             "SLURM_NODEID=3 with SLURM_TASKS_PER_NODE=2(x2)",
         ),
         (
-            {"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_JOB_NODELIST": "gpu[01-"},
+            {**STEP, "SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_JOB_NODELIST": "gpu[01-"},
             "SLURM_JOB_NODELIST=gpu[01-",
         ),
-        ({"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_JOB_ID": "j1"}, "SLURM_JOB_ID=j1"),
+        (
+            {**STEP, "SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_JOB_ID": "j1"},
+            "SLURM_JOB_ID=j1",
+        ),
         (
             {
+                **STEP,
                 "SLURM_PROCID": "0",
                 "SLURM_NTASKS": "4",
                 "SLURM_LOCALID": "9",

@@ -211,6 +211,17 @@ def test_a_batch_script_is_not_srun(script: str) -> None:
     assert plan_of([script], batch).nnodes == 1
 
 
+def test_a_batch_script_of_several_tasks_runs_this_node_alone(
+    script: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # SLURM gives `sbatch --ntasks=4 -N3`'s batch script SLURM_PROCID=0 but no step id.
+    batch = {k: v for k, v in SRUN.items() if k != "SLURM_STEP_ID"}
+    batch.update({"SLURM_PROCID": "0", "SLURM_NODEID": "0", "SLURM_NTASKS": "4"})
+    plan = plan_of(["-n", "2", script], batch)
+    assert (plan.nnodes, plan.node_rank, plan.sources["nnodes"]) == (1, 0, "default")
+    assert "srun --ntasks-per-node=1 dist-launch" in caplog.text
+
+
 def test_shutdown_timeout_is_the_grace_period(script: str) -> None:
     assert plan_of(["--shutdown-timeout", "7", script]).grace_period == 7
     assert plan_of([script], {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "9"}).grace_period == 9

@@ -6,7 +6,11 @@ order, and the first one present wins:
 1. **torchrun / Composer / dist-launch** when any of ``RANK``, ``WORLD_SIZE`` or
    ``LOCAL_RANK`` is set. A torchrun started by ``srun`` therefore describes its own
    workers, not the SLURM task that started it.
-2. **SLURM** when ``SLURM_PROCID`` is set.
+2. **SLURM** inside a job step, when ``SLURM_PROCID`` and ``SLURM_STEP_ID`` (or
+   ``SLURM_STEPID``) are set. A batch script has ``SLURM_PROCID=0`` and the job's
+   ``SLURM_NTASKS`` too, but no step id: a program run there directly is not one of
+   the job's tasks, and falls through to the sources below (one rank, as
+   ``torchrun --standalone`` would be there).
 3. **Open MPI** when ``OMPI_COMM_WORLD_RANK`` is set.
 4. **Single rank**: rank 0 of 1 on ``127.0.0.1:29500``, as Composer does.
 
@@ -69,6 +73,16 @@ def _read_master_addr(environ: Mapping[str, str], default: str) -> str:
     if raw.strip() == "" or any(char.isspace() for char in raw.strip()):
         raise DistEnvError(f"MASTER_ADDR={raw} is not a host name or address")
     return raw.strip()
+
+
+def in_slurm_step(environ: Mapping[str, str]) -> bool:
+    """True in a task of a SLURM job step (``srun``), not in the batch script itself.
+
+    Reads ``SLURM_PROCID`` and ``SLURM_STEP_ID`` (``SLURM_STEPID`` on older SLURM):
+    SLURM gives a batch script a ``SLURM_PROCID`` of 0 but no step id.
+    """
+    has_step = any(environ.get(name, "").strip() for name in ("SLURM_STEP_ID", "SLURM_STEPID"))
+    return has_step and bool(environ.get("SLURM_PROCID", "").strip())
 
 
 @dataclass(frozen=True)
@@ -137,7 +151,8 @@ class DistEnv:
 
         Reads the torchrun/Composer variables ``RANK``, ``LOCAL_RANK``, ``NODE_RANK``
         or ``GROUP_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and
-        ``MASTER_PORT``; else SLURM's ``SLURM_PROCID``, ``SLURM_LOCALID``,
+        ``MASTER_PORT``; else, in a SLURM job step (``SLURM_STEP_ID`` or
+        ``SLURM_STEPID``), SLURM's ``SLURM_PROCID``, ``SLURM_LOCALID``,
         ``SLURM_NODEID``, ``SLURM_NTASKS``, ``SLURM_NTASKS_PER_NODE`` or
         ``SLURM_TASKS_PER_NODE``, ``SLURM_JOB_NODELIST`` (or ``SLURM_NODELIST``) and
         ``SLURM_JOB_ID``; else Open MPI's ``OMPI_COMM_WORLD_RANK``,
@@ -157,7 +172,7 @@ class DistEnv:
         env = os.environ if environ is None else environ
         if any(env.get(name, "").strip() for name in TORCHRUN_VARIABLES):
             return _from_torchrun(env)
-        if env.get("SLURM_PROCID", "").strip():
+        if in_slurm_step(env):
             return _from_slurm(env)
         if env.get("OMPI_COMM_WORLD_RANK", "").strip():
             return _from_openmpi(env)

@@ -1,16 +1,24 @@
 """The node settings ``srun`` gives a task, as defaults of the node flags.
 
-Reads ``SLURM_JOB_ID``, ``SLURM_NODEID``, ``SLURM_STEP_ID``/``SLURM_PROCID``,
-``SLURM_NNODES`` (or ``SLURM_JOB_NUM_NODES``), ``SLURM_JOB_NODELIST`` (or
-``SLURM_NODELIST``) and ``SLURM_NTASKS`` (or ``SLURM_NPROCS``).
+Reads ``SLURM_JOB_ID``, ``SLURM_NODEID``, ``SLURM_STEP_ID`` (or ``SLURM_STEPID``),
+``SLURM_PROCID``, ``SLURM_NNODES`` (or ``SLURM_JOB_NUM_NODES``), ``SLURM_JOB_NODELIST``
+(or ``SLURM_NODELIST``) and ``SLURM_NTASKS`` (or ``SLURM_NPROCS``).
+
+Only a task of a job step (``srun``) takes them: SLURM gives the batch script itself
+``SLURM_PROCID=0`` and the job's ``SLURM_NTASKS`` but no step id, and a launcher run
+there directly runs this node's workers alone, as ``torchrun --standalone`` does.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 
+from dist_core.env import in_slurm_step
 from dist_core.slurm import expand_hostlist, slurm_master_port
 from dist_launch.plan.launch_plan import UsageError
+
+logger = logging.getLogger(__name__)
 
 
 def slurm_port(job_id: str) -> int:
@@ -29,13 +37,24 @@ def under_srun(environ: Mapping[str, str]) -> bool:
     return (
         bool(environ.get("SLURM_JOB_ID"))
         and bool(environ.get("SLURM_NODEID"))
-        and ("SLURM_STEP_ID" in environ or "SLURM_STEPID" in environ or "SLURM_PROCID" in environ)
+        and in_slurm_step(environ)
     )
+
+
+def _in_batch_script_of_several_nodes(environ: Mapping[str, str]) -> bool:
+    nodes = environ.get("SLURM_NNODES") or environ.get("SLURM_JOB_NUM_NODES") or "1"
+    return bool(environ.get("SLURM_JOB_ID")) and nodes.isdigit() and int(nodes) > 1
 
 
 def slurm_settings(environ: Mapping[str, str]) -> dict[str, tuple[str, str]]:
     """Node settings from srun's variables: name -> (value, source)."""
     if not under_srun(environ):
+        if _in_batch_script_of_several_nodes(environ):
+            logger.warning(
+                "runs on this node only: no SLURM_STEP_ID, so this is the job's batch "
+                "script, not one of its tasks; to use every node of the job, start one "
+                "launcher per node: srun --ntasks-per-node=1 dist-launch ..."
+            )
         return {}
     found: dict[str, tuple[str, str]] = {}
     for variable in ("SLURM_NNODES", "SLURM_JOB_NUM_NODES"):
