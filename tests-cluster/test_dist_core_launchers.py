@@ -51,7 +51,6 @@ def test_plain_python_in_batch_script_is_one_rank(
     assert (env["rank"], env["world_size"]) == (0, 1)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 32 bug 4: steps of one job share a master port")
 def test_two_steps_of_one_job_form_their_groups(
     slurm: SlurmCluster, job_env: dict[str, str], tmp_path: Path
 ) -> None:

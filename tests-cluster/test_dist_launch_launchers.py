@@ -56,7 +56,6 @@ def test_dist_launch_in_batch_script(slurm: SlurmCluster, job_env: dict[str, str
     assert ranks_of(out) == [(0, 2), (1, 2)]
 
 
-@pytest.mark.xfail(strict=True, reason="issue 32 bug 4: steps of one job share a master port")
 def test_two_launcher_steps_in_one_allocation(
     slurm: SlurmCluster, job_env: dict[str, str], tmp_path: Path
 ) -> None:

@@ -290,7 +290,24 @@ def test_parse_tasks_per_node(value: str, counts: list[int]) -> None:
 
 
 @pytest.mark.parametrize("job_id", [0, 4242, 19999, 20000, 987654321])
-def test_slurm_master_port_stays_below_the_ephemeral_range(job_id: int) -> None:
-    port = dist_core.slurm_master_port(job_id)
+@pytest.mark.parametrize("step_id", [None, 0, 1, 7, 4294967294])
+def test_slurm_master_port_stays_below_the_ephemeral_range(
+    job_id: int, step_id: int | None
+) -> None:
+    port = dist_core.slurm_master_port(job_id, step_id)
     assert 12000 <= port < 32768
-    assert port == dist_core.slurm_master_port(job_id + 20000)
+    assert port == dist_core.slurm_master_port(job_id + 20000, step_id)
+
+
+def test_steps_of_one_job_never_share_a_master_port() -> None:
+    # Concurrent steps of one allocation (srun --exact ... &) each host a store.
+    ports = {dist_core.slurm_master_port(4242, step) for step in range(20000)}
+    assert len(ports) == 20000
+    assert dist_core.slurm_master_port(4242, 0) == dist_core.slurm_master_port(4242)
+
+
+def test_a_steps_master_port_names_its_step() -> None:
+    env = DistEnv.from_environ({**SLURM, "SLURM_STEP_ID": "2"})
+    assert env.master_port == dist_core.slurm_master_port(4242, 2)
+    with pytest.raises(DistEnvError, match="SLURM_STEP_ID=x"):
+        DistEnv.from_environ({**SLURM, "SLURM_STEP_ID": "x"})

@@ -191,6 +191,16 @@ def test_two_jobs_on_one_node_get_different_ports() -> None:
     assert slurm_port("1001") != slurm_port("1002")
 
 
+def test_two_steps_of_one_allocation_get_different_ports(script: str) -> None:
+    ports = {plan_of([script], {**SRUN, "SLURM_STEP_ID": str(s)}).master_port for s in range(8)}
+    assert len(ports) == 8
+
+
+def test_a_malformed_step_id_is_named(script: str) -> None:
+    with pytest.raises(UsageError, match="SLURM_STEP_ID='x'"):
+        plan_of([script], {**SRUN, "SLURM_STEP_ID": "x"})
+
+
 def test_flags_and_pet_win_over_slurm(script: str) -> None:
     plan = plan_of(["--nnodes", "1", "--node-rank", "0", script], {**SRUN, "PET_MASTER_PORT": "1"})
     assert (plan.nnodes, plan.node_rank, plan.master_port) == (1, 0, 1)
@@ -244,9 +254,11 @@ def test_log_line_prefix_template_from_flag_pet_or_torchelastic(script: str) -> 
     assert rendered == b"node7: "
 
 
-def test_srun_master_port_is_the_one_dist_core_derives(script: str) -> None:
+@pytest.mark.parametrize("step", ["0", "3", "4294967294"])
+def test_srun_master_port_is_the_one_dist_core_derives(script: str, step: str) -> None:
     # One rule for both packages: a worker's DistEnv and its launcher agree.
     from dist_core import DistEnv
 
-    plan = plan_of(["-n", "4", script], SRUN)
-    assert plan.master_port == DistEnv.from_environ(SRUN).master_port
+    environ = {**SRUN, "SLURM_STEP_ID": step}
+    plan = plan_of(["-n", "4", script], environ)
+    assert plan.master_port == DistEnv.from_environ(environ).master_port

@@ -154,8 +154,9 @@ class DistEnv:
         ``MASTER_PORT``; else, in a SLURM job step (``SLURM_STEP_ID`` or
         ``SLURM_STEPID``), SLURM's ``SLURM_PROCID``, ``SLURM_LOCALID``,
         ``SLURM_NODEID``, ``SLURM_NTASKS``, ``SLURM_NTASKS_PER_NODE`` or
-        ``SLURM_TASKS_PER_NODE``, ``SLURM_JOB_NODELIST`` (or ``SLURM_NODELIST``) and
-        ``SLURM_JOB_ID``; else Open MPI's ``OMPI_COMM_WORLD_RANK``,
+        ``SLURM_TASKS_PER_NODE``, ``SLURM_JOB_NODELIST`` (or ``SLURM_NODELIST``),
+        ``SLURM_JOB_ID`` and the step id (the master port,
+        :func:`~dist_core.slurm.slurm_master_port`); else Open MPI's ``OMPI_COMM_WORLD_RANK``,
         ``OMPI_COMM_WORLD_SIZE``, ``OMPI_COMM_WORLD_LOCAL_RANK`` and
         ``OMPI_COMM_WORLD_LOCAL_SIZE``. The module docstring gives the precedence.
 
@@ -307,7 +308,8 @@ def _slurm_master_port(env: Mapping[str, str]) -> int:
     job_id = _read_optional_int(env, "SLURM_JOB_ID")
     if job_id is None:
         return DEFAULT_MASTER_PORT
-    return slurm_master_port(job_id)
+    step = "SLURM_STEP_ID" if env.get("SLURM_STEP_ID", "").strip() else "SLURM_STEPID"
+    return slurm_master_port(job_id, _read_optional_int(env, step))
 
 
 def _from_slurm(env: Mapping[str, str]) -> DistEnv:

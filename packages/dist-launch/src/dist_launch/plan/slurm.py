@@ -21,15 +21,24 @@ from dist_launch.plan.launch_plan import UsageError
 logger = logging.getLogger(__name__)
 
 
-def slurm_port(job_id: str) -> int:
-    """The master port of a SLURM job, by :func:`dist_core.slurm_master_port`.
+def slurm_port(job_id: str, step_id: str | None = None) -> int:
+    """The master port of a SLURM job step, by :func:`dist_core.slurm_master_port`.
 
     Args:
         job_id: ``SLURM_JOB_ID`` as set; only its digits count (none counts as 0), so
             that an odd id still gives every node of the job the same port.
+        step_id: ``SLURM_STEP_ID`` as set; None outside a step.
+
+    Raises:
+        UsageError: The step id is not a number.
     """
     digits = "".join(ch for ch in job_id if ch.isdigit())
-    return slurm_master_port(int(digits) if digits else 0)
+    step = None
+    if step_id is not None:
+        if not step_id.strip().isdigit():
+            raise UsageError(f"SLURM_STEP_ID={step_id!r} is not a step number")
+        step = int(step_id)
+    return slurm_master_port(int(digits) if digits else 0, step)
 
 
 def under_srun(environ: Mapping[str, str]) -> bool:
@@ -69,7 +78,9 @@ def slurm_settings(environ: Mapping[str, str]) -> dict[str, tuple[str, str]]:
         except ValueError as error:
             raise UsageError(str(error)) from None
         found["master_addr"] = (hosts[0], "first host of SLURM_JOB_NODELIST")
-    found["master_port"] = (str(slurm_port(environ["SLURM_JOB_ID"])), "SLURM_JOB_ID")
+    step_id = environ.get("SLURM_STEP_ID") or environ.get("SLURM_STEPID")
+    port = slurm_port(environ["SLURM_JOB_ID"], step_id)
+    found["master_port"] = (str(port), "SLURM_JOB_ID, SLURM_STEP_ID")
     ntasks = environ.get("SLURM_NTASKS") or environ.get("SLURM_NPROCS")
     nnodes = found.get("nnodes", ("", ""))[0]
     if ntasks and nnodes and ntasks.isdigit() and nnodes.isdigit() and int(ntasks) > int(nnodes):
