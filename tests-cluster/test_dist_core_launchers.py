@@ -76,7 +76,6 @@ def test_init_group_under_mpirun(job_env: dict[str, str], slurm: SlurmCluster) -
     assert ranks_of(done.stdout) == [(0, 2), (1, 2)]
 
 
-@pytest.mark.xfail(strict=True, reason="issue 32 bug 5: mpirun jobs share port 29500")
 def test_two_mpirun_jobs_on_one_host(
     job_env: dict[str, str], slurm: SlurmCluster, tmp_path: Path
 ) -> None:

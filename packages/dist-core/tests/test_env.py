@@ -6,6 +6,7 @@ import pytest
 
 import dist_core
 from dist_core import DistEnv, DistEnvError
+from dist_core.openmpi import openmpi_master_port
 from dist_core.slurm import expand_hostlist, parse_tasks_per_node
 
 TORCHRUN = {
@@ -35,6 +36,25 @@ OPENMPI = {
     "OMPI_COMM_WORLD_LOCAL_RANK": "3",
     "OMPI_COMM_WORLD_LOCAL_SIZE": "4",
 }
+
+
+def test_two_mpirun_jobs_on_one_host_get_different_ports() -> None:
+    # OMPI_MCA_ess_base_jobid as Open MPI 4.1 set it for three mpirun jobs here.
+    ports = {
+        DistEnv.from_environ({**OPENMPI, "OMPI_MCA_ess_base_jobid": jobid}).master_port
+        for jobid in ("1029636097", "1048969217", "1048444929")
+    }
+    assert len(ports) == 3 and all(12000 <= port < 32000 for port in ports)
+    namespaced = {**OPENMPI, "PMIX_NAMESPACE": "prterun-vm-4242@1"}
+    assert DistEnv.from_environ(namespaced).master_port == openmpi_master_port(namespaced)
+    assert openmpi_master_port({**namespaced, "PMIX_NAMESPACE": "prterun-vm-4243@1"}) != (
+        openmpi_master_port(namespaced)
+    )
+    given = {**OPENMPI, "OMPI_MCA_ess_base_jobid": "1029636097", "MASTER_PORT": "2345"}
+    assert DistEnv.from_environ(given).master_port == 2345
+    assert DistEnv.from_environ(OPENMPI).master_port == 29500  # nothing to derive it from
+    with pytest.raises(DistEnvError, match="OMPI_MCA_ess_base_jobid=x"):
+        DistEnv.from_environ({**OPENMPI, "OMPI_MCA_ess_base_jobid": "x"})
 
 
 def test_nothing_set_is_rank_zero_of_one() -> None:

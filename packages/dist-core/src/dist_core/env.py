@@ -19,13 +19,17 @@ order, and the first one present wins:
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
 from dist_core.errors import DistEnvError
+from dist_core.openmpi import openmpi_master_port
 from dist_core.slurm import expand_hostlist, parse_tasks_per_node, slurm_master_port
+
+logger = logging.getLogger(__name__)
 
 EnvSource = Literal["torchrun", "slurm", "openmpi", "default"]
 
@@ -157,8 +161,10 @@ class DistEnv:
         ``SLURM_TASKS_PER_NODE``, ``SLURM_JOB_NODELIST`` (or ``SLURM_NODELIST``),
         ``SLURM_JOB_ID`` and the step id (the master port,
         :func:`~dist_core.slurm.slurm_master_port`); else Open MPI's ``OMPI_COMM_WORLD_RANK``,
-        ``OMPI_COMM_WORLD_SIZE``, ``OMPI_COMM_WORLD_LOCAL_RANK`` and
-        ``OMPI_COMM_WORLD_LOCAL_SIZE``. The module docstring gives the precedence.
+        ``OMPI_COMM_WORLD_SIZE``, ``OMPI_COMM_WORLD_LOCAL_RANK``,
+        ``OMPI_COMM_WORLD_LOCAL_SIZE`` and, for the master port of a one-host job,
+        ``OMPI_MCA_ess_base_jobid`` or ``PMIX_NAMESPACE``
+        (:func:`~dist_core.openmpi.openmpi_master_port`). The module docstring gives the precedence.
 
         Args:
             environ: The variables to read; ``os.environ`` when None.
@@ -361,6 +367,22 @@ def _from_openmpi(env: Mapping[str, str]) -> DistEnv:
         world_size=world_size,
         local_world_size=local_world_size,
         master_addr=_read_master_addr(env, DEFAULT_MASTER_ADDR),
-        master_port=_read_port(env, "MASTER_PORT", DEFAULT_MASTER_PORT),
+        master_port=_openmpi_master_port(env),
         source="openmpi",
     )
+
+
+def _openmpi_master_port(env: Mapping[str, str]) -> int:
+    if env.get("MASTER_PORT", "").strip():
+        return _read_port(env, "MASTER_PORT", DEFAULT_MASTER_PORT)
+    port = openmpi_master_port(env)
+    if port is None:
+        logger.info(
+            "no MASTER_PORT, %s or %s: master port %d (two such mpirun jobs on one "
+            "host collide; export MASTER_PORT)",
+            "OMPI_MCA_ess_base_jobid",
+            "PMIX_NAMESPACE",
+            DEFAULT_MASTER_PORT,
+        )
+        return DEFAULT_MASTER_PORT
+    return port
