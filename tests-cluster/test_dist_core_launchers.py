@@ -95,7 +95,6 @@ def test_two_mpirun_jobs_on_one_host(
     assert formed[0][0][2] != formed[1][0][2], "both mpirun jobs used one master port"
 
 
-@pytest.mark.xfail(strict=True, reason="issue 32 bug 6: SLURM's variables win inside mpirun")
 def test_mpirun_inside_a_step_keeps_mpi_ranks(slurm: SlurmCluster, job_env: dict[str, str]) -> None:
     argv = ["srun", "-n1", "-c2", *MPIRUN, "-np", "2", PY, str(SCRIPTS / "show_env.py")]
     done = slurm.run(argv, job_env, timeout=60)

@@ -152,7 +152,8 @@ def test_openmpi_multi_node_needs_master() -> None:
         ((TORCHRUN, SLURM, OPENMPI), "torchrun"),
         ((TORCHRUN, SLURM), "torchrun"),
         ((TORCHRUN, OPENMPI), "torchrun"),
-        ((SLURM, OPENMPI), "slurm"),
+        # mpirun inside a SLURM step: every rank has the step's SLURM_PROCID.
+        ((SLURM, OPENMPI), "openmpi"),
     ],
 )
 def test_precedence_when_several_sources_are_set(

@@ -6,13 +6,18 @@ order, and the first one present wins:
 1. **torchrun / Composer / dist-launch** when any of ``RANK``, ``WORLD_SIZE`` or
    ``LOCAL_RANK`` is set. A torchrun started by ``srun`` therefore describes its own
    workers, not the SLURM task that started it.
-2. **SLURM** inside a job step, when ``SLURM_PROCID`` and ``SLURM_STEP_ID`` (or
+2. **Open MPI** when ``OMPI_COMM_WORLD_RANK`` is set. Only ``mpirun`` (and the daemons
+   it starts) sets it, so it describes the innermost launcher: an ``mpirun`` inside a
+   SLURM step or batch script gives every rank the step's ``SLURM_PROCID`` (all the
+   same), and its own ranks are the ones that count.
+3. **SLURM** inside a job step, when ``SLURM_PROCID`` and ``SLURM_STEP_ID`` (or
    ``SLURM_STEPID``) are set. A batch script has ``SLURM_PROCID=0`` and the job's
    ``SLURM_NTASKS`` too, but no step id: a program run there directly is not one of
-   the job's tasks, and falls through to the sources below (one rank, as
+   the job's tasks, and falls through to the default (one rank, as
    ``torchrun --standalone`` would be there).
-3. **Open MPI** when ``OMPI_COMM_WORLD_RANK`` is set.
 4. **Single rank**: rank 0 of 1 on ``127.0.0.1:29500``, as Composer does.
+
+The innermost launcher wins: torchrun over Open MPI over a SLURM step.
 
 ``MASTER_ADDR`` and ``MASTER_PORT`` are honoured by every source when set.
 """
@@ -155,16 +160,17 @@ class DistEnv:
 
         Reads the torchrun/Composer variables ``RANK``, ``LOCAL_RANK``, ``NODE_RANK``
         or ``GROUP_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and
-        ``MASTER_PORT``; else, in a SLURM job step (``SLURM_STEP_ID`` or
-        ``SLURM_STEPID``), SLURM's ``SLURM_PROCID``, ``SLURM_LOCALID``,
-        ``SLURM_NODEID``, ``SLURM_NTASKS``, ``SLURM_NTASKS_PER_NODE`` or
-        ``SLURM_TASKS_PER_NODE``, ``SLURM_JOB_NODELIST`` (or ``SLURM_NODELIST``),
-        ``SLURM_JOB_ID`` and the step id (the master port,
-        :func:`~dist_core.slurm.slurm_master_port`); else Open MPI's ``OMPI_COMM_WORLD_RANK``,
+        ``MASTER_PORT``; else Open MPI's ``OMPI_COMM_WORLD_RANK``,
         ``OMPI_COMM_WORLD_SIZE``, ``OMPI_COMM_WORLD_LOCAL_RANK``,
         ``OMPI_COMM_WORLD_LOCAL_SIZE`` and, for the master port of a one-host job,
         ``OMPI_MCA_ess_base_jobid`` or ``PMIX_NAMESPACE``
-        (:func:`~dist_core.openmpi.openmpi_master_port`). The module docstring gives the precedence.
+        (:func:`~dist_core.openmpi.openmpi_master_port`); else, in a SLURM job step
+        (``SLURM_STEP_ID`` or ``SLURM_STEPID``), SLURM's ``SLURM_PROCID``,
+        ``SLURM_LOCALID``, ``SLURM_NODEID``, ``SLURM_NTASKS``,
+        ``SLURM_NTASKS_PER_NODE`` or ``SLURM_TASKS_PER_NODE``, ``SLURM_JOB_NODELIST``
+        (or ``SLURM_NODELIST``), ``SLURM_JOB_ID`` and the step id (the master port,
+        :func:`~dist_core.slurm.slurm_master_port`). The module docstring gives the
+        precedence.
 
         Args:
             environ: The variables to read; ``os.environ`` when None.
@@ -179,10 +185,10 @@ class DistEnv:
         env = os.environ if environ is None else environ
         if any(env.get(name, "").strip() for name in TORCHRUN_VARIABLES):
             return _from_torchrun(env)
-        if in_slurm_step(env):
-            return _from_slurm(env)
         if env.get("OMPI_COMM_WORLD_RANK", "").strip():
             return _from_openmpi(env)
+        if in_slurm_step(env):
+            return _from_slurm(env)
         return cls(
             master_addr=_read_master_addr(env, DEFAULT_MASTER_ADDR),
             master_port=_read_port(env, "MASTER_PORT", DEFAULT_MASTER_PORT),
