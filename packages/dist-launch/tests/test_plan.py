@@ -111,6 +111,37 @@ def test_bad_or_unsupported_values_are_named(script: str, argv: list[str], names
         plan_of([*argv, script])
 
 
+def test_signals_to_forward_from_flag_or_pet(script: str) -> None:
+    assert plan_of([script]).signals_to_forward == ()
+    plan = plan_of(["--signals-to-forward", "USR1,SIGUSR2", script])
+    assert plan.signals_to_forward == (signal.SIGUSR1, signal.SIGUSR2)
+    assert plan_of(["--signals_to_forward", "usr1", script]).signals_to_forward == (signal.SIGUSR1,)
+    pet = plan_of([script], {"PET_SIGNALS_TO_FORWARD": "SIGUSR1"})
+    assert pet.signals_to_forward == (signal.SIGUSR1,)
+    # Forwarding SIGTERM means taking it out of the handled ones.
+    plan = plan_of(["--signals-to-handle", "INT", "--signals-to-forward", "TERM", script])
+    assert (plan.signals_to_handle, plan.signals_to_forward) == (
+        (signal.SIGINT,),
+        (signal.SIGTERM,),
+    )
+
+
+@pytest.mark.parametrize(
+    ("value", "names"),
+    [
+        ("SIGTERM", "SIGTERM is also in --signals-to-handle"),
+        ("USR1,QUIT", "SIGQUIT cannot be forwarded"),
+        ("KILL", "SIGKILL cannot be forwarded"),
+        ("CHLD", "SIGCHLD cannot be forwarded"),
+        ("WINCH", "SIGWINCH cannot be forwarded"),
+        ("USR9", "--signals-to-forward: 'USR9' is not a signal name"),
+    ],
+)
+def test_signals_that_cannot_be_forwarded_are_named(script: str, value: str, names: str) -> None:
+    with pytest.raises(UsageError, match=names):
+        plan_of(["--signals-to-forward", value, script])
+
+
 def test_gpu_count_on_a_host_without_that_device(script: str) -> None:
     import torch
 

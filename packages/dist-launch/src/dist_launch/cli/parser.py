@@ -215,6 +215,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SIG,...",
     )
     value(
+        "signals_to_forward",
+        "signals passed on to every worker without stopping anything, e.g. SIGUSR1 for "
+        "SLURM's --signal=USR1@90 (default none; not one of --signals-to-handle)",
+        metavar="SIG,...",
+    )
+    value(
         "shutdown_timeout",
         "seconds between SIGTERM and SIGKILL when stopping workers (the same as --grace-period)",
         metavar="SECONDS",

@@ -21,6 +21,7 @@ settings came from; the launcher prints it in its first line.
 from __future__ import annotations
 
 import os
+import signal
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -192,6 +193,34 @@ def _grace_period(
     return DEFAULT_GRACE_PERIOD
 
 
+# Signals a worker cannot be sent to notify it: uncatchable, or the launcher's own.
+_NOT_FORWARDED: dict[int, str] = {
+    signal.SIGKILL: "it cannot be caught",
+    signal.SIGSTOP: "it cannot be caught",
+    signal.SIGCHLD: "the launcher learns of its workers' ends by it",
+    signal.SIGQUIT: "it dumps every rank's stack (stopping nothing)",
+    signal.SIGWINCH: "the workers' terminals follow the launcher's size by it",
+}
+
+
+def _signals(settings: Settings) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``--signals-to-handle`` and ``--signals-to-forward``; a signal is in one at most."""
+    handle = parse_signals(settings.text("signals_to_handle"))
+    forward = parse_signals(settings.text("signals_to_forward"), "--signals-to-forward")
+    for signum in forward:
+        name = signal.Signals(signum).name
+        if signum in _NOT_FORWARDED:
+            why = _NOT_FORWARDED[signum]
+            raise UsageError(f"--signals-to-forward: {name} cannot be forwarded: {why}")
+        if signum in handle:
+            raise UsageError(
+                f"--signals-to-forward: {name} is also in --signals-to-handle "
+                f"({settings.text('signals_to_handle')}), which stops the workers with it; "
+                "leave it out of one of the two"
+            )
+    return handle, forward
+
+
 def _hang_policy(settings: Settings) -> HangPolicy:
     try:
         return parse_hang_timeout(settings.text("hang_timeout"))
@@ -256,6 +285,7 @@ def build_plan(
     target = _target(values, settings)
     raw_timeout = values.get("timeout")
     run_id, rdzv_id = _run_and_rdzv_ids(values, settings, nodes)
+    handle, forward = _signals(settings)
     return LaunchPlan(
         target=target,
         nproc=parse_nproc(settings.text("nproc_per_node")),
@@ -277,7 +307,8 @@ def build_plan(
         role=settings.text("role"),
         log_dir=settings.get("log_dir"),
         routing=_routing(settings, env),
-        signals_to_handle=parse_signals(settings.text("signals_to_handle")),
+        signals_to_handle=handle,
+        signals_to_forward=forward,
         grace_period=_grace_period(values, settings, env),
         timeout=None
         if raw_timeout is None

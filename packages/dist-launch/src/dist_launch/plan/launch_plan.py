@@ -69,6 +69,8 @@ class LaunchPlan:
     hang_policy: HangPolicy = field(
         default_factory=lambda: parse_hang_timeout(DEFAULT_HANG_TIMEOUT)
     )
+    # --signals-to-forward: passed on to every worker, stopping nothing.
+    signals_to_forward: tuple[int, ...] = ()
 
     @property
     def nnodes(self) -> int:
