@@ -85,6 +85,19 @@ def read_until(process: subprocess.Popen[str], text: str, count: int, timeout: f
     return read.decode(errors="replace")
 
 
+def wait_for_file(path: Path, timeout: float) -> None:
+    """Polls until ``path`` exists.
+
+    Raises:
+        TimeoutError: Not within ``timeout`` seconds.
+    """
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear within {timeout:g} s")
+        time.sleep(0.05)
+
+
 def kill_pids(pids: Sequence[int]) -> None:
     """SIGKILL to each pid (gone ones are skipped)."""
     for pid in pids:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from job_output import ranks_of, two_steps_at_once
 from one_host_slurm import SlurmCluster
-from processes import read_until
+from processes import read_until, wait_for_file
 
 from conftest import SCRIPTS
 
@@ -123,3 +123,14 @@ def test_spawn_start_method_completes_every_checkpoint(
     assert sorted(checkpoints(tmp_path)) == [0, 1, 2, 3], err
     assert [c["SIGTERM"] for c in checkpoints(tmp_path).values()] == [1] * 4
     assert status == 143, err
+
+
+def test_a_requeued_jobs_workers_count_its_restarts(
+    slurm: SlurmCluster, job_env: dict[str, str], tmp_path: Path
+) -> None:
+    launch = " ".join([*LAUNCH, "-n", "1", str(SCRIPTS / "restart_count.py"), str(tmp_path)])
+    job = slurm.sbatch(f"#!/bin/bash\nexec {launch}\n", "--requeue", "-o", "/dev/null", env=job_env)
+    wait_for_file(tmp_path / "restart-0", timeout=60)
+    slurm.requeue_now(job)
+    assert slurm.wait_job(job, 60)["JobState"] == "COMPLETED"
+    assert sorted(p.name for p in tmp_path.glob("restart-*")) == ["restart-0", "restart-1"]

@@ -11,6 +11,8 @@ from dist_launch.cli import build_parser
 from dist_launch.plan.build import build_plan
 from dist_launch.plan.launch_plan import LaunchPlan, UsageError, describe_sources
 from dist_launch.plan.slurm import slurm_port
+from dist_launch.rendezvous.protocol import Assignment
+from dist_launch.workers.environment import worker_environment
 
 
 def plan_of(argv: list[str], environ: dict[str, str] | None = None) -> LaunchPlan:
@@ -261,6 +263,19 @@ def test_a_batch_script_of_several_tasks_runs_this_node_alone(
     plan = plan_of(["-n", "2", script], batch)
     assert (plan.nnodes, plan.node_rank, plan.sources["nnodes"]) == (1, 0, "default")
     assert "srun --ntasks-per-node=1 dist-launch" in caplog.text
+
+
+def test_a_requeued_jobs_restart_count_is_where_the_workers_count_from(script: str) -> None:
+    assert plan_of([script], SRUN).restart_base == 0
+    plan = plan_of([script], {**SRUN, "SLURM_RESTART_COUNT": "2"})
+    assert (plan.restart_base, plan.sources["restart_base"]) == (2, "SLURM_RESTART_COUNT")
+    assert "restarts so far=2 (SLURM_RESTART_COUNT)" in describe_sources(plan)
+    assert plan_of([script], {"SLURM_RESTART_COUNT": "2"}).restart_base == 0  # not in a job
+    with pytest.raises(UsageError, match="SLURM_RESTART_COUNT='x'"):
+        plan_of([script], {**SRUN, "SLURM_RESTART_COUNT": "x"})
+    # The workers count this launcher's own restarts on top.
+    round_ = Assignment(0, 1, 0, 1, "h", 1, restart_count=1)
+    assert worker_environment(plan, round_, {})["TORCHELASTIC_RESTART_COUNT"] == "3"
 
 
 def test_shutdown_timeout_is_the_grace_period(script: str) -> None:

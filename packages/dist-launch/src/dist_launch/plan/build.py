@@ -14,6 +14,10 @@ reads each source; this module only validates and combines what they found):
    rule, the one ``DistEnv`` uses), so that two jobs sharing a node do not collide;
 4. the default, torchrun's except where this module says otherwise.
 
+In a requeued SLURM job, ``SLURM_RESTART_COUNT`` is where the workers'
+``TORCHELASTIC_RESTART_COUNT`` starts (``--max-restarts`` stays this launcher's budget:
+a requeue is usually a preemption, not a failure).
+
 :attr:`~dist_launch.plan.launch_plan.LaunchPlan.sources` records where each of the node
 settings came from; the launcher prints it in its first line.
 """
@@ -29,7 +33,7 @@ from dataclasses import dataclass
 from dist_launch.output.routing import OutputRouting, parse_local_ranks_filter
 from dist_launch.plan.hang_policy import HangPolicy, parse_hang_timeout
 from dist_launch.plan.launch_plan import LaunchPlan, UsageError, WorkerTarget
-from dist_launch.plan.slurm import slurm_settings
+from dist_launch.plan.slurm import slurm_restart_count, slurm_settings
 from dist_launch.plan.sources import Settings, default_settings, flag_settings, pet_settings
 from dist_launch.plan.values import (
     parse_int,
@@ -286,6 +290,9 @@ def build_plan(
     raw_timeout = values.get("timeout")
     run_id, rdzv_id = _run_and_rdzv_ids(values, settings, nodes)
     handle, forward = _signals(settings)
+    restart_base = slurm_restart_count(env)
+    if restart_base:
+        sources["restart_base"] = "SLURM_RESTART_COUNT"
     return LaunchPlan(
         target=target,
         nproc=parse_nproc(settings.text("nproc_per_node")),
@@ -309,6 +316,7 @@ def build_plan(
         routing=_routing(settings, env),
         signals_to_handle=handle,
         signals_to_forward=forward,
+        restart_base=restart_base,
         grace_period=_grace_period(values, settings, env),
         timeout=None
         if raw_timeout is None

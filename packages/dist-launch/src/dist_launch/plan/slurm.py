@@ -50,6 +50,23 @@ def under_srun(environ: Mapping[str, str]) -> bool:
     )
 
 
+def slurm_restart_count(environ: Mapping[str, str]) -> int:
+    """How many times SLURM requeued this job (``SLURM_RESTART_COUNT``; 0 outside a job).
+
+    SLURM sets it in the batch script and every step of a requeued job (a preemption,
+    ``scontrol requeue``), from 1 on; absent before the first requeue.
+
+    Raises:
+        UsageError: It is not a number.
+    """
+    raw = environ.get("SLURM_RESTART_COUNT", "").strip()
+    if not raw or not environ.get("SLURM_JOB_ID"):
+        return 0
+    if not raw.isdigit():
+        raise UsageError(f"SLURM_RESTART_COUNT={raw!r} is not a count")
+    return int(raw)
+
+
 def _in_batch_script_of_several_nodes(environ: Mapping[str, str]) -> bool:
     nodes = environ.get("SLURM_NNODES") or environ.get("SLURM_JOB_NUM_NODES") or "1"
     return bool(environ.get("SLURM_JOB_ID")) and nodes.isdigit() and int(nodes) > 1

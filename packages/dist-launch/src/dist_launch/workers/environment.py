@@ -48,7 +48,8 @@ def worker_environment(
             "ROLE_WORLD_SIZE": str(assignment.world_size),
             "MASTER_ADDR": assignment.master_addr,
             "MASTER_PORT": str(assignment.master_port),
-            "TORCHELASTIC_RESTART_COUNT": str(assignment.restart_count),
+            # Counts on from a requeued SLURM job's restarts (plan.restart_base).
+            "TORCHELASTIC_RESTART_COUNT": str(plan.restart_base + assignment.restart_count),
             "TORCHELASTIC_MAX_RESTARTS": str(plan.max_restarts),
             "TORCHELASTIC_RUN_ID": plan.run_id,
             "TORCHELASTIC_USE_AGENT_STORE": "False",
