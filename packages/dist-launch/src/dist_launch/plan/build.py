@@ -1,4 +1,4 @@
-"""What one ``dist-launch`` run does, resolved from flags, ``PET_*`` variables and SLURM.
+"""What one ``dist-launch`` run does, from flags, ``PET_*``, SLURM and Kubernetes variables.
 
 Each setting comes from the first of these that has it (:mod:`dist_launch.plan.sources`
 reads each source; this module only validates and combines what they found):
@@ -12,7 +12,10 @@ reads each source; this module only validates and combines what they found):
    rendezvous endpoint) host from the first host of ``SLURM_JOB_NODELIST``, and its
    port from ``SLURM_JOB_ID`` (:func:`~dist_launch.plan.slurm.slurm_port`: dist-core's
    rule, the one ``DistEnv`` uses), so that two jobs sharing a node do not collide;
-4. the default, torchrun's except where this module says otherwise.
+4. in a Kubernetes pod, the node settings its operator's variables give
+   (:mod:`dist_launch.plan.kubernetes`: PyTorchJob, Indexed Job and JobSet,
+   LeaderWorkerSet; Trainer v2 sets ``PET_*``);
+5. the default, torchrun's except where this module says otherwise.
 
 In a requeued SLURM job, ``SLURM_RESTART_COUNT`` is where the workers'
 ``TORCHELASTIC_RESTART_COUNT`` starts (``--max-restarts`` stays this launcher's budget:
@@ -32,6 +35,7 @@ from dataclasses import dataclass
 
 from dist_launch.output.routing import OutputRouting, parse_local_ranks_filter
 from dist_launch.plan.hang_policy import HangPolicy, parse_hang_timeout
+from dist_launch.plan.kubernetes import check_kubernetes_settings, kubernetes_settings
 from dist_launch.plan.launch_plan import LaunchPlan, UsageError, WorkerTarget
 from dist_launch.plan.slurm import slurm_restart_count, slurm_settings
 from dist_launch.plan.sources import Settings, default_settings, flag_settings, pet_settings
@@ -265,14 +269,15 @@ def _routing(settings: Settings, env: Mapping[str, str]) -> OutputRouting:
 def build_plan(
     values: Mapping[str, object], environ: Mapping[str, str] | None = None
 ) -> LaunchPlan:
-    """Resolves parsed flag values (None = not given) against ``PET_*`` and SLURM.
+    """Resolves parsed flag values (None = not given) against the environment's sources.
 
     Args:
         values: The parser's values by destination name; ``None`` where a flag was not
             on the command line.
         environ: The environment to read (``os.environ`` by default): ``PET_<FLAG>``
             for every flag, the SLURM variables of
-            :func:`~dist_launch.plan.slurm.slurm_settings`, and
+            :func:`~dist_launch.plan.slurm.slurm_settings`, a pod's of
+            :func:`~dist_launch.plan.kubernetes.kubernetes_settings`, and
             ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` and
             ``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE`` as torchrun does.
 
@@ -282,7 +287,14 @@ def build_plan(
     """
     env = os.environ if environ is None else environ
     slurm = slurm_settings(env)
-    settings = Settings.merge(flag_settings(values), pet_settings(env), slurm, default_settings())
+    settings = Settings.merge(
+        flag_settings(values),
+        pet_settings(env),
+        slurm,
+        kubernetes_settings(env),
+        default_settings(),
+    )
+    check_kubernetes_settings(settings)
     sources = settings.sources()
     nodes = _nodes(settings, slurm, sources)
     _refuse_unsupported(values, settings)

@@ -6,7 +6,8 @@ Each source returns ``{setting: (raw value, source name)}`` for the settings it 
 1. :func:`flag_settings`: the command line (either spelling of each flag);
 2. :func:`pet_settings`: ``PET_<FLAG>``, as torchrun reads them;
 3. :func:`dist_launch.plan.slurm.slurm_settings`: the node settings of a SLURM job step;
-4. :func:`default_settings`: the documented defaults (torchrun's, except where
+4. :func:`dist_launch.plan.kubernetes.kubernetes_settings`: those of a Kubernetes pod;
+5. :func:`default_settings`: the documented defaults (torchrun's, except where
    :mod:`dist_launch.plan.build` says otherwise).
 """
 
