@@ -98,6 +98,22 @@ def wait_for_file(path: Path, timeout: float) -> None:
         time.sleep(0.05)
 
 
+def wait_for_text(path: Path, text: str, count: int, timeout: float) -> None:
+    """Polls a file (a batch job's output) until ``text`` appears in it ``count`` times.
+
+    Raises:
+        TimeoutError: Not within ``timeout`` seconds (the message holds the file).
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        found = path.read_text(errors="replace") if path.exists() else ""
+        if found.count(text) >= count:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{count} x {text!r} not in {path} after {timeout:g} s:\n{found}")
+        time.sleep(0.05)
+
+
 def kill_pids(pids: Sequence[int]) -> None:
     """SIGKILL to each pid (gone ones are skipped)."""
     for pid in pids:

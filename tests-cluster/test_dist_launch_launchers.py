@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from job_output import ranks_of, two_steps_at_once
 from one_host_slurm import SlurmCluster
-from processes import read_until, wait_for_file
+from processes import read_until, wait_for_file, wait_for_text
 
 from conftest import SCRIPTS
 
@@ -74,16 +74,17 @@ def test_two_launcher_steps_in_one_allocation(
     ] * 2
 
 
-def _run_until_stopped(
+def _run_until_signalled(
     slurm: SlurmCluster,
     job_env: dict[str, str],
     tag: str,
     tmp_path: Path,
     scancel: list[str],
     launcher_flags: tuple[str, ...] = (),
+    script: str = CHECKPOINT,
 ) -> tuple[int, str]:
-    """A 4-rank job under default flags, cancelled as ``scancel`` says once it trains."""
-    argv = ["srun", "-n1", "-J", tag, *LAUNCH, *launcher_flags, "-n", "4", CHECKPOINT]
+    """A 4-rank job under default flags, signalled as ``scancel`` says once it trains."""
+    argv = ["srun", "-n1", "-J", tag, *LAUNCH, *launcher_flags, "-n", "4", script]
     srun = slurm.popen([*argv, str(tmp_path)], job_env)
     try:
         read_until(srun, "training", 4, timeout=60)
@@ -95,31 +96,28 @@ def _run_until_stopped(
     return srun.returncode, err
 
 
-@pytest.mark.xfail(strict=True, reason="issue 32 bug 2: a preemption kills every worker at once")
 def test_scancel_signal_term_completes_every_checkpoint(
     slurm: SlurmCluster, job_env: dict[str, str], tag: str, tmp_path: Path
 ) -> None:
-    status, err = _run_until_stopped(slurm, job_env, tag, tmp_path, ["--signal=TERM"])
+    status, err = _run_until_signalled(slurm, job_env, tag, tmp_path, ["--signal=TERM"])
     assert sorted(checkpoints(tmp_path)) == [0, 1, 2, 3], err
     assert [c["SIGTERM"] for c in checkpoints(tmp_path).values()] == [1] * 4
     assert status == 143, err
 
 
-@pytest.mark.xfail(strict=True, reason="issue 32 bug 2: a preemption kills every worker at once")
 def test_plain_scancel_completes_every_checkpoint(
     slurm: SlurmCluster, job_env: dict[str, str], tag: str, tmp_path: Path
 ) -> None:
-    _, err = _run_until_stopped(slurm, job_env, tag, tmp_path, [])
+    _, err = _run_until_signalled(slurm, job_env, tag, tmp_path, [])
     assert sorted(checkpoints(tmp_path)) == [0, 1, 2, 3], err
     assert [c["SIGTERM"] for c in checkpoints(tmp_path).values()] == [1] * 4
 
 
-@pytest.mark.xfail(strict=True, reason="issue 32 bug 2: a preemption kills every worker at once")
 def test_spawn_start_method_completes_every_checkpoint(
     slurm: SlurmCluster, job_env: dict[str, str], tag: str, tmp_path: Path
 ) -> None:
     flags = ("--start-method", "spawn")
-    status, err = _run_until_stopped(slurm, job_env, tag, tmp_path, ["--signal=TERM"], flags)
+    status, err = _run_until_signalled(slurm, job_env, tag, tmp_path, ["--signal=TERM"], flags)
     assert sorted(checkpoints(tmp_path)) == [0, 1, 2, 3], err
     assert [c["SIGTERM"] for c in checkpoints(tmp_path).values()] == [1] * 4
     assert status == 143, err
@@ -134,3 +132,31 @@ def test_a_requeued_jobs_workers_count_its_restarts(
     slurm.requeue_now(job)
     assert slurm.wait_job(job, 60)["JobState"] == "COMPLETED"
     assert sorted(p.name for p in tmp_path.glob("restart-*")) == ["restart-0", "restart-1"]
+
+
+def test_scancel_usr1_notifies_each_rank_once_and_training_goes_on(
+    slurm: SlurmCluster, job_env: dict[str, str], tag: str, tmp_path: Path
+) -> None:
+    flags = ("--signals-to-forward", "USR1")
+    script = str(SCRIPTS / "notify_on_usr1.py")
+    status, err = _run_until_signalled(
+        slurm, job_env, tag, tmp_path, ["--signal=USR1"], flags, script
+    )
+    assert status == 0, err
+    notified = {p.name: p.read_text() for p in tmp_path.glob("notified-*")}
+    assert notified == {f"notified-{rank}": "1" for rank in range(4)}, err
+
+
+def test_a_batch_script_launcher_passes_a_sigterm_on_once(
+    slurm: SlurmCluster, job_env: dict[str, str], tmp_path: Path
+) -> None:
+    # scancel --full signals the batch shell's process group only (the launcher, exec'd
+    # there): the workers, in groups of their own, get SIGTERM from the launcher alone.
+    out = tmp_path / "out.txt"
+    launch = " ".join([*LAUNCH, "-n", "4", CHECKPOINT, str(tmp_path)])
+    job = slurm.sbatch(f"#!/bin/bash\nexec {launch}\n", "-o", str(out), env=job_env)
+    wait_for_text(out, "training", 4, timeout=60)
+    slurm.scancel(job, "--full", "--signal=TERM")
+    slurm.wait_job(job, 60)
+    assert sorted(checkpoints(tmp_path)) == [0, 1, 2, 3], out.read_text()
+    assert [c["SIGTERM"] for c in checkpoints(tmp_path).values()] == [1] * 4

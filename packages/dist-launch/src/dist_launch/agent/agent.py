@@ -20,7 +20,11 @@ One agent runs per node (one ``dist-launch`` process). It joins the rendezvous
   (:mod:`dist_launch.diagnostics.hang_report`), and the hang counts against ``--max-restarts`` as
   a failure does; past the budget the run ends ``hung``;
 - a handled signal (``--signals-to-handle``) stops the workers with that signal and
-  closes the rendezvous; ``SIGQUIT`` prints every rank's stack and stops nothing;
+  closes the rendezvous: sent to each worker once, or not at all when it reached
+  every process of the job already (a scheduler's stop, seen by the
+  :class:`~dist_launch.workers.signal_witness.SignalWitness`), then the grace period
+  for checkpoints; ``--signals-to-forward`` signals are passed on to every worker the
+  same way, stopping nothing; ``SIGQUIT`` prints every rank's stack and stops nothing;
   ``SIGWINCH`` resizes the workers' terminals.
 
 The agent works through the :class:`~dist_launch.rendezvous.protocol.Rendezvous` interface
@@ -68,6 +72,7 @@ from dist_launch.rendezvous.protocol import Assignment, Rendezvous, RendezvousUs
 from dist_launch.watch.file_timer import FileTimerWatch, file_timer_requested
 from dist_launch.workers.environment import node_environment
 from dist_launch.workers.fork_server_client import ForkServerClient, start_fork_server
+from dist_launch.workers.signal_witness import SignalWitness
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +106,7 @@ class Agent:
         self._round: Round | None = None  # the round in progress
         self._interrupted: int | None = None  # the first stopping signal received
         self._timers: FileTimerWatch | None = None  # torch elastic's timer server
+        self._witness: SignalWitness | None = None  # which signals reached the workers
         self.layout: LogLayout | None = None
 
     # -- signals ----------------------------------------------------------------------
@@ -113,11 +119,38 @@ class Agent:
             elif signum == RESIZE_SIGNAL:
                 if self._round is not None:
                     self._round.resize()
+            elif signum in self.plan.signals_to_forward:
+                self._forward(signum)
             else:
+                delivered = self._reached_the_workers(signum)
                 if self._interrupted is None:
                     self._interrupted = signum
                 if self._round is not None:
-                    self._round.interrupt(signum)
+                    self._round.interrupt(signum, delivered=delivered)
+
+    def _reached_the_workers(self, signum: int) -> bool:
+        """Whether ``signum`` was sent to every process of the job, the workers included.
+
+        The witness, placed as a worker is, says so (waiting a moment for its copy).
+        """
+        if self._witness is None or not self._witness.saw(signum):
+            return False
+        logger.info(
+            "%s reached every process of the job, the workers too: not sent again",
+            signal.Signals(signum).name,
+        )
+        return True
+
+    def _forward(self, signum: int) -> None:
+        """A --signals-to-forward signal: every worker gets it once; nothing stops."""
+        if self._reached_the_workers(signum):
+            return
+        name = signal.Signals(signum).name
+        ranks = [] if self._round is None else self._round.notify(signum)
+        if ranks:
+            logger.info("passed %s on to rank(s) %s", name, ranks)
+        else:
+            logger.info("%s: no workers are running; not passed on", name)
 
     def _received(self) -> int | None:
         """The first stopping signal received (set by the signal callback, on the loop)."""
@@ -141,8 +174,10 @@ class Agent:
         """Runs the job, reports how it ended; returns the exit status."""
         plan = self.plan
         logger.info("%s", describe_sources(plan))
-        self.inbox = SignalInbox((*plan.signals_to_handle, DUMP_SIGNAL, RESIZE_SIGNAL))
+        handled = (*plan.signals_to_handle, *plan.signals_to_forward, DUMP_SIGNAL)
+        self.inbox = SignalInbox((*handled, RESIZE_SIGNAL))
         self.loop.watch(self.inbox.read_fd, self._on_signal)
+        self._witness = SignalWitness(handled)
         node_env = node_environment(plan, os.environ)
         if plan.routing.needs_files(range(plan.nproc)):
             self.layout = LogLayout.create(plan.log_dir, plan.run_id)
@@ -151,6 +186,8 @@ class Agent:
             # Reported before the cleanup below, which may wait for a silent store.
             return report_run_outcome(self._run(node_env), PROG)
         finally:
+            if self._witness is not None:
+                self._witness.close()
             if self._timers is not None:
                 self._timers.close()
             if self._fork_server is not None:

@@ -166,17 +166,26 @@ class Round:
         self.attempt = attempt
         self.learned_quiet = learned_quiet
         self._group: WorkerGroup | None = None
-        self._signals: list[int] = []  # received before the workers existed
+        # (signum, delivered) received before the workers existed
+        self._signals: list[tuple[int, bool]] = []
         self._change: RoundChange | None = None
 
     # -- what the agent routes here -------------------------------------------------
 
-    def interrupt(self, signum: int) -> None:
-        """A stopping signal: every worker gets it, after its stack was taken."""
+    def interrupt(self, signum: int, *, delivered: bool = False) -> None:
+        """A stopping signal: every worker gets it, after its stack was taken.
+
+        With ``delivered``, it reached every worker already (the scheduler signalled
+        them all): none is sent again; the grace period starts.
+        """
         if self._group is None:
-            self._signals.append(signum)
+            self._signals.append((signum, delivered))
         else:
-            self._group.interrupt(signum)
+            self._group.interrupt(signum, delivered=delivered)
+
+    def notify(self, signum: int) -> list[int]:
+        """A notification (``--signals-to-forward``): every running worker gets it."""
+        return [] if self._group is None else self._group.notify(signum)
 
     def dump_stacks(self) -> str | None:
         """Every running rank's stack, stopping nothing (SIGQUIT); None without workers."""
@@ -244,8 +253,8 @@ class Round:
             stack.callback(hang_watch.close)
             self._group = group
             stack.callback(setattr, self, "_group", None)
-            for signum in self._signals:
-                group.interrupt(signum)
+            for signum, delivered in self._signals:
+                group.interrupt(signum, delivered=delivered)
             node_variables = {}
             if self.context.timers is not None:
                 node_variables[FILE_VARIABLE] = self.context.timers.path

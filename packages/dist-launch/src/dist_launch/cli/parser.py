@@ -239,8 +239,10 @@ def build_parser() -> argparse.ArgumentParser:
     # dist-launch's own.
     value(
         "grace_period",
-        "seconds between SIGTERM and SIGKILL to the other ranks after a "
-        "failure (default 5, or TORCH_ELASTIC_SHUTDOWN_TIMEOUT)",
+        "seconds between SIGTERM and SIGKILL, after a failure or a stop from outside: "
+        "a rank that handles SIGTERM has this long to checkpoint (default 25, below "
+        "SLURM's KillWait and Kubernetes' terminationGracePeriodSeconds; or "
+        "TORCH_ELASTIC_SHUTDOWN_TIMEOUT)",
         metavar="SECONDS",
     )
     value("timeout", "stop the job after this long, showing where each rank was", metavar="SECONDS")

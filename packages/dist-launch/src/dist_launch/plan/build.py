@@ -49,8 +49,11 @@ from dist_launch.plan.values import (
 )
 
 RDZV_BACKENDS = ("static", "c10d")
-# Seconds between SIGTERM and SIGKILL when nothing else says.
-DEFAULT_GRACE_PERIOD = 5.0
+# Seconds between SIGTERM and SIGKILL when nothing else says: time for a checkpoint,
+# below SLURM's KillWait and Kubernetes' terminationGracePeriodSeconds (30 s each, from
+# the same SIGTERM), leaving the launcher 5 s to reap, drain output, report and exit
+# before the scheduler's own SIGKILL. Ranks without a SIGTERM handler die at once.
+DEFAULT_GRACE_PERIOD = 25.0
 
 
 def _refuse(flag: str, reason: str) -> UsageError:
