@@ -198,11 +198,12 @@ def test_module_target_and_python_dash_m(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("mode", "status", "shown"),
     [
+        # The launcher's code is the class (dist_launch.ExitCode), the report the rank's.
         ("raise", 1, "RuntimeError: deliberate failure on rank 1"),
-        ("exit", 3, "SystemExit: 3"),
-        ("_exit", 7, "exit code 7"),
-        ("sigkill", 128 + signal.SIGKILL, "signal SIGKILL"),
-        ("segfault", 128 + signal.SIGSEGV, "string_at"),
+        ("exit", 1, "SystemExit: 3"),
+        ("_exit", 1, "exit code 7"),
+        ("sigkill", 137, "signal SIGKILL"),
+        ("segfault", 137, "string_at"),
     ],
 )
 def test_failing_rank_stops_the_others_and_comes_first(

@@ -46,6 +46,7 @@ import signal
 import socket
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from dist_launch.agent.event_loop import EventLoop, Pending
@@ -63,9 +64,11 @@ from dist_launch.agent.next_step import (
     needs_membership,
 )
 from dist_launch.agent.round import Round, RoundContext
-from dist_launch.agent.run_outcome import RunOutcome, report_run_outcome
+from dist_launch.agent.run_outcome import RunOutcome, error_file_fields, report_run_outcome
 from dist_launch.agent.signal_inbox import DUMP_SIGNAL, SignalInbox
-from dist_launch.output.log_layout import LogLayout
+from dist_launch.diagnostics.failure_class import Fingerprint
+from dist_launch.exit_codes import ExitCode
+from dist_launch.output.log_layout import LogLayout, write_torch_error_file
 from dist_launch.plan.launch_plan import LaunchPlan, describe_sources
 from dist_launch.rendezvous.factory import open_rendezvous
 from dist_launch.rendezvous.protocol import Assignment, Rendezvous, RendezvousUsageError
@@ -108,6 +111,8 @@ class Agent:
         self._timers: FileTimerWatch | None = None  # torch elastic's timer server
         self._witness: SignalWitness | None = None  # which signals reached the workers
         self.layout: LogLayout | None = None
+        # torchrun's parent-facing error file: where this launcher reports its own end.
+        self._error_file = os.environ.get("TORCHELASTIC_ERROR_FILE") or None
 
     # -- signals ----------------------------------------------------------------------
 
@@ -184,7 +189,10 @@ class Agent:
             logger.info("logs of this run: %s", self.layout.run_dir)
         try:
             # Reported before the cleanup below, which may wait for a silent store.
-            return report_run_outcome(self._run(node_env), PROG)
+            outcome = self._run(node_env)
+            code = report_run_outcome(outcome, PROG)
+            self._write_error_files(outcome, code)
+            return code
         finally:
             if self._witness is not None:
                 self._witness.close()
@@ -197,6 +205,27 @@ class Agent:
             self.loop.unwatch(self.inbox.read_fd)
             self.inbox.close()
             self.loop.close()
+
+    def _write_error_files(self, outcome: RunOutcome, code: ExitCode) -> None:
+        """The run's error.json (in torch's format, with the exit code and its class).
+
+        Written for every ending but success: in ``--log-dir``'s run directory, and to
+        ``TORCHELASTIC_ERROR_FILE`` when the launcher's own environment names one.
+        """
+        if code == ExitCode.SUCCESS:
+            return
+        paths = [] if self.layout is None else [self.layout.run_dir / "error.json"]
+        if self._error_file is not None:
+            paths.append(Path(self._error_file))
+        message, traceback, timestamp = error_file_fields(outcome)
+        extra = {"exit_code": int(code), "exit_class": code.name}
+        for path in paths:
+            try:
+                write_torch_error_file(
+                    path, message=message, traceback=traceback, timestamp=timestamp, extra=extra
+                )
+            except OSError as error:
+                logger.warning("could not write %s: %s", path, error)
 
     def _run(self, node_env: dict[str, str]) -> RunOutcome:
         plan = self.plan
@@ -265,6 +294,7 @@ class Agent:
         port_retries = 0
         attempt = 0
         learned_quiet = 0.0
+        previous_failure: Fingerprint | None = None
         while True:
             if self._interrupted is not None:
                 return self._interrupted_outcome(rdzv)
@@ -272,7 +302,14 @@ class Agent:
             if isinstance(joined, RunOutcome):
                 return joined
             self._round = Round(
-                plan, joined, rdzv, context, self.loop, attempt=attempt, learned_quiet=learned_quiet
+                plan,
+                joined,
+                rdzv,
+                context,
+                self.loop,
+                attempt=attempt,
+                learned_quiet=learned_quiet,
+                previous_failure=previous_failure,
             )
             received = self._received()
             if received is not None:  # with the join's end, in the same turn of the loop
@@ -283,6 +320,8 @@ class Agent:
                 self._round = None
             attempt += 1
             learned_quiet = result.learned_quiet
+            if result.failure is not None:
+                previous_failure = result.failure.fingerprint
             action = decide_next(
                 result,
                 interrupted=self._received(),

@@ -25,6 +25,7 @@ from typing import Literal
 
 from dist_core.supervisor import GroupOutcome
 from dist_launch.agent.event_loop import EventLoop
+from dist_launch.diagnostics.failure_class import FailureClass, Fingerprint, classify_failure
 from dist_launch.diagnostics.hang_report import HangReport
 from dist_launch.diagnostics.stacks import format_stack_dump, without_launcher_frames
 from dist_launch.output.log_layout import LogLayout, write_torch_error_file
@@ -82,6 +83,7 @@ class RoundResult:
         address_in_use: The root cause's traceback says its master port was taken.
         learned_quiet: The longest quiet interval ``--hang-timeout auto`` learned so far.
         message: Why the workers could not be started.
+        failure: For ``failed``, what kind of failure it was (worth a restart or not).
     """
 
     ending: RoundEnding
@@ -92,6 +94,7 @@ class RoundResult:
     address_in_use: bool = False
     learned_quiet: float = 0.0
     message: str = ""
+    failure: FailureClass | None = None
 
 
 def address_in_use(outcome: GroupOutcome) -> bool:
@@ -145,6 +148,8 @@ class Round:
         loop: The launcher's event loop.
         attempt: The round's number in this run.
         learned_quiet: What ``--hang-timeout auto`` learned in earlier rounds.
+        previous_failure: The root cause's fingerprint of the last failed round, if any
+            (the same error at the same place again is deterministic).
     """
 
     def __init__(
@@ -157,8 +162,10 @@ class Round:
         *,
         attempt: int,
         learned_quiet: float = 0.0,
+        previous_failure: Fingerprint | None = None,
     ) -> None:
         self.plan = plan
+        self.previous_failure = previous_failure
         self.assignment = assignment
         self.rdzv = rdzv
         self.context = context
@@ -292,11 +299,13 @@ class Round:
     ) -> RoundResult:
         ending = round_ending(outcome, hang, self._change)
         record = None
+        failure = None
         if ending == "hung":
             assert hang is not None
             record = hang_record(hang, self.assignment, host)
         elif ending == "failed":
             record = FailureRecord.of_round(outcome, self.assignment.group_rank)
+            failure = classify_failure(outcome, self.previous_failure)
         elif ending == "timed_out":
             outcome.timeout = self.plan.timeout  # the job's, not this round's remainder
         return RoundResult(
@@ -307,6 +316,7 @@ class Round:
             record=record,
             address_in_use=address_in_use(outcome),
             learned_quiet=learned_quiet,
+            failure=failure,
         )
 
     @staticmethod

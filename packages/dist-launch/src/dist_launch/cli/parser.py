@@ -15,8 +15,9 @@ import argparse
 from collections.abc import Sequence
 from typing import Any
 
+from dist_launch.exit_codes import ExitCode
 from dist_launch.plan.build import build_plan
-from dist_launch.plan.hang_policy import AUTO_FACTOR, AUTO_FLOOR_SECONDS, HANG_EXIT_STATUS
+from dist_launch.plan.hang_policy import AUTO_FACTOR, AUTO_FLOOR_SECONDS
 from dist_launch.plan.launch_plan import LaunchPlan
 
 PROG = "dist-launch"
@@ -251,7 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
         "a job none of whose ranks on a node makes progress (a new Python stack, output, "
         "dist_launch.report_progress()) for this long is hung: every rank's stack is "
         "shown, the odd ranks named, then the group restarts (--max-restarts) or the "
-        f"launcher exits with status {HANG_EXIT_STATUS}. auto (the default): "
+        f"launcher exits with status {int(ExitCode.HUNG)}. auto (the default): "
         f"{AUTO_FACTOR:g} x the longest quiet interval seen, at least "
         f"{AUTO_FLOOR_SECONDS:g} s; off: never",
         metavar="SECONDS|auto|off",
