@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import sys
 import uuid
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -48,11 +49,22 @@ def require_cluster_tools() -> None:
     pytest.skip(reason)
 
 
+def first_job_id() -> int:
+    """Job ids for this pytest process's cluster, apart from its sibling workers'.
+
+    A job's master port is derived from its id modulo 20000: each xdist worker of a
+    run gets its own thousand ids, the run itself a random place among twenty such.
+    """
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID", uuid.uuid4().hex)
+    return 1 + 1000 * ((zlib.crc32(run.encode()) + worker) % 20)
+
+
 @pytest.fixture(scope="session")
 def slurm() -> Iterator[SlurmCluster]:
     """The cluster of this pytest process (one per xdist worker)."""
     require_cluster_tools()
-    with one_host_slurm() as cluster:
+    with one_host_slurm(first_job_id=first_job_id()) as cluster:
         yield cluster
 
 

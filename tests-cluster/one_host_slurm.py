@@ -85,6 +85,7 @@ MpiDefault=none
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 ReturnToService=2
+FirstJobId={first_job_id}
 NodeName={node} NodeAddr=127.0.0.1 CPUs={cpus} RealMemory=1000 State=UNKNOWN
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 """
@@ -334,7 +335,7 @@ def _wait_until(check: Callable[[], bool], timeout: float, what: str, logs: Sequ
     raise ClusterError(f"{what} not within {timeout:g} s\n{tails}")
 
 
-def _write_config(root: Path, node: str, cpus: int) -> Path:
+def _write_config(root: Path, node: str, cpus: int, first_job_id: int) -> Path:
     for sub in ("run", "log", "state", "spool", "scripts", "munge"):
         (root / sub).mkdir()
     # munged refuses a socket whose directories others cannot traverse, and a key
@@ -355,14 +356,20 @@ def _write_config(root: Path, node: str, cpus: int) -> Path:
             slurmd_port=get_unused_port(),
             root=root,
             cpus=cpus,
+            first_job_id=first_job_id,
         )
     )
     return conf
 
 
 @contextlib.contextmanager
-def one_host_slurm(*, cpus: int = 16) -> Iterator[SlurmCluster]:
+def one_host_slurm(*, cpus: int = 16, first_job_id: int = 1) -> Iterator[SlurmCluster]:
     """A running cluster of one node with ``cpus`` CPUs (more than the machine may have).
+
+    Job ids start at ``first_job_id``. SLURM derives a step's master port from its job
+    id (dist-core's ``slurm_master_port``): clusters running side by side on one host
+    (one per pytest-xdist worker) need job ids that differ modulo 20000, as the jobs
+    of one real cluster do.
 
     Raises:
         ClusterError: A daemon did not start, or the node did not become idle; the
@@ -373,7 +380,7 @@ def one_host_slurm(*, cpus: int = 16) -> Iterator[SlurmCluster]:
     cluster: SlurmCluster | None = None
     try:
         node = _node_name()
-        conf = _write_config(root, node, cpus)
+        conf = _write_config(root, node, cpus, first_job_id)
         env = {**os.environ, "SLURM_CONF": str(conf)}
         log = root / "log"
         socket_path = root / "run" / "munge.sock"

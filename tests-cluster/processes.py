@@ -80,7 +80,13 @@ def read_until(process: subprocess.Popen[str], text: str, count: int, timeout: f
         chunk = os.read(fd, 65536) if ready else b""
         if not chunk:
             why = "the output ended" if ready else f"{timeout:g} s passed"
-            raise TimeoutError(f"{why} before {count} x {text!r}; read:\n{read.decode()}")
+            err = ""
+            if ready and process.stderr is not None:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    err = process.communicate(timeout=10)[1]
+            raise TimeoutError(
+                f"{why} before {count} x {text!r}; read:\n{read.decode()}\nstderr:\n{err}"
+            )
         read += chunk
     return read.decode(errors="replace")
 

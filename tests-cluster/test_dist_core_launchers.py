@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,23 @@ from dist_core.ports import get_unused_port
 pytestmark = pytest.mark.processes
 
 PY = sys.executable
-MPIRUN = ["mpirun", "--allow-run-as-root", "--oversubscribe"]
+
+
+def mpirun(tmp_path: Path) -> list[str]:
+    """``mpirun`` with a session directory of its own.
+
+    Open MPI keeps every job's session under /tmp/ompi.<host>.<uid>, which a finishing
+    mpirun removes: another starting meanwhile fails to mkdir its own.
+    """
+    session = tempfile.mkdtemp(dir=tmp_path, prefix="ompi-")
+    return [
+        "mpirun",
+        "--allow-run-as-root",
+        "--oversubscribe",
+        "--mca",
+        "orte_tmpdir_base",
+        session,
+    ]
 
 
 def test_dist_core_report_under_srun(slurm: SlurmCluster, job_env: dict[str, str]) -> None:
@@ -67,10 +84,12 @@ def test_two_steps_of_one_job_form_their_groups(
     assert a[0][2] != b[0][2], "both steps used one master port"
 
 
-def test_init_group_under_mpirun(job_env: dict[str, str], slurm: SlurmCluster) -> None:
+def test_init_group_under_mpirun(
+    job_env: dict[str, str], slurm: SlurmCluster, tmp_path: Path
+) -> None:
     # A free port given: this is about MASTER_ADDR (bug 1); the port is bug 5's test.
     env = {**job_env, "MASTER_PORT": str(get_unused_port())}
-    argv = [*MPIRUN, "-x", "MASTER_PORT", "-np", "2", PY, str(SCRIPTS / "init_group.py")]
+    argv = [*mpirun(tmp_path), "-x", "MASTER_PORT", "-np", "2", PY, str(SCRIPTS / "init_group.py")]
     done = slurm.run(argv, env, timeout=90)
     assert done.returncode == 0, done.stderr
     assert ranks_of(done.stdout) == [(0, 2), (1, 2)]
@@ -80,9 +99,11 @@ def test_two_mpirun_jobs_on_one_host(
     job_env: dict[str, str], slurm: SlurmCluster, tmp_path: Path
 ) -> None:
     # --from-dist-env: bug 1 would hide this one.
-    argv = [*MPIRUN, "-np", "2", PY, str(SCRIPTS / "init_group.py"), "--from-dist-env"]
-    argv += ["--meet", str(tmp_path), "2"]
-    jobs = [slurm.popen(argv, job_env) for _ in range(2)]
+    meet = tmp_path / "meet"
+    meet.mkdir()
+    argv = ["-np", "2", PY, str(SCRIPTS / "init_group.py"), "--from-dist-env"]
+    argv += ["--meet", str(meet), "2"]
+    jobs = [slurm.popen([*mpirun(tmp_path), *argv], job_env) for _ in range(2)]
     try:
         outs = [job.communicate(timeout=90) for job in jobs]
     finally:
@@ -95,8 +116,10 @@ def test_two_mpirun_jobs_on_one_host(
     assert formed[0][0][2] != formed[1][0][2], "both mpirun jobs used one master port"
 
 
-def test_mpirun_inside_a_step_keeps_mpi_ranks(slurm: SlurmCluster, job_env: dict[str, str]) -> None:
-    argv = ["srun", "-n1", "-c2", *MPIRUN, "-np", "2", PY, str(SCRIPTS / "show_env.py")]
+def test_mpirun_inside_a_step_keeps_mpi_ranks(
+    slurm: SlurmCluster, job_env: dict[str, str], tmp_path: Path
+) -> None:
+    argv = ["srun", "-n1", "-c2", *mpirun(tmp_path), "-np", "2", PY, str(SCRIPTS / "show_env.py")]
     done = slurm.run(argv, job_env, timeout=60)
     assert done.returncode == 0, done.stderr
     found = envs(done.stdout)

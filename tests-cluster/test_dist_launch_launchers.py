@@ -20,6 +20,12 @@ LAUNCH = [PY, "-m", "dist_launch"]
 CHECKPOINT = str(SCRIPTS / "checkpoint_on_sigterm.py")
 
 
+def exit_class(tmp_path: Path) -> object:
+    """The class of ending the run's error.json names (dist_launch.ExitCode)."""
+    error = json.loads((tmp_path / "logs" / "run" / "error.json").read_text())
+    return error["message"]["extraInfo"]["exit_class"]
+
+
 def checkpoints(directory: Path) -> dict[int, dict[str, int]]:
     """Each complete checkpoint's signal counts, by rank."""
     done = {}
@@ -83,8 +89,12 @@ def _run_until_signalled(
     launcher_flags: tuple[str, ...] = (),
     script: str = CHECKPOINT,
 ) -> tuple[int, str]:
-    """A 4-rank job under default flags, signalled as ``scancel`` says once it trains."""
-    argv = ["srun", "-n1", "-J", tag, *LAUNCH, *launcher_flags, "-n", "4", script]
+    """A 4-rank job under default flags, signalled as ``scancel`` says once it trains.
+
+    Its logs (and the run's error.json) go to ``tmp_path/logs/run``.
+    """
+    logs = ["--log-dir", str(tmp_path / "logs"), "--run-id", "run"]
+    argv = ["srun", "-n1", "-J", tag, *LAUNCH, *launcher_flags, *logs, "-n", "4", script]
     srun = slurm.popen([*argv, str(tmp_path)], job_env)
     try:
         read_until(srun, "training", 4, timeout=60)
@@ -103,6 +113,7 @@ def test_scancel_signal_term_completes_every_checkpoint(
     assert sorted(checkpoints(tmp_path)) == [0, 1, 2, 3], err
     assert [c["SIGTERM"] for c in checkpoints(tmp_path).values()] == [1] * 4
     assert status == 143, err
+    assert exit_class(tmp_path) == "PREEMPTED"
 
 
 def test_plain_scancel_completes_every_checkpoint(
@@ -111,6 +122,8 @@ def test_plain_scancel_completes_every_checkpoint(
     _, err = _run_until_signalled(slurm, job_env, tag, tmp_path, [])
     assert sorted(checkpoints(tmp_path)) == [0, 1, 2, 3], err
     assert [c["SIGTERM"] for c in checkpoints(tmp_path).values()] == [1] * 4
+    # srun's own status reflects the cancel; the launcher's class is in error.json.
+    assert exit_class(tmp_path) == "PREEMPTED"
 
 
 def test_spawn_start_method_completes_every_checkpoint(
