@@ -65,9 +65,11 @@ class _ProcessGuard:
     once per pytest process: ``os.fork`` (``fork`` start method, ``pty``,
     ``os.spawn*``), ``_posixsubprocess.fork_exec`` (``spawn`` and ``forkserver``
     servers), ``subprocess.Popen._execute_child`` (``subprocess.run`` and friends),
-    ``os.posix_spawn``/``posix_spawnp``, ``os.system`` and
-    ``multiprocessing``'s ``BaseProcess.start`` (a forkserver already running starts
-    workers without a local fork). The current test is the one pytest is running
+    ``os.posix_spawn``/``posix_spawnp`` and ``multiprocessing``'s
+    ``BaseProcess.start`` (a forkserver already running starts workers without a local
+    fork). ``os.system`` is left alone: a test may pickle it by reference (a planted
+    pickle payload), which a wrapper would break, and no test of ours starts a process
+    with it. The current test is the one pytest is running
     (setup, call and teardown, so module fixtures count for the first test that
     needs them).
     """
@@ -100,7 +102,6 @@ class _ProcessGuard:
 
     def install(self) -> None:
         self.wrap(os, "fork", "os.fork")
-        self.wrap(os, "system", "os.system")
         for name in ("posix_spawn", "posix_spawnp", "forkpty"):
             if hasattr(os, name):
                 self.wrap(os, name, f"os.{name}")

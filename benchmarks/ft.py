@@ -27,6 +27,11 @@ Real processes on this machine share one TCPStore hosted by this script.
    form a quorum of N, time until every replica saw one die, and the store load against
    the store's own rate (a count left out of ``--scale`` is scaled from the largest
    run): see ``_lib/ft_quorum_scale.py``.
+6. The soak, only with ``--only soak``: the replica groups' lose-a-rank-and-rejoin
+   scenario of the tests, ``--soak-runs`` times in a row (30), counting the runs whose
+   shards differ between groups at the end (target: none); see ``_lib/ft_soak.py``.
+   ``nox -s soak`` runs it on the newest torch. The count of the run before the fix
+   that made it 0 stays in the JSON as ``soak.before_fix``.
 
 Prints the medians and the ratios with the targets (reconfigure <= 0.25x torchft's,
 managed step <= 1.05x the plain one on the large MLP), and the commit vote's own cost
@@ -71,6 +76,7 @@ TRANSFER_TARGET_GBPS = 2.5  # per rank, for a state of at least 1 GiB
 SCALE_SIMULATED = "64,256,1024"
 SCALE_COMPUTED = (1024,)
 SCENARIO_TIMEOUT = 180.0
+SOAK_RUNS = 30
 
 
 def _barrier(store: Any, name: str, count: int) -> None:
@@ -483,107 +489,12 @@ def _transfer_and_scale(port: int, args: Any, only: str | None) -> dict[str, Any
     return results
 
 
-def main() -> None:
-    import torch.distributed as dist
-    from _lib.results import add_json_argument, describe_run, write_results
-
-    from dist_core.ports import get_unused_port
-
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_json_argument(parser, "ft")
-    parser.add_argument("--repeats", type=int, default=REPEATS, help="reconfigurations per case")
-    parser.add_argument(
-        "--blocks", type=int, default=BLOCKS, help="alternating blocks of steps per model"
-    )
-    parser.add_argument(
-        "--transfer-gib", type=float, default=1.0, help="size of the transferred state (GiB)"
-    )
-    parser.add_argument(
-        "--transfer-repeats", type=int, default=5, help="interleaved repeats of the transfer"
-    )
-    parser.add_argument(
-        "--scale",
-        default=SCALE_SIMULATED,
-        help="replica counts to simulate against one store (comma-separated; 1024, if "
-        "left out, is scaled from the largest)",
-    )
-    parser.add_argument(
-        "--only",
-        choices=["transfer", "scale"],
-        help="run one new part alone (the transfer or the quorum at scale)",
-    )
-    args = parser.parse_args()
-
-    try:
-        import torchft  # noqa: F401
-
-        with_torchft = True
-    except ImportError:
-        with_torchft = False
-    port = get_unused_port()
-    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
-    if args.only is not None:
-        new = _transfer_and_scale(port, args, args.only)
-        del store
-        target = Path(args.json)
-        previous = json.loads(target.read_text()) if args.json != "-" and target.is_file() else {}
-        previous.pop("benchmark", None)
-        # The other parts' numbers stay as they were, from the run that measured them.
-        runs = previous.pop("runs", {})
-        last = previous.pop("run", None)
-        if last is not None and "others" not in runs:
-            runs["others"] = last
-        previous["runs"] = runs | {args.only: describe_run()}
-        write_results(args.json, "ft", previous | new)
-        return
-    context = mp.get_context("spawn")
-    queue = context.Queue()
-    procs = [
-        context.Process(
-            target=_worker, args=(r, port, queue, with_torchft, args.repeats, args.blocks)
-        )
-        for r in range(WORLD)
-    ]
-    for proc in procs:
-        proc.start()
-    results = dict(queue.get(timeout=900) for _ in procs)
-    for proc in procs:
-        proc.join(60)
-    groups = _replica_groups(port, store)
-    new = _transfer_and_scale(port, args, None)
-    del store
-
-    def slowest_median(key: str) -> float:
-        """Median over repeats of the slowest rank: a reconfiguration is done when all are."""
-        per_rank = [results[r][key] for r in results if key in results[r]]
-        return statistics.median(max(values) for values in zip(*per_rank, strict=True))
+def _print_steps(results: dict[int, dict[str, list[float]]]) -> dict[str, Any]:
+    """Part 2 (see the module doc): prints each model's step times and ratio; their JSON."""
 
     def median_ms(key: str) -> float:
         return statistics.median(statistics.median(results[r][key]) for r in results) * 1000
 
-    print(f"dist_collectives.ft benchmark: {WORLD} processes, {mp.cpu_count()} CPU cores")
-    print(f"{'measurement':<46}{'ours':>10}{'torchft 0.2.0':>15}{'ratio':>9}  target")
-    reconfigure = []
-    for world in (WORLD, WORLD - 1):
-        label = (
-            f"gloo configure, {world} ranks, new prefix"
-            if world == WORLD
-            else f"gloo configure, {world} survivors"
-        )
-        ours = slowest_median(f"ours/{world}") * 1000
-        theirs = slowest_median(f"torchft/{world}") * 1000 if with_torchft else None
-        reconfigure.append(
-            {
-                "ranks": world,
-                "case": "new prefix" if world == WORLD else "survivors after one left",
-                "ours_ms": round(ours, 3),
-                "torchft_ms": None if theirs is None else round(theirs, 3),
-            }
-        )
-        if theirs is not None:
-            print(f"{label:<46}{ours:>8.2f}ms{theirs:>13.2f}ms{ours / theirs:>8.2f}x  <= 0.25x")
-        else:
-            print(f"{label:<46}{ours:>8.2f}ms{'n/a':>15}{'n/a':>9}  (torchft not installed)")
     steps = {}
     for name, (width, batch) in STEP_MODELS.items():
         plain, managed, vote = (
@@ -611,6 +522,167 @@ def main() -> None:
         )
         if name == "large" and plain < LARGE_STEP_MS:
             print(f"  (the plain step took under {LARGE_STEP_MS:.0f} ms: a faster machine)")
+    return steps
+
+
+def _merge_part(path: str, previous: dict[str, Any], part: str, new: dict[str, Any]) -> None:
+    """Writes one part's entries into the JSON of earlier runs (``--only``).
+
+    The other parts' numbers stay as they were, from the run that measured them; each
+    part's run is described under ``runs``.
+    """
+    from _lib.results import describe_run, write_results
+
+    previous.pop("benchmark", None)
+    runs = previous.pop("runs", {})
+    last = previous.pop("run", None)
+    if last is not None and "others" not in runs:
+        runs["others"] = last
+    previous["runs"] = runs | {part: describe_run()}
+    write_results(path, "ft", previous | new)
+
+
+def _steps_entries(steps: dict[str, Any]) -> dict[str, Any]:
+    """The JSON entries of part 2: every model's steps, the large one's at the top level."""
+    large = steps["large"]
+    return {
+        "step_model": f"MLP 64-{large['width']}-{large['width']}-10, batch {large['batch']}",
+        "step_ms": {"plain gloo": large["plain_ms"], "Manager": large["managed_ms"]},
+        "vote_ms": large["vote_ms"],
+        "steps": steps,
+    }
+
+
+def _soak(runs: int, previous: dict[str, Any] | None) -> dict[str, Any]:
+    """Part 6 (see the module doc): runs, prints and returns the soak's JSON entry.
+
+    The entry keeps the previous one's ``before_fix``, the count before the fix.
+    """
+    from _lib import ft_soak
+
+    soak = ft_soak.measure(runs)
+    if previous is not None and previous.get("before_fix") is not None:
+        soak["before_fix"] = previous["before_fix"]
+    print(
+        f"soak on torch {soak['torch']}: {soak['scenario']}: {soak['diverged']} of "
+        f"{soak['runs']} runs ended with shards that differ between groups (target 0), "
+        f"{soak['failed']} failed otherwise"
+    )
+    for line in soak["divergences"] + soak["failures"]:
+        print(f"  {line[:300]}")
+    sys.stdout.flush()
+    return {"soak": soak}
+
+
+def main() -> None:
+    import torch.distributed as dist
+    from _lib.results import add_json_argument, write_results
+
+    from dist_core.ports import get_unused_port
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_json_argument(parser, "ft")
+    parser.add_argument("--repeats", type=int, default=REPEATS, help="reconfigurations per case")
+    parser.add_argument(
+        "--blocks", type=int, default=BLOCKS, help="alternating blocks of steps per model"
+    )
+    parser.add_argument(
+        "--transfer-gib", type=float, default=1.0, help="size of the transferred state (GiB)"
+    )
+    parser.add_argument(
+        "--transfer-repeats", type=int, default=5, help="interleaved repeats of the transfer"
+    )
+    parser.add_argument(
+        "--scale",
+        default=SCALE_SIMULATED,
+        help="replica counts to simulate against one store (comma-separated; 1024, if "
+        "left out, is scaled from the largest)",
+    )
+    parser.add_argument(
+        "--only",
+        choices=["steps", "transfer", "scale", "soak"],
+        help="run one part alone (the managed and plain steps, the transfer, the quorum "
+        "at scale, or the soak)",
+    )
+    parser.add_argument(
+        "--soak-runs", type=int, default=SOAK_RUNS, help="runs of the soak's scenario in a row"
+    )
+    args = parser.parse_args()
+
+    try:
+        import torchft  # noqa: F401
+
+        with_torchft = True
+    except ImportError:
+        with_torchft = False
+    port = get_unused_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    target = Path(args.json)
+    if args.only not in (None, "steps"):
+        previous = json.loads(target.read_text()) if args.json != "-" and target.is_file() else {}
+        if args.only == "soak":
+            new = _soak(args.soak_runs, previous.get("soak"))
+        else:
+            new = _transfer_and_scale(port, args, args.only)
+        del store
+        _merge_part(args.json, previous, args.only, new)
+        return
+    steps_only = args.only == "steps"
+    if steps_only:  # one configure per group kind (the warm-up), no torchft
+        with_torchft, args.repeats = False, 0
+    context = mp.get_context("spawn")
+    queue = context.Queue()
+    procs = [
+        context.Process(
+            target=_worker, args=(r, port, queue, with_torchft, args.repeats, args.blocks)
+        )
+        for r in range(WORLD)
+    ]
+    for proc in procs:
+        proc.start()
+    results = dict(queue.get(timeout=900) for _ in procs)
+    for proc in procs:
+        proc.join(60)
+    if steps_only:
+        del store
+        print(f"dist_collectives.ft benchmark: {WORLD} processes, {mp.cpu_count()} CPU cores")
+        steps = _print_steps(results)
+        previous = json.loads(target.read_text()) if args.json != "-" and target.is_file() else {}
+        _merge_part(args.json, previous, "steps", _steps_entries(steps))
+        return
+    groups = _replica_groups(port, store)
+    new = _transfer_and_scale(port, args, None)
+    del store
+
+    def slowest_median(key: str) -> float:
+        """Median over repeats of the slowest rank: a reconfiguration is done when all are."""
+        per_rank = [results[r][key] for r in results if key in results[r]]
+        return statistics.median(max(values) for values in zip(*per_rank, strict=True))
+
+    print(f"dist_collectives.ft benchmark: {WORLD} processes, {mp.cpu_count()} CPU cores")
+    print(f"{'measurement':<46}{'ours':>10}{'torchft 0.2.0':>15}{'ratio':>9}  target")
+    reconfigure = []
+    for world in (WORLD, WORLD - 1):
+        label = (
+            f"gloo configure, {world} ranks, new prefix"
+            if world == WORLD
+            else f"gloo configure, {world} survivors"
+        )
+        ours = slowest_median(f"ours/{world}") * 1000
+        theirs = slowest_median(f"torchft/{world}") * 1000 if with_torchft else None
+        reconfigure.append(
+            {
+                "ranks": world,
+                "case": "new prefix" if world == WORLD else "survivors after one left",
+                "ours_ms": round(ours, 3),
+                "torchft_ms": None if theirs is None else round(theirs, 3),
+            }
+        )
+        if theirs is not None:
+            print(f"{label:<46}{ours:>8.2f}ms{theirs:>13.2f}ms{ours / theirs:>8.2f}x  <= 0.25x")
+        else:
+            print(f"{label:<46}{ours:>8.2f}ms{'n/a':>15}{'n/a':>9}  (torchft not installed)")
+    steps = _print_steps(results)
     print(
         f"replica groups: {groups['groups']} groups of {groups['group_size']} ranks, "
         f"one rank SIGKILLed mid-step"
@@ -631,17 +703,13 @@ def main() -> None:
         f"{groups['group_transfer_gbps']:>8.2f}"
     )
     sys.stdout.flush()
-    large = steps["large"]
     write_results(
         args.json,
         "ft",
         {
             "torchft": version("torchft") if with_torchft else None,
             "reconfigure": reconfigure,
-            "step_model": f"MLP 64-{large['width']}-{large['width']}-10, batch {large['batch']}",
-            "step_ms": {"plain gloo": large["plain_ms"], "Manager": large["managed_ms"]},
-            "vote_ms": large["vote_ms"],
-            "steps": steps,
+            **_steps_entries(steps),
             "replica_groups": groups,
             "targets": {"reconfigure_ratio": 0.25, "step_ratio": 1.05},
             **new,

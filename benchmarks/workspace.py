@@ -466,11 +466,19 @@ def main() -> int:
         "benchmarks/_lib/workspace_export.py), as --calls",
     )
     parser.add_argument("--export-gib", type=float, default=2.0, help="model size to export")
+    parser.add_argument(
+        "--link-sweep",
+        default="",
+        help="KiB per rank, comma separated: time records on the link against a segment per "
+        "call at each size (see benchmarks/_lib/workspace_link.py), print, write nothing",
+    )
     from _lib import workspace_calls, workspace_export
     from _lib.results import add_json_argument, describe_run, write_results
 
     add_json_argument(parser, "workspace")
     args = parser.parse_args()
+    if args.link_sweep:
+        return _run_link_sweep(args)
     if args.calls == "only" or args.export == "only":
         parts: dict[str, Any] = {}
         if args.calls != "skip":
@@ -533,6 +541,21 @@ def _run_calls(args: argparse.Namespace, workspace_calls: Any) -> dict[str, Any]
     measured = run_ranks(workspace_calls.measure, WORLD, args.repeats, timeout=3000)[0]
     reported: dict[str, Any] = workspace_calls.report(measured)
     return reported
+
+
+def _run_link_sweep(args: argparse.Namespace) -> int:
+    from _lib import workspace_link
+
+    from dist_core.testing import run_ranks
+
+    sizes = [int(text) for text in args.link_sweep.split(",") if text]
+    measured = run_ranks(workspace_link.sweep, WORLD, sizes, args.repeats, timeout=3000)[0]
+    print(f"link against a segment per call ({WORLD} ranks; ms per call, receiver reads all)")
+    print(f"{'KiB/rank':>10}{'link ms':>10}{'segment ms':>12}{'link/segment':>14}")
+    for kib, row in measured.items():
+        ratio = row["link"] / row["segment"]
+        print(f"{kib:>10}{row['link']:>10.3f}{row['segment']:>12.3f}{ratio:>14.2f}")
+    return 0
 
 
 def _run_export(args: argparse.Namespace, workspace_export: Any) -> dict[str, Any]:

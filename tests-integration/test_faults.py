@@ -9,6 +9,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -61,10 +62,12 @@ def _wait_until_gone(pids: set[int], seconds: float) -> set[int]:
 
 
 @pytest.fixture
-def shm_dir(tmp_path: Path) -> Iterator[Path]:
-    """A private segment directory, so leftovers of this test alone can be counted."""
-    directory = Path("/dev/shm") / f"dist-it-{tmp_path.name}"
-    directory.mkdir(mode=0o700)
+def shm_dir() -> Iterator[Path]:
+    """A private segment directory, so leftovers of this test alone can be counted.
+
+    Named by mkdtemp, not after tmp_path: pytest-xdist workers' tmp_path names repeat.
+    """
+    directory = Path(tempfile.mkdtemp(dir="/dev/shm", prefix="dist-it-"))
     yield directory
     for leftover in directory.iterdir():
         leftover.unlink()

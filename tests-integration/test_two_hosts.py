@@ -23,7 +23,12 @@ BOUND_SECONDS = 60.0
 
 
 def _launcher(
-    host: Host, master: Host, node_rank: int, extra_env: dict[str, str]
+    host: Host,
+    master: Host,
+    node_rank: int,
+    extra_env: dict[str, str],
+    script: Path = SCRIPT,
+    *args: str,
 ) -> subprocess.Popen[str]:
     launcher = shutil.which("dist-launch") or str(Path(sys.executable).with_name("dist-launch"))
     env = {**os.environ, "GLOO_SOCKET_IFNAME": host.interface, **extra_env}
@@ -41,7 +46,8 @@ def _launcher(
         str(PORT),
         "--grace-period",
         "2",
-        str(SCRIPT),
+        str(script),
+        *args,
     ]
     return subprocess.Popen(
         host.command(argv),
@@ -53,15 +59,20 @@ def _launcher(
     )
 
 
-def test_collective_across_two_hosts(two_hosts: tuple[Host, Host]) -> None:
-    first, second = two_hosts
-    launchers = [_launcher(first, first, 0, {}), _launcher(second, first, 1, {})]
+def _succeeded(launchers: list[subprocess.Popen[str]]) -> str:
+    """Every launcher's output, joined, once each has exited 0."""
     outputs = []
     for launcher in launchers:
         out, _ = launcher.communicate(timeout=180)
         outputs.append(out)
         assert launcher.returncode == 0, out
-    joined = "\n".join(outputs)
+    return "\n".join(outputs)
+
+
+def test_collective_across_two_hosts(two_hosts: tuple[Host, Host]) -> None:
+    first, second = two_hosts
+    launchers = [_launcher(first, first, 0, {}), _launcher(second, first, 1, {})]
+    joined = _succeeded(launchers)
     for rank in range(4):
         assert f"rank={rank} world=4 sum=10" in joined, joined
 
@@ -91,3 +102,22 @@ def test_killing_one_hosts_launcher_ends_the_other_non_zero(two_hosts: tuple[Hos
             if launcher.poll() is None:
                 os.killpg(launcher.pid, signal.SIGKILL)
                 launcher.wait(timeout=30)
+
+
+def test_the_parallel_helpers_across_two_hosts(
+    two_hosts: tuple[Host, Host], tmp_path: Path
+) -> None:
+    """Configs through a directory span hosts (small ones on the link, a large one in a
+    file); shared memory across hosts is refused on every rank, naming both hosts."""
+    first, second = two_hosts
+    script = SCRIPT.with_name("workspace_two_hosts.py")
+    launchers = [
+        _launcher(host, first, index, {}, script, str(tmp_path))
+        for index, host in enumerate((first, second))
+    ]
+    joined = _succeeded(launchers)
+    assert "small: ranks=[0, 1, 2, 3] hosts=2" in joined, joined
+    assert "large: ranks=[0, 1, 2, 3] values=[0, 1, 2, 3]" in joined, joined
+    assert "shared memory needs one host. Pass workspace_path" in joined, joined
+    assert first.name in joined and second.name in joined, joined
+    assert os.listdir(tmp_path) == [], os.listdir(tmp_path)  # the call directory is gone

@@ -15,14 +15,7 @@ Methods, interleaved (one full workload each, repeat after repeat; the fastest k
 - ``dist.gather``: torch's gather on gloo into fresh tensors (the floor: what moving the
   same bytes between these processes costs without any of the guarantees), and
   ``gather_object`` for configs (pickle: what a user would reach for).
-- ``store handshake`` (a limit): the two hops any call with a verdict makes, alone
-  (the senders post a key, the receiver waits for them, reads them and posts a
-  verdict the senders wait for), no data moved: on a machine with fewer cores than
-  ranks, what the wake-ups of a call cost before a byte moves.
-- ``socket handshake`` (a limit): the same two hops, one byte each way over a Unix
-  socket per sender, connected at the first call: the least a call that tells every
-  sender how it ended costs here. dist-workspace's calls take this path after their
-  first call (``dist_workspace.peer_socket``); this one is written here, apart.
+- ``link handshake`` (a limit) and ``gloo handshake``: see ``_lib/workspace_link.py``.
 - ``Model Optimizer``: its own ``modelopt.torch.export.distribute.get_tensors_parallel``,
   when ``nvidia-modelopt`` is installed (it is not a requirement of the benchmark; the
   run says when it is missing). Not for configs: its ``get_configs_parallel`` takes its
@@ -39,7 +32,6 @@ intra-op thread, as under torchrun (``OMP_NUM_THREADS=1``).
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -66,8 +58,8 @@ _NOT_ROUND_TRIPS = frozenset({"set", "set_timeout", "timeout"})
 METHODS = (
     "dist-workspace",
     "dist.gather",
-    "store handshake",
-    "socket handshake",
+    "link handshake",
+    "gloo handshake",
     "Model Optimizer",
 )
 
@@ -143,99 +135,6 @@ def _gather_object(config: Any, ranks: list[int]) -> Iterator[list[Any]]:
         yield []
 
 
-_handshakes = [0]
-
-
-@contextlib.contextmanager
-def _store_handshake(value: Any, ranks: list[int]) -> Iterator[list[Any]]:
-    """Only the two hops a call with a verdict needs: every sender posts, the receiver
-    waits for all, reads them and posts a verdict the senders wait for. No data."""
-    from datetime import timedelta
-
-    import torch.distributed as dist
-    import torch.distributed.distributed_c10d as c10d
-
-    from dist_workspace.store_reader import reader_for
-
-    store = c10d._get_default_store()
-    call = _handshakes[0]
-    _handshakes[0] += 1
-    prefix = f"bench-handshake/{call}"
-    rank = dist.get_rank()
-    if rank == ranks[0]:
-        keys = [f"{prefix}/{sender}" for sender in ranks[1:]]
-        store.wait(keys, timedelta(seconds=60))
-        store.multi_get(keys)
-        store.set(f"{prefix}/verdict", "ok")
-        yield []  # moves no data
-    else:
-        store.set(f"{prefix}/{rank}", "posted")
-        reader_for(store).get(f"{prefix}/verdict", 60.0)  # dist-workspace's own waiting read
-        yield []
-
-
-_socket_ends: dict[str, Any] = {}  # the receiver's connections, or a sender's one
-
-
-def _connect_handshake_sockets(ranks: list[int]) -> None:
-    """Receiver: listens and takes one connection per sender; senders connect to it."""
-    import socket
-
-    import torch.distributed as dist
-    import torch.distributed.distributed_c10d as c10d
-
-    store = c10d._get_default_store()
-    rank = dist.get_rank()
-    if rank == ranks[0]:
-        name = f"bench-handshake-{os.getpid()}".encode()
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        listener.bind(b"\0" + name)
-        listener.listen(len(ranks))
-        listener.settimeout(60)
-        store.set("bench-handshake/socket", name)
-        accepted = [listener.accept()[0] for _ in ranks[1:]]
-        for connection in accepted:
-            connection.settimeout(60)
-        _socket_ends["receiver"] = accepted
-        listener.close()
-    else:
-        sender = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sender.settimeout(60)
-        sender.connect(b"\0" + store.get("bench-handshake/socket"))
-        _socket_ends["sender"] = sender
-
-
-@contextlib.contextmanager
-def _socket_handshake(value: Any, ranks: list[int]) -> Iterator[list[Any]]:
-    """The two hops over direct connections: a byte from each sender, a byte back."""
-    import select
-
-    import torch.distributed as dist
-
-    if not _socket_ends:
-        _connect_handshake_sockets(ranks)
-    if dist.get_rank() == ranks[0]:
-        waiting = {connection.fileno(): connection for connection in _socket_ends["receiver"]}
-        poller = select.poll()
-        for fd in waiting:
-            poller.register(fd, select.POLLIN)
-        while waiting:
-            events = poller.poll(60_000)
-            if not events:
-                raise TimeoutError("socket handshake: a sender did not post in 60 s")
-            for fd, _ in events:
-                if not waiting.pop(fd).recv(1):
-                    raise ConnectionError("socket handshake: a sender closed its connection")
-                poller.unregister(fd)
-        for connection in _socket_ends["receiver"]:
-            connection.sendall(b"v")
-    else:
-        _socket_ends["sender"].sendall(b"s")
-        if not _socket_ends["sender"].recv(1):
-            raise ConnectionError("socket handshake: the receiver closed its connection")
-    yield []  # moves no data
-
-
 def _calls_of(method: str, kind: str) -> Callable[..., Any] | None:
     """The context manager ``method`` offers for ``kind`` (None: it has none)."""
     from dist_workspace import get_configs_parallel, get_tensors_parallel
@@ -246,10 +145,12 @@ def _calls_of(method: str, kind: str) -> Callable[..., Any] | None:
         return lambda config, ranks: get_configs_parallel(config, ranks, None)
     if method == "dist.gather":
         return _gather if kind == "tensor" else _gather_object
-    if method == "store handshake":
-        return _store_handshake
-    if method == "socket handshake":
-        return _socket_handshake
+    if method in ("link handshake", "gloo handshake"):
+        from _lib import workspace_link
+
+        if method == "gloo handshake":
+            return workspace_link.gloo_handshake
+        return workspace_link.link_handshake
     distribute = _modelopt()
     if distribute is None or kind != "tensor":
         # Its get_configs_parallel takes its own config classes only (LinearConfig, ...):
@@ -343,7 +244,7 @@ def report(results: dict[str, Any]) -> dict[str, Any]:
     print()
     print(f"the cost of a call ({WORLD} ranks, one host, gloo; ms per call on rank 0)")
     header = (
-        f"{'workload':<12}{'method':<17}{'call ms':>9}{'+read ms':>10}{'x floor':>9}"
+        f"{'workload':<12}{'method':<19}{'call ms':>9}{'+read ms':>10}{'x floor':>9}"
         f"{'store trips/call':>18}"
     )
     print(header)
@@ -366,13 +267,13 @@ def report(results: dict[str, Any]) -> dict[str, Any]:
                     if kind == "config" and _modelopt() is not None
                     else "not installed (pip install nvidia-modelopt)"
                 )
-                print(f"{workload:<12}{label:<17}{why}")
+                print(f"{workload:<12}{label:<19}{why}")
                 row[method] = None
                 continue
             trips = item.get("round_trips_all_ranks")
             trips_text = f"{trips:.1f}" if trips is not None else "-"
             print(
-                f"{workload:<12}{label:<17}{item['call_ms']:>9.3f}{item['with_read_ms']:>10.3f}"
+                f"{workload:<12}{label:<19}{item['call_ms']:>9.3f}{item['with_read_ms']:>10.3f}"
                 f"{item['with_read_ms'] / floor:>9.2f}{trips_text:>18}"
             )
             row[method] = {
@@ -388,15 +289,13 @@ def report(results: dict[str, Any]) -> dict[str, Any]:
         "store trips: all ranks together"
     )
     print(
-        "store/socket handshake: the two hops alone (senders post, the receiver reads and "
-        "answers with a verdict they wait for), no data, through the store or over Unix "
-        "sockets: the socket one is the least a call that tells every sender how it ended "
-        "costs on this machine"
+        "link/gloo handshake: the two hops alone (an empty head from every sender, an empty "
+        "verdict back), no data, on dist-workspace's link or over a gloo group of the ranks"
     )
     for workload, per_method in results.items():
         ours = per_method["dist-workspace"]["with_read_ms"]
         floor = per_method["dist.gather"]["with_read_ms"]
-        for method in ("store handshake", "socket handshake"):
+        for method in ("link handshake", "gloo handshake"):
             handshake = per_method.get(method)
             if handshake is not None:
                 print(

@@ -7,6 +7,9 @@ bfloat16 tensors of 64 MiB. Methods, interleaved, the fastest of the repeats kep
   Hugging Face writer underneath): every rank writes and fsyncs its own
   ``model-0000k-of-00004.safetensors`` at once, rank 0 the index, then the directory
   is renamed into place.
+- ``export_sharded 256MB``: the same with ``max_shard_size="256MB"``, as
+  ``save_pretrained`` would split it: each rank packs its tensors into files of at
+  most 256 MB (3 files of up to 192 MiB per rank at 2 GiB).
 - ``gather + one file``: what exports do today: ``get_configs_parallel`` gives rank 0
   every rank's tensors (shared memory), rank 0 writes them into one
   ``model.safetensors`` with ``safetensors.torch.save_file`` and fsyncs it.
@@ -75,6 +78,8 @@ def _once(method: str, total_bytes: int, root: str) -> float | None:
     began = time.perf_counter()
     if method == "export_sharded":
         export_sharded(part, out)
+    elif method == "export_sharded 256MB":
+        export_sharded(part, out, max_shard_size="256MB")
     elif method == "gather + one file":
         with get_configs_parallel(part, list(range(WORLD)), None) as parts:
             if parts:
@@ -100,7 +105,7 @@ def _once(method: str, total_bytes: int, root: str) -> float | None:
     return elapsed if rank == 0 else None
 
 
-METHODS = ("export_sharded", "gather + one file", "4 writers", "1 writer")
+METHODS = ("export_sharded", "export_sharded 256MB", "gather + one file", "4 writers", "1 writer")
 
 
 def measure(total_bytes: int, repeats: int, root: str) -> dict[str, float]:
@@ -120,20 +125,22 @@ def report(best: dict[str, float], total_bytes: int) -> dict[str, Any]:
     gib = total_bytes / 2**30
     print()
     print(f"exporting a {gib:g} GiB model held by {WORLD} ranks (bfloat16, 64 MiB tensors)")
-    header = f"{'method':<20}{'seconds':>9}{'GB/s':>7}{'x 4 writers':>13}"
+    header = f"{'method':<22}{'seconds':>9}{'GB/s':>7}{'x 4 writers':>13}"
     print(header)
     print("-" * len(header))
     limit = best["4 writers"]
     for method in METHODS:
         seconds = best[method]
         print(
-            f"{method:<20}{seconds:>9.2f}{total_bytes / seconds / 1e9:>7.2f}"
+            f"{method:<22}{seconds:>9.2f}{total_bytes / seconds / 1e9:>7.2f}"
             f"{limit / seconds:>13.2f}"
         )
     speedup = best["gather + one file"] / best["export_sharded"]
-    print(f"export_sharded speed-up over gather + one file: {speedup:.2f}x")
+    split = best["gather + one file"] / best["export_sharded 256MB"]
+    print(f"export_sharded speed-up over gather + one file: {speedup:.2f}x ({split:.2f}x, 256MB)")
     return {
         "gib": gib,
         "seconds": {method: round(best[method], 3) for method in METHODS},
         "speedup_over_gather": round(speedup, 3),
+        "speedup_over_gather_256mb": round(split, 3),
     }

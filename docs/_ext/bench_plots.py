@@ -338,10 +338,10 @@ def draw_workspace(data: Data) -> Figure:
 CALL_METHODS = {
     "dist-workspace": ("dist-workspace", OURS),
     "Model Optimizer": ("Model Optimizer", PEER),
-    "store handshake": ("limit: the store handshake alone (no data)", LIMIT),
-    "socket handshake": ("limit: the socket handshake alone (no data)", LIMIT),
+    "gloo handshake": ("a gloo group's handshake alone (no data)", PEER),
+    "link handshake": ("limit: the link's handshake alone (no data)", LIMIT),
 }
-HATCHED = {"socket handshake"}  # the two limits share a colour
+HATCHED = {"gloo handshake"}  # shares the peers' colour
 
 
 def _draw_workspace_calls(axes: Axes, calls: Data) -> None:
@@ -390,6 +390,7 @@ def _draw_workspace_calls(axes: Axes, calls: Data) -> None:
 
 EXPORT_METHODS = {
     "export_sharded": ("export_sharded\n(every rank writes)", OURS),
+    "export_sharded 256MB": ("sharded,\n256MB files", OURS),
     "gather + one file": ("gather to rank 0\n+ one file", PEER),
     "4 writers": ("limit: 4 writers,\nwrite + fsync", LIMIT),
     "1 writer": ("limit: 1 writer,\nwrite + fsync", LIMIT),

@@ -10,10 +10,14 @@ say how the block runs:
   dist_launch``, ...), so the commands run the packages under test.
 - ``file=NAME``: not run; written to ``NAME`` for a later block (a script that a
   ``dist-launch -n 2 NAME`` block starts). Its syntax is checked.
-- ``before-LIB``: the code a user migrates from. It runs only where LIB's module is
-  importable (see ``BEFORE``), and is skipped, with the reason, elsewhere; its Python
-  syntax is checked either way. ``before-torchrun`` always runs: torchrun ships with
-  torch.
+- ``before-LIB``: the code a user migrates from, run with LIB's own code. It runs in
+  the interpreter of the venv whose ``bin`` directory ``DIST_DOCS_PEER_<LIB>`` names
+  (``nox -s docs`` makes one for Composer, whose torch pin excludes ours), else in this
+  interpreter where LIB's module is importable (see ``BEFORE``; the docs session
+  installs torchft and Model Optimizer). Elsewhere it is skipped with the reason, and
+  under ``CI`` it fails: CI runs every block. ``before-torchrun`` always runs: torchrun
+  ships with torch. A ``before-LIB file=NAME`` block is only written, so it needs
+  nothing.
 
 Blocks in other languages (``text`` for sample output, ``toml``) are not run.
 """
@@ -183,30 +187,75 @@ def _run(command: list[str], cwd: Path, env: dict[str, str], block: Block) -> No
         )
 
 
-@pytest.mark.parametrize("block", ALL_BLOCKS, ids=lambda block: block.id)
-@pytest.mark.processes
-def test_code_block_runs(block: Block, workdirs: dict[Path, Path], shims: Path) -> None:
+def run_block(block: Block, workdirs: dict[Path, Path], shims: Path) -> None:
+    """Runs one block as the module docstring says, in its page's directory."""
     workdir = workdirs[block.page]
     if block.language in PYTHON:
         compile(block.code, f"{block.page.name}:{block.line}", "exec")
-    if block.before is not None:
-        module = BEFORE.get(block.before)
-        assert module is not None, f"{block.id}: unknown before-{block.before} (known: {BEFORE})"
-        if importlib.util.find_spec(module) is None:
-            pytest.skip(
-                f"a 'before' block for {block.before}: its module {module!r} is not installed "
-                "here (the docs tests install only our packages); it runs where it is"
-            )
     if block.file_name is not None:
         (workdir / block.file_name).write_text(block.code, encoding="utf-8")
         return
     env = _environment(shims)
+    python = sys.executable
+    if block.before is not None:
+        peer = _peer_bin(block)
+        if peer is not None:  # the peer's own venv: its python and commands come first
+            env["PATH"] = os.pathsep.join([str(peer), *env["PATH"].split(os.pathsep)[1:]])
+            python = str(peer / "python")
     if block.language in PYTHON:
         script = workdir / f"block_{block.line}.py"
         script.write_text(block.code, encoding="utf-8")
-        _run([sys.executable, script.name], workdir, env, block)
+        _run([python, script.name], workdir, env, block)
     else:
         _run(["bash", "-euo", "pipefail", "-c", block.code], workdir, env, block)
+
+
+def _page_tests(page: Path) -> type:
+    """A test class for one page: its blocks, in page order.
+
+    One class per page because a page's blocks share one directory and build on each
+    other: pytest-xdist's ``--dist loadscope`` gives each class whole to one worker, in
+    order, while pages run side by side.
+    """
+
+    class Page:
+        @pytest.mark.processes
+        @pytest.mark.parametrize(
+            "block", [block for block in ALL_BLOCKS if block.page == page], ids=lambda b: b.id
+        )
+        def test_block_runs(self, block: Block, workdirs: dict[Path, Path], shims: Path) -> None:
+            run_block(block, workdirs, shims)
+
+    name = "Test" + "".join(word.capitalize() for word in page.stem.split("-"))
+    Page.__name__ = Page.__qualname__ = name
+    return Page
+
+
+for _page in PAGES:
+    _tests = _page_tests(_page)
+    globals()[_tests.__name__] = _tests
+
+
+def _peer_bin(block: Block) -> Path | None:
+    """The bin directory of the venv a before block runs in; None: this interpreter's.
+
+    Skips the block where neither has the peer's code, or fails it under ``CI``.
+    """
+    assert block.before is not None
+    module = BEFORE.get(block.before)
+    assert module is not None, f"{block.id}: unknown before-{block.before} (known: {BEFORE})"
+    variable = f"DIST_DOCS_PEER_{block.before.upper().replace('-', '_')}"
+    if os.environ.get(variable):
+        return Path(os.environ[variable])
+    if importlib.util.find_spec(module) is not None:
+        return None
+    problem = (
+        f"a 'before' block for {block.before}: its module {module!r} is not installed here "
+        f"and {variable} names no venv that has it (nox -s docs installs every peer)"
+    )
+    if os.environ.get("CI"):
+        pytest.fail(problem)
+    pytest.skip(problem)
 
 
 def test_every_guide_is_in_the_toctree_and_shows_before_and_after() -> None:

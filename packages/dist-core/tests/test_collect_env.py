@@ -16,6 +16,7 @@ from dist_core.backend import choose_backend, default_backend
 from dist_core.collect_env import collect, format_report, main
 from dist_core.devices import accelerator_type, cuda_device_count
 from dist_core.interfaces import Interface, gloo_choice, nccl_choice
+from dist_core.torch_features import is_tested_release
 
 
 def test_report_names_source_backend_devices_and_versions(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -105,6 +106,8 @@ def _torch_at_least(major: int, minor: int) -> bool:
 def test_report_names_the_torch_version_and_what_differs_between_versions() -> None:
     section = collect()["torch"]
     assert section["version"] == torch.__version__
+    assert section["tested_releases"] == "2.11.0, 2.13.0, 2.15.0"
+    assert section["tested"] == (torch.__version__.split("+")[0] in ("2.11.0", "2.13.0", "2.15.0"))
     # torch 2.14 added ProcessGroup.reconfigure; looked up, not derived from the version.
     assert section["reconfigurable_groups"] == _torch_at_least(2, 14)
     if not dist.is_nccl_available():
@@ -116,6 +119,7 @@ def test_report_names_the_torch_version_and_what_differs_between_versions() -> N
     assert "nccl_means:" in format_report(collect())
 
 
+@pytest.mark.processes
 @pytest.mark.skipif(
     not (dist.is_nccl_available() and hasattr(dist, "ProcessGroupNCCL2")),
     reason="this torch has no nccl2 backend (torch < 2.14, or built without NCCL)",
@@ -130,3 +134,12 @@ def test_nccl_means_nccl2_when_torch_dist_use_nccl2_says_so() -> None:
         timeout=120,
     )
     assert json.loads(completed.stdout)["torch"]["nccl_means"] == "nccl2"
+
+
+def test_a_tested_release_is_told_by_its_release_part() -> None:
+    assert (
+        is_tested_release("2.15.0+cu132")
+        and is_tested_release("2.13.0")
+        and is_tested_release("2.11.0")
+    )
+    assert not is_tested_release("2.14.1+cu130") and not is_tested_release("2.15.1")

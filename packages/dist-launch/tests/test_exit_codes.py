@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from launcher_nodes import LAUNCH
-from test_cli import WAITING_SCRIPT, _read_ready_pids, _script
+from launcher_scripts import WAITING_SCRIPT, read_ready_pids, write_script
 
 from dist_launch import ExitCode
 
@@ -46,7 +46,7 @@ def run_error(log_dir: Path, run_id: str) -> dict[str, object]:
 
 
 def test_success_is_0_and_writes_no_run_error(tmp_path: Path) -> None:
-    script = _script(tmp_path, "ok.py", "print('ok')\n")
+    script = write_script(tmp_path, "ok.py", "print('ok')\n")
     logs = tmp_path / "logs"
     status, stderr = launch(tmp_path, *FAST, "--log-dir", str(logs), "--run-id", "r", script)
     assert status == ExitCode.SUCCESS, stderr
@@ -54,7 +54,7 @@ def test_success_is_0_and_writes_no_run_error(tmp_path: Path) -> None:
 
 
 def test_an_import_error_ends_at_once_spending_no_restart(tmp_path: Path) -> None:
-    script = _script(tmp_path, "train.py", "import os\nimport no_such_trainer_module\n")
+    script = write_script(tmp_path, "train.py", "import os\nimport no_such_trainer_module\n")
     logs = tmp_path / "logs"
     argv = [*FAST, "--max-restarts", "3", "--log-dir", str(logs), "--run-id", "r", script]
     status, stderr = launch(tmp_path, *argv)
@@ -72,7 +72,7 @@ def test_an_import_error_ends_at_once_spending_no_restart(tmp_path: Path) -> Non
 
 
 def test_the_same_error_twice_is_deterministic_after_one_restart(tmp_path: Path) -> None:
-    script = _script(tmp_path, "train.py", "raise ValueError('bad lr 0.3')\n")
+    script = write_script(tmp_path, "train.py", "raise ValueError('bad lr 0.3')\n")
     status, stderr = launch(tmp_path, *FAST, "--max-restarts", "3", script)
     assert status == ExitCode.FAILED, stderr
     assert stderr.count("restarting the local worker group (restart 1 of 3)") == 1, stderr
@@ -81,7 +81,7 @@ def test_the_same_error_twice_is_deterministic_after_one_restart(tmp_path: Path)
 
 
 def test_a_rank_killed_by_a_signal_is_restarted_then_infrastructure(tmp_path: Path) -> None:
-    script = _script(
+    script = write_script(
         tmp_path,
         "train.py",
         "import os, signal\nif os.environ['RANK'] == '1':\n"
@@ -101,7 +101,7 @@ def test_a_preemption_is_143_in_the_run_error_and_the_parents_error_file(
 ) -> None:
     # torchrun's contract with whatever started it: TORCHELASTIC_ERROR_FILE in the
     # launcher's own environment is where it reports how it ended.
-    script = _script(tmp_path, "wait.py", WAITING_SCRIPT)
+    script = write_script(tmp_path, "wait.py", WAITING_SCRIPT)
     parent_file = tmp_path / "parent-error.json"
     logs = tmp_path / "logs"
     launcher = subprocess.Popen(
@@ -113,7 +113,7 @@ def test_a_preemption_is_143_in_the_run_error_and_the_parents_error_file(
         start_new_session=True,
     )
     try:
-        _read_ready_pids(launcher, 2)
+        read_ready_pids(launcher, 2)
         launcher.send_signal(signal.SIGTERM)
         _, stderr = launcher.communicate(timeout=60)
         assert launcher.returncode == ExitCode.PREEMPTED, stderr

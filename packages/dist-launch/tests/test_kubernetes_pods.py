@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from launcher_nodes import LAUNCH, run_nodes
-from test_cli import TORCHRUN_SCRIPT, _read_until, _script
+from launcher_scripts import TORCHRUN_SCRIPT, read_until, write_script
 
 from dist_core.ports import get_unused_port
 
@@ -77,7 +77,7 @@ def test_each_operators_pods_run_with_no_flags(tmp_path: Path, name: str) -> Non
 def test_pytorchjob_v1_pods_form_one_group_of_process_ranks(tmp_path: Path) -> None:
     # The operator's RANK is the pod's index and WORLD_SIZE the pod count: 2 pods of 2
     # processes are 4 ranks, not "rank 1 of 2".
-    script = _script(tmp_path, "train.py", TORCHRUN_SCRIPT)
+    script = write_script(tmp_path, "train.py", TORCHRUN_SCRIPT)
     port = get_unused_port()
     per_pod = [
         {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(i), "WORLD_SIZE": "2"}
@@ -123,7 +123,7 @@ def test_the_master_name_is_waited_for_until_it_resolves(tmp_path: Path) -> None
         stderr=subprocess.PIPE,
     )
     try:
-        waited = _read_until(launcher.stderr, b"to resolve")
+        waited = read_until(launcher.stderr, b"to resolve")
         assert f"{name} (from PET_MASTER_ADDR)".encode() in waited, waited
         with hosts.open("a") as entry:  # the headless service's record appears
             entry.write(f"127.0.0.1 {name}\n")

@@ -21,7 +21,7 @@ ALLOWED: dict[str, set[str]] = {
     "diagnostics": set(),
     "plan": {"output"},
     "rendezvous": {"plan", "diagnostics"},
-    "watch": {"plan", "rendezvous", "in_worker"},
+    "watch": {"plan", "rendezvous", "diagnostics", "in_worker"},
     # The launcher's side of the workers names in_worker's modules and variables.
     "workers": {"plan", "rendezvous", "output", "in_worker"},
     "agent": {"plan", "rendezvous", "watch", "workers", "diagnostics", "output", "in_worker"},

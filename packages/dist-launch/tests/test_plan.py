@@ -308,3 +308,36 @@ def test_srun_master_port_is_the_one_dist_core_derives(script: str, step: str) -
     environ = {**SRUN, "SLURM_STEP_ID": step}
     plan = plan_of(["-n", "4", script], environ)
     assert plan.master_port == DistEnv.from_environ(environ).master_port
+
+
+@pytest.mark.parametrize(
+    ("argv", "environ", "window"),
+    [
+        ([], {}, 60.0),
+        (["--slow-ranks", "5"], {}, 5.0),
+        (["--slow_ranks", "2.5"], {}, 2.5),
+        (["--slow-ranks", "off"], {}, None),
+        ([], {"PET_SLOW_RANKS": "off"}, None),
+        ([], {"PET_SLOW_RANKS": "30"}, 30.0),
+        (["--slow-ranks", "10"], {"PET_SLOW_RANKS": "off"}, 10.0),
+    ],
+)
+def test_slow_ranks_window(
+    script: str, argv: list[str], environ: dict[str, str], window: float | None
+) -> None:
+    assert plan_of([*argv, script], environ).slow_ranks == window
+
+
+@pytest.mark.parametrize(
+    ("argv", "environ", "message"),
+    [
+        (["--slow-ranks", "0.5"], {}, r"--slow-ranks='0.5': the window must be at least 1 s"),
+        (["--slow-ranks", "x"], {}, r"--slow-ranks='x': expected a number of seconds or 'off'"),
+        ([], {"PET_SLOW_RANKS": "soon"}, r"--slow-ranks \(from PET_SLOW_RANKS\)='soon'"),
+    ],
+)
+def test_bad_slow_ranks_window_is_named(
+    script: str, argv: list[str], environ: dict[str, str], message: str
+) -> None:
+    with pytest.raises(UsageError, match=message):
+        plan_of([*argv, script], environ)

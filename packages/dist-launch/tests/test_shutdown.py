@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 from launcher_nodes import LAUNCH
+from launcher_scripts import WAITING_SCRIPT, read_ready_pids, write_script
 from launcher_signals import default_signal_handling
-from test_cli import WAITING_SCRIPT, _read_ready_pids, _script
 
 pytestmark = [pytest.mark.processes, pytest.mark.timeout(240)]
 
@@ -39,7 +39,7 @@ def fork_server_of(launcher: int) -> int:
 def test_a_stop_signal_to_the_fork_server_alone_kills_no_worker(
     tmp_path: Path, signum: int
 ) -> None:
-    script = _script(tmp_path, "wait.py", WAITING_SCRIPT)
+    script = write_script(tmp_path, "wait.py", WAITING_SCRIPT)
     go = tmp_path / "go"
     with launched(tmp_path, script, [str(go)]) as (launcher, _):
         os.kill(fork_server_of(launcher.pid), signum)
@@ -101,7 +101,7 @@ def launched(
         start_new_session=True,  # signals to its group reach nothing else here
     )
     try:
-        yield launcher, _read_ready_pids(launcher, 2)
+        yield launcher, read_ready_pids(launcher, 2)
     finally:
         launcher.kill()
         launcher.wait(30)
@@ -116,7 +116,7 @@ def ended(launcher: subprocess.Popen[bytes]) -> tuple[int, str, bytes]:
 def checkpointing(
     tmp_path: Path, *flags: str
 ) -> contextlib.AbstractContextManager[tuple[subprocess.Popen[bytes], list[int]]]:
-    script = _script(tmp_path, "ckpt.py", CHECKPOINT_SCRIPT)
+    script = write_script(tmp_path, "ckpt.py", CHECKPOINT_SCRIPT)
     return launched(tmp_path, script, [str(tmp_path)], *flags)
 
 
@@ -161,7 +161,7 @@ def test_a_rank_the_sigterm_reached_before_the_launcher_is_stopped_not_failed(
 ) -> None:
     # Ranks without a handler die at the scheduler's SIGTERM, maybe before the
     # launcher reads its own copy: a preemption, not a failure.
-    script = _script(tmp_path, "wait.py", WAITING_SCRIPT)
+    script = write_script(tmp_path, "wait.py", WAITING_SCRIPT)
     with launched(tmp_path, script, [str(tmp_path / "never")]) as (launcher, pids):
         for pid in [*pids, launcher.pid]:  # the workers first
             os.kill(pid, signal.SIGTERM)

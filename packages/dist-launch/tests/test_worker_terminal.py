@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import importlib.util
 import os
 import re
 import select
@@ -104,10 +103,13 @@ class Terminal:
             # terminal, which the launcher does not need. The environment is passed
             # as Python sees it: a module that loaded readline here (pytest's) has set
             # COLUMNS and LINES in the C environment a child would inherit otherwise.
+            # Without them, as a shell that does not export them: pytest-xdist's
+            # workers have COLUMNS=80 in os.environ, which would win over the pty's size.
+            env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
             self.process = subprocess.Popen(
                 [*LAUNCH, *args],
                 cwd=cwd,
-                env=dict(os.environ),
+                env=env,
                 stdin=subprocess.DEVNULL,
                 stdout=slave,
                 stderr=slave if stderr is None else stderr,
@@ -253,7 +255,7 @@ def test_window_size_follows_the_launchers_terminal(tmp_path: Path, method: str)
         assert expected.encode() in shown, shown
 
 
-@pytest.mark.skipif(importlib.util.find_spec("tqdm") is None, reason="tqdm is not installed")
+@pytest.mark.processes
 def test_tqdm_bar_is_relayed_behind_its_prefix(tmp_path: Path) -> None:
     shown = _shown(tmp_path, TQDM_SCRIPT, "-n", "2")
     for rank in (0, 1):
@@ -265,7 +267,7 @@ def test_tqdm_bar_is_relayed_behind_its_prefix(tmp_path: Path) -> None:
         assert widths <= {COLUMNS - 1, COLUMNS}, (widths, finals)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("rich") is None, reason="rich is not installed")
+@pytest.mark.processes
 def test_rich_live_progress_keeps_its_prefix_when_it_redraws(tmp_path: Path) -> None:
     shown = _shown(tmp_path, RICH_SCRIPT, "-n", "1")
     assert f"rich terminal=True width={COLUMNS - PREFIX_WIDTH}".encode() in shown, shown

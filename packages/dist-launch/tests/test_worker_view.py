@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from dist_core.ports import get_unused_port
 from dist_launch.in_worker.import_time_env import threads_at_import
 
 pytestmark = pytest.mark.timeout(240)
@@ -86,7 +87,10 @@ def test_thread_variable_set_before_import_torch_counts_as_under_torchrun(
     script.write_text(THREADS_SCRIPT.format(name=name, value=2))
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
     ours = run([*LAUNCH, "-n", "2", "--start-method", method, str(script)], tmp_path, env)
-    theirs = run([*TORCHRUN, "--nproc-per-node", "2", str(script)], tmp_path, env)
+    # A free port: torchrun's default (29500) may be another test's at this moment.
+    port = str(get_unused_port())
+    theirs = run([*TORCHRUN, "--master-port", port, "--nproc-per-node", "2", str(script)],
+                 tmp_path, env)  # fmt: skip
     # Both launchers set OMP_NUM_THREADS=1 for two workers; the script's 2 wins in both.
     assert _threads(theirs) == [2, 2]
     assert _threads(ours) == _threads(theirs), ours.stdout

@@ -16,17 +16,27 @@ from dist_workspace import WorkspaceError, get_configs_parallel, get_tensors_par
 pytestmark = pytest.mark.usefixtures("private_shm_dir")
 
 
-@pytest.fixture(params=["inline", "segments"])
-def record_path(request: pytest.FixtureRequest) -> str:
-    """Small records inline in the status (the default), then every record in a segment."""
-    if request.param == "segments":
-        os.environ["DIST_WORKSPACE_INLINE_BYTES"] = "0"  # the ranks inherit it
-    return str(request.param)
+@pytest.fixture(params=["link", "segments"])
+def link_max(request: pytest.FixtureRequest) -> int | None:
+    """Small records on the link (the default), then every record in a segment or file.
+
+    The value is the ranks' ``protocol.LINK_MAX_BYTES`` (None: as it is), passed to
+    each rank function.
+    """
+    return None if request.param == "link" else 0
 
 
-def _exchanges(directory: str) -> dict[str, Any]:
+def _set_link_max(link_max: int | None) -> None:
+    from dist_workspace import protocol
+
+    if link_max is not None:
+        protocol.LINK_MAX_BYTES = link_max
+
+
+def _exchanges(directory: str, link_max: int | None) -> dict[str, Any]:
     import torch.distributed as dist
 
+    _set_link_max(link_max)
     rank = dist.get_rank()
     out: dict[str, Any] = {}
     tensor = (torch.arange(12, dtype=torch.float32).reshape(3, 4) + 100 * rank).bfloat16()
@@ -61,9 +71,8 @@ def _exchanges(directory: str) -> dict[str, Any]:
 
 
 @pytest.mark.processes
-@pytest.mark.usefixtures("record_path")
-def test_values_arrive_in_ranks_order(tmp_path: Path) -> None:
-    results = run_ranks(_exchanges, 3, str(tmp_path), timeout=120)
+def test_values_arrive_in_ranks_order(tmp_path: Path, link_max: int | None) -> None:
+    results = run_ranks(_exchanges, 3, str(tmp_path), link_max, timeout=120)
     base = torch.arange(12, dtype=torch.float32).reshape(3, 4)
     assert results[2]["tensors"] == [(base + 200).tolist(), base.tolist(), (base + 100).tolist()]
     assert results[2]["dtypes"] == {"torch.bfloat16"}
@@ -143,9 +152,10 @@ def _catch(fn: Any) -> str:
     return "no error"
 
 
-def _shape_mismatch() -> str:
+def _shape_mismatch(link_max: int | None) -> str:
     import torch.distributed as dist
 
+    _set_link_max(link_max)
     rank = dist.get_rank()
     shape = (2, 3) if rank != 2 else (2, 4)
 
@@ -157,18 +167,18 @@ def _shape_mismatch() -> str:
 
 
 @pytest.mark.processes
-@pytest.mark.usefixtures("record_path")
-def test_tensors_of_different_shapes_fail_everywhere() -> None:
-    results = run_ranks(_shape_mismatch, 3, timeout=90)
+def test_tensors_of_different_shapes_fail_everywhere(link_max: int | None) -> None:
+    results = run_ranks(_shape_mismatch, 3, link_max, timeout=90)
     for result in results:
         assert "WorkspaceError" in result
         assert "rank 0 has shape (2, 3)" in result and "rank 2 has shape (2, 4)" in result
     assert own_segments() == []
 
 
-def _failing_writer() -> str:
+def _failing_writer(link_max: int | None) -> str:
     import torch.distributed as dist
 
+    _set_link_max(link_max)
     rank = dist.get_rank()
     config: Any = {"ok": {1, 2}} if rank == 1 else {"ok": True}
 
@@ -181,17 +191,17 @@ def _failing_writer() -> str:
 
 
 @pytest.mark.processes
-@pytest.mark.usefixtures("record_path")
-def test_failing_writer_makes_every_peer_fail_naming_it() -> None:
-    results = run_ranks(_failing_writer, 3, timeout=90)
+def test_failing_writer_makes_every_peer_fail_naming_it(link_max: int | None) -> None:
+    results = run_ranks(_failing_writer, 3, link_max, timeout=90)
     assert results[1].startswith("TypeError: config['ok'] is a builtins.set")
     for result in (results[0], results[2]):
         assert result.startswith("WorkspaceError") and "rank 1 failed to write" in result
 
 
-def _missing_rank() -> str:
+def _missing_rank(link_max: int | None) -> str:
     import torch.distributed as dist
 
+    _set_link_max(link_max)
     if dist.get_rank() == 2:
         return "did not call"
 
@@ -203,9 +213,8 @@ def _missing_rank() -> str:
 
 
 @pytest.mark.processes
-@pytest.mark.usefixtures("record_path")
-def test_a_rank_that_never_writes_is_named() -> None:
-    results = run_ranks(_missing_rank, 3, timeout=90)
+def test_a_rank_that_never_writes_is_named(link_max: int | None) -> None:
+    results = run_ranks(_missing_rank, 3, link_max, timeout=90)
     assert "rank(s) [2] never wrote" in results[0]
     assert "rank 1" in results[1] and "rank(s) [2] never wrote" in results[1]
     assert own_segments() == []
@@ -250,25 +259,11 @@ def test_single_process_without_a_group() -> None:
         pass
 
 
-def test_the_transport_is_chosen_once_from_workspace_path(tmp_path: Path) -> None:
-    from dist_workspace.dir_transport import DirectoryTransport
-    from dist_workspace.shm_transport import SharedMemoryTransport
-    from dist_workspace.transport import CallId
-    from dist_workspace.transports import open_transport
-
-    call = CallId("get_configs_parallel", 1, "0123abcd", "cafe", 4, 30.0, 0)
-    shm = open_transport(None, call)
-    assert isinstance(shm, SharedMemoryTransport) and shm.one_host
-    directory = open_transport(tmp_path, call)
-    assert isinstance(directory, DirectoryTransport) and not directory.one_host
-    assert directory.directory == tmp_path / "exchange-0123abcd-cafe-4"
-
-
-def _where_received_tensors_live(elements: int = 1 << 20) -> dict[str, Any]:
+def _where_received_tensors_live(elements: int) -> dict[str, Any]:
     import torch.distributed as dist
 
     rank = dist.get_rank()
-    tensor = torch.full((elements,), float(rank))  # 4 MiB by default
+    tensor = torch.full((elements,), float(rank))
     with get_tensors_parallel(tensor, [0, 1, 2]) as tensors:
         if not tensors:
             return {}
@@ -281,7 +276,8 @@ def _where_received_tensors_live(elements: int = 1 << 20) -> dict[str, Any]:
 
 @pytest.mark.processes
 def test_the_receiver_maps_the_senders_segments_instead_of_copying() -> None:
-    result = run_ranks(_where_received_tensors_live, 3, timeout=120)[0]
+    # 12 MiB each: above the link's limit (8 MiB), so through segments.
+    result = run_ranks(_where_received_tensors_live, 3, 3 << 20, timeout=120)[0]
     assert result["values"] == [0.0, 1.0, 2.0]
     for path, rank in zip(result["peers"], (1, 2), strict=True):
         assert path.startswith(os.environ["DIST_WORKSPACE_SHM_DIR"] + "/"), path
@@ -291,25 +287,38 @@ def test_the_receiver_maps_the_senders_segments_instead_of_copying() -> None:
 
 
 @pytest.mark.processes
-def test_small_records_travel_in_the_status_not_in_segments() -> None:
+def test_small_records_travel_on_the_link_not_in_segments() -> None:
     result = run_ranks(_where_received_tensors_live, 3, 64, timeout=120)[0]
     assert result["values"] == [0.0, 1.0, 2.0]
     for path in result["peers"]:  # private copies: no segment was made for them
         assert "dist-workspace." not in path, path
 
 
-def _with_inline_bytes(text: str) -> str:
+def _configs_with_shared_views(count: int) -> list[bool]:
     import torch.distributed as dist
 
-    os.environ["DIST_WORKSPACE_INLINE_BYTES"] = text
-    return _catch(lambda: _exchange_once(dist.get_rank(), timeout=60))
+    rank = dist.get_rank()
+    results = []
+    for call in range(count):
+        base = torch.arange(64 * 1024, dtype=torch.float32) + rank + call
+        config = {"rank": rank, "first": base[:100], "strided": base[1::3], "whole": base}
+        with get_configs_parallel(config, [1, 0], None) as configs:
+            for sender, got in zip([1, 0], configs or [], strict=bool(configs)):
+                want = torch.arange(64 * 1024, dtype=torch.float32) + sender + call
+                results.append(
+                    got["rank"] == sender
+                    and torch.equal(got["whole"], want)
+                    and torch.equal(got["strided"], want[1::3])
+                    and got["strided"].untyped_storage().data_ptr()
+                    == got["whole"].untyped_storage().data_ptr()
+                )
+    return results
 
 
 @pytest.mark.processes
-def test_a_malformed_inline_limit_is_named() -> None:
-    results = run_ranks(_with_inline_bytes, 2, "lots", timeout=120)
-    assert "DIST_WORKSPACE_INLINE_BYTES='lots'" in results[1]  # the sender reads it
-    assert "failed to write" in results[0] and "DIST_WORKSPACE_INLINE_BYTES" in results[0]
+def test_configs_with_views_of_one_storage_come_back_shared() -> None:
+    results = run_ranks(_configs_with_shared_views, 2, 4, timeout=120)[1]  # rank 1 receives
+    assert results and all(results), results
 
 
 def _a_sender_late_for_a_call_the_receiver_gave_up() -> list[str]:

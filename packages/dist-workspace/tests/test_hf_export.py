@@ -151,10 +151,10 @@ def _export_a_llama(output: str) -> str:
     return "no error"
 
 
+@pytest.mark.processes
 def test_transformers_loads_the_export_as_it_loads_save_pretrained(tmp_path: Path) -> None:
-    transformers = pytest.importorskip(
-        "transformers", reason="transformers is not a test dependency; this runs where it is"
-    )
+    import transformers  # a test dependency (dist-workspace[test])
+
     out = tmp_path / "llama"
     assert run_ranks(_export_a_llama, 3, str(out), timeout=300) == ["no error"] * 3
     torch.manual_seed(0)
@@ -163,3 +163,94 @@ def test_transformers_loads_the_export_as_it_loads_save_pretrained(tmp_path: Pat
     loaded = transformers.AutoModelForCausalLM.from_pretrained(out).state_dict()
     assert set(loaded) == set(expected)
     assert all(torch.equal(loaded[name], expected[name]) for name in expected)
+
+
+def _sized_parts(rank: int) -> dict[str, torch.Tensor]:
+    """Rank 0: three tensors of 8 KiB and one of 24 KiB; rank 1: one; rank 2: none."""
+    if rank == 0:
+        part = {f"model.layers.{i}.weight": torch.full((64, 32), float(i)) for i in range(3)}
+        part["model.embed.weight"] = torch.ones(192, 32)  # 24 KiB: over the limit alone
+        return part
+    return {"lm_head.weight": torch.full((64, 32), 9.0)} if rank == 1 else {}
+
+
+def _export_by_size(output: str) -> list[str]:
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    outcomes = []
+    for size in ("16 KiB per file", 0, "16KiB"):
+        try:
+            export_sharded(_sized_parts(rank), output, max_shard_size=size)
+            outcomes.append("no error")
+        except WorkspaceError as error:
+            outcomes.append(str(error))
+    return outcomes
+
+
+@pytest.mark.processes
+def test_max_shard_size_spreads_each_ranks_tensors_like_save_pretrained(tmp_path: Path) -> None:
+    out = tmp_path / "checkpoint"
+    results = run_ranks(_export_by_size, 3, str(out), timeout=180)
+    assert "max_shard_size='16 KiB per file'" in results[0][0]  # every rank read it
+    assert (
+        "rank 1: export_sharded got max_shard_size=0: 0 is not a positive size" in (results[1][1])
+    )
+    assert [result[2] for result in results] == ["no error"] * 3
+    # Rank 0's names in order: embed (24 KiB, alone), layers.0 + layers.1, layers.2;
+    # then rank 1's file. Rank 2 holds nothing and writes nothing.
+    files = {
+        "model-00001-of-00004.safetensors": {"model.embed.weight"},
+        "model-00002-of-00004.safetensors": {"model.layers.0.weight", "model.layers.1.weight"},
+        "model-00003-of-00004.safetensors": {"model.layers.2.weight"},
+        "model-00004-of-00004.safetensors": {"lm_head.weight"},
+    }
+    assert sorted(os.listdir(out)) == [*sorted(files), "model.safetensors.index.json"]
+    for name, tensors in files.items():
+        with safe_open(str(out / name), "pt") as handle:
+            assert set(handle.keys()) == tensors, name
+    loaded = _load(out)  # the index's weight_map and total_size agree with the files
+    expected = {**_sized_parts(0), **_sized_parts(1)}
+    assert all(torch.equal(loaded[name], tensor) for name, tensor in expected.items())
+
+
+_EXACT_DTYPES = [torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool,
+                 torch.bfloat16, torch.float8_e4m3fn]  # fmt: skip
+
+
+def _integers(rank: int) -> dict[str, torch.Tensor]:
+    bits = torch.arange(-64, 64, dtype=torch.int64) * (rank + 1)
+    return {
+        f"rank{rank}.{str(dtype).removeprefix('torch.')}": (
+            bits.to(torch.uint8).view(torch.float8_e4m3fn)
+            if dtype == torch.float8_e4m3fn
+            else bits.to(dtype)
+        )
+        for dtype in _EXACT_DTYPES
+    }
+
+
+def _export_integers(output: str, holders: int) -> str:
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    export_sharded(_integers(rank) if rank < holders else {}, output)
+    return "no error"
+
+
+@pytest.mark.processes
+def test_integer_and_bool_tensors_are_exported_bit_exact_and_one_file_is_model_safetensors(
+    tmp_path: Path,
+) -> None:
+    shards, single = tmp_path / "shards", tmp_path / "single"
+    assert run_ranks(_export_integers, 2, str(shards), 2, timeout=180) == ["no error"] * 2
+    loaded = _load(shards)
+    assert run_ranks(_export_integers, 2, str(single), 1, timeout=180) == ["no error"] * 2
+    assert os.listdir(single) == ["model.safetensors"]  # no index, as save_pretrained
+    loaded_single = load_file(str(single / "model.safetensors"))
+    for got, ranks in ((loaded, (0, 1)), (loaded_single, (0,))):
+        expected = {name: t for rank in ranks for name, t in _integers(rank).items()}
+        assert set(got) == set(expected)
+        for name, tensor in expected.items():
+            assert got[name].dtype == tensor.dtype, name
+            assert got[name].view(torch.uint8).tolist() == tensor.view(torch.uint8).tolist(), name

@@ -1,8 +1,10 @@
-"""The record format has one owner: merge, the reader and the writer say the same things.
+"""One owner each: the record format (merge, reader and writer say the same things), and
+the rule that picks a record's path.
 
 Up to 0.3.3 merge wrote safetensors headers, named dtypes, read chunks with CRC checks
 and rebuilt views on its own, and the copies had drifted apart (error wording, chunk
-size, how a view's offset is computed).
+size, how a view's offset is computed). Up to 0.4.3 a record's path was picked in
+three modules, by the call's history, the store and three environment variables.
 """
 
 from __future__ import annotations
@@ -15,24 +17,27 @@ from pathlib import Path
 import pytest
 import torch
 
-import dist_workspace.transport
-import dist_workspace.transports
+import dist_workspace.protocol
 from dist_workspace import NFSWorkspace, WorkspaceError
 from dist_workspace.format import ALIGNMENT, encode_safetensors_header
 from dist_workspace.merge import merge_workspace
 
 
-def test_the_transport_interface_imports_none_of_its_implementations() -> None:
-    source = Path(dist_workspace.transport.__file__).read_text(encoding="utf-8")
-    imported = set()
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.ImportFrom) and node.module:
-            imported.add(node.module)
-        elif isinstance(node, ast.Import):
-            imported.update(alias.name for alias in node.names)
-    assert not {name for name in imported if name.endswith("_transport")}, imported
-    # The choice is made in one place beside them.
-    assert dist_workspace.transports.open_transport.__module__ == "dist_workspace.transports"
+def test_the_route_is_decided_in_one_place() -> None:
+    """Only protocol.py reads LINK_MAX_BYTES; only exchange.py asks protocol.route."""
+    package = Path(dist_workspace.protocol.__file__).parent
+    reads: dict[str, set[str]] = {}
+    for module in sorted(package.glob("*.py")):
+        for node in ast.walk(ast.parse(module.read_text(encoding="utf-8"))):
+            name = None
+            if isinstance(node, ast.Name):
+                name = node.id
+            elif isinstance(node, ast.Attribute):
+                name = node.attr
+            if name in ("LINK_MAX_BYTES", "route"):
+                reads.setdefault(name, set()).add(module.name)
+    assert reads["LINK_MAX_BYTES"] == {"protocol.py"}, reads
+    assert reads["route"] == {"exchange.py"}, reads  # defined in protocol.py, used here only
 
 
 def test_a_corrupted_tensor_is_reported_in_the_same_words_by_merge_and_the_reader(

@@ -57,8 +57,11 @@ def test_baby_gloo_survives_its_child_dying() -> None:
 
 def _baby_hang_worker() -> bool:
     rank, world = dist.get_rank(), dist.get_world_size()
-    pg = ProcessGroupBabyGloo(timeout=timedelta(seconds=3))
+    # The configure's timeout covers the child's start (an interpreter importing torch,
+    # seconds on a loaded machine); the operation's is set short once it has joined.
+    pg = ProcessGroupBabyGloo(timeout=timedelta(seconds=60))
     pg.configure(_store_addr("baby-hang/0"), rank, world)
+    pg.set_timeout(timedelta(seconds=3))
     if rank == 0:
         # Rank 1 never joins this allreduce: the op must fail after the timeout, with
         # an error that is both a BabyProcessError and a TimeoutError.

@@ -117,6 +117,7 @@ def test_ddp_survivors_go_on_after_a_peer_dies_mid_backward(tmp_path: Path) -> N
     print(f"survivors noticed the kill after {[round(n, 3) for n in notice]} s")
 
 
+@pytest.mark.processes
 @pytest.mark.skipif(
     torch_reconfigure_missing() is not None, reason=str(torch_reconfigure_missing())
 )

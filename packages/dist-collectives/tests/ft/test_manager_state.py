@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import torch
-from torch.futures import Future
-
-from dist_collectives.ft.manager_futures import PendingAllreduce, WrappedFutures
+from dist_collectives.ft.dummy import ProcessGroupDummy
+from dist_collectives.ft.generation import Generation
+from dist_collectives.ft.manager_futures import BufferPool, WrappedFutures
 from dist_collectives.ft.manager_state import StepState
 from dist_collectives.ft.quorum import Quorum
 
@@ -14,24 +13,32 @@ def _quorum(step: int = 4, quorum_id: int = 1) -> Quorum:
     return Quorum(round=0, quorum_id=quorum_id, members=("a", "b"), steps=(step, step))
 
 
-def _pending() -> PendingAllreduce:
-    return PendingAllreduce(Future(), torch.zeros(1))
+def _generation(number: int) -> Generation:
+    return Generation(
+        number,
+        ProcessGroupDummy(0, 1),
+        BufferPool(),
+        on_error=lambda error: None,
+        swallowed_error=lambda: None,
+        copy_wait=1.0,
+    )
 
 
 def _started(state: StepState, quorum: Quorum | None = None) -> int:
-    generation, _ = state.begin_step(reuse=False)
+    generation, _ = state.begin_step(reuse=False, open_generation=_generation)
     if quorum is not None:
         assert state.adopt_quorum(quorum, generation)
     return generation
 
 
-def test_the_first_error_of_a_step_wins_and_hands_over_its_allreduces() -> None:
+def test_the_first_error_of_a_step_wins_and_hands_over_its_generation() -> None:
     state = StepState()
     generation = _started(state, _quorum())
-    pending = _pending()
-    assert state.add_pending(pending) == generation
+    current = state.current()
+    assert current is not None and current.number == generation
     failed = state.fail(RuntimeError("first"), generation)
-    assert failed is not None and failed.pending == (pending,) and failed.step == 4
+    assert failed is not None and failed.generation is current and failed.step == 4
+    assert state.failed_quorum_id == 1, "the group of a failed step is never used again"
     assert state.fail(RuntimeError("second"), None) is None
     assert str(state.error) == "first" and state.error_wall_time is not None
 
@@ -44,20 +51,22 @@ def test_a_late_failure_of_an_earlier_step_is_dropped() -> None:
     assert state.error is None
 
 
-def test_an_allreduce_added_after_the_step_failed_learns_so() -> None:
-    state = StepState()
-    _started(state)
-    state.fail(RuntimeError("x"), None)
-    assert state.add_pending(_pending()) is None
-
-
-def test_a_new_step_forgets_the_last_ones_error_quorum_and_allreduces() -> None:
+def test_a_new_step_forgets_the_last_ones_error_quorum_and_generation() -> None:
     state = StepState()
     generation = _started(state, _quorum())
-    state.add_pending(_pending())
+    old = state.current()
     state.fail(RuntimeError("x"), generation)
     assert _started(state) == generation + 1
-    assert state.error is None and state.quorum is None and state.pending() == ()
+    current = state.current()
+    assert state.error is None and state.quorum is None
+    assert current is not None and current is not old and current.futures() == ()
+
+
+def test_failures_wait_for_the_watcher_to_publish_them_once() -> None:
+    state = StepState()
+    state.to_publish(_quorum(), "replica a: RuntimeError: x")
+    assert state.take_unpublished() == [(_quorum(), "replica a: RuntimeError: x")]
+    assert state.take_unpublished() == []
 
 
 def test_a_quorum_decided_for_an_earlier_step_is_kept_only_as_the_last_one() -> None:

@@ -174,9 +174,12 @@ def test_a_configure_whose_peer_never_comes_times_out_like_torchft(
 @pytest.mark.processes
 def test_a_baby_operation_that_times_out_names_it_like_torchft(store: TCPStore) -> None:
     address = f"localhost:{store.port}/baby-op"
-    groups = [ProcessGroupBabyGloo(timeout=timedelta(seconds=1)) for _ in range(2)]
+    # Configured with room for the children's start (seconds on a loaded machine); the
+    # operation's timeout is then set to the 1 s whose message is checked.
+    groups = [ProcessGroupBabyGloo(timeout=timedelta(seconds=60)) for _ in range(2)]
     try:
         _on_threads(*(lambda r=r: groups[r].configure(address, r, 2) for r in range(2)))
+        groups[0].set_timeout(timedelta(seconds=1))
         work = groups[0].allreduce([torch.ones(1)], dist.ReduceOp.SUM)  # rank 1 never joins
         with pytest.raises(BabyTimeoutError) as caught:
             work.wait()

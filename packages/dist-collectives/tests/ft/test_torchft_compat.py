@@ -504,6 +504,8 @@ def test_every_ft_error_derives_from_fterror() -> None:
     assert all(issubclass(error, FTError) for error in errors), errors
     assert issubclass(ft.BabyTimeoutError, TimeoutError)
     assert issubclass(ft.UnsupportedOperationError, NotImplementedError)
+    assert issubclass(ft.StoreTimeoutError, TimeoutError)
+    assert issubclass(ft.QuorumWorkerTimeoutError, TimeoutError)
 
 
 def test_torch_store_types_come_from_public_names() -> None:

@@ -25,7 +25,12 @@ from dist_core.devices import accelerator_type, cuda_device_count
 from dist_core.env import DistEnv
 from dist_core.errors import DistEnvError
 from dist_core.interfaces import gloo_choice, ipv4_interfaces, nccl_choice
-from dist_core.torch_features import has_reconfigurable_groups, nccl_backend_implementation
+from dist_core.torch_features import (
+    TESTED_RELEASES,
+    has_reconfigurable_groups,
+    is_tested_release,
+    nccl_backend_implementation,
+)
 
 HEADER = "Copy and paste everything below into your bug report (python -m dist_core):"
 _VARIABLE_PREFIXES = ("NCCL_", "TORCH_NCCL_", "GLOO_", "TORCH_DISTRIBUTED_", "TORCHELASTIC_")
@@ -132,6 +137,18 @@ def _devices() -> dict[str, Any]:
     return devices
 
 
+def _platform() -> str:
+    """``platform.platform()``'s words, without the ``uname -p`` it runs in a subprocess.
+
+    The report may be collected inside a training process, where starting a process
+    costs more than the processor's name (which Linux reports as ``unknown``) is worth.
+    """
+    uname = os.uname()
+    libc, version = platform.libc_ver()
+    with_libc = f"-with-{libc}{version}" if libc else ""
+    return f"{uname.sysname}-{uname.release}-{uname.machine}{with_libc}"
+
+
 def _torch_features() -> dict[str, Any]:
     """The torch version and what changes between the versions (see :mod:`torch_features`)."""
     if not dist.is_nccl_available():
@@ -140,6 +157,8 @@ def _torch_features() -> dict[str, Any]:
         nccl = nccl_backend_implementation() or "cannot tell"
     return {
         "version": torch.__version__,
+        "tested_releases": ", ".join(TESTED_RELEASES),
+        "tested": is_tested_release(torch.__version__),
         "reconfigurable_groups": has_reconfigurable_groups(),
         "nccl_means": nccl,
     }
@@ -199,7 +218,7 @@ def collect() -> dict[str, Any]:
     }
     report["host"] = {
         "hostname": socket.gethostname(),
-        "platform": platform.platform(),
+        "platform": _platform(),
         "cpus": os.cpu_count(),
     }
     return report

@@ -19,6 +19,22 @@ import torch.distributed as dist
 
 NcclName = Literal["nccl2", "nccl-legacy"]
 
+# The torch releases CI runs every package's tests on: the lowest the packages declare,
+# the project's local build, and the newest release.
+TESTED_RELEASES = ("2.11.0", "2.13.0", "2.15.0")
+
+
+def is_tested_release(version: str) -> bool:
+    """Whether ``version`` (``torch.__version__``, a local suffix allowed) is one CI tests.
+
+    Args:
+        version: A torch version string such as ``"2.15.0+cu132"``.
+
+    Returns:
+        True when its release part is in :data:`TESTED_RELEASES`.
+    """
+    return version.split("+", 1)[0] in TESTED_RELEASES
+
 
 def has_reconfigurable_groups() -> bool:
     """Whether torch's process groups can be reconfigured in place (torch >= 2.14)."""

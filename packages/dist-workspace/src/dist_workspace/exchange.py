@@ -1,71 +1,45 @@
 """get_configs_parallel and get_tensors_parallel: gather values on the first rank.
 
-Protocol (every wait bounded by ``timeout``):
+A call on ``ranks``: the first rank (the *receiver*) gets every value, the others (the
+*senders*) send theirs. Every wait is bounded by ``timeout``.
 
-1. Every rank of ``ranks`` but the first (the *receiver*) writes its value as a
-   record (see :mod:`dist_workspace.format`) through the call's transport (see
-   :mod:`dist_workspace.transport`, chosen once per call by
-   :mod:`dist_workspace.transports`): into a fresh shared-memory
-   segment when ``workspace_path`` is None (a record of at most 64 KiB,
-   ``DIST_WORKSPACE_INLINE_BYTES``, goes inside the status instead, and one of at
-   most 8 MiB stays in the sender's memory for the receiver to copy once the
-   receiver has shown it can, see :mod:`dist_workspace.shm_transport`), else into a
-   file of a per-exchange subdirectory of ``workspace_path``. It then posts a
-   status to the process group's store: what the transport needs to find the record
-   (a segment's name and size, or where the bytes lie in the sender's memory),
-   shape and dtype, host, ``ranks`` and, when anything failed (a config that is not
-   JSON, a full /dev/shm, ...), the error instead. The status is posted after the
-   record's last byte is written, and nothing writes the record again: a receiver
-   never sees a half-written one.
-2. The receiver waits for every status at once. A missing one after ``timeout``
-   raises naming the ranks that never wrote; an error status raises naming its rank
-   (as soon as every sender has posted, else at the timeout). It checks the statuses
-   (same ``ranks``, same host when the transport needs one, same shape and dtype for
-   tensors), maps or reads every record, then posts a verdict: success, or the error
-   that every sender raises too (so no rank is left at a barrier).
-3. Senders wait for the verdict, keep what it tells the transport for later calls
-   (the receiver's pid, whether it read their memory), release what they wrote (a
-   segment is unlinked: the receiver's private mapping keeps the data alive) and get
-   an empty list.
+Sender:
 
-The store is the default process group's (a private torch API,
-``_get_default_store``, present since torch 1.x), so no object collective, and no
-pickle, is involved; ``group`` decides who may take part and, with the ``ranks``
-list and the call's number among the calls with them, names the keys. What a call
-through the store costs in round trips: a sender posts (a ``set``, which waits for
-no reply) and waits for the verdict (one read, through
-:mod:`dist_workspace.store_reader`); the receiver deletes the keys of earlier calls
-it no longer needs while the senders write, waits for the statuses, reads them in
-one ``multi_get`` and posts the verdict. On one host (the shared-memory transport)
-only a sender's first call with a list of ranks goes through the store: its verdict
-names the receiver's Unix socket, the sender connects, and its later statuses and
-verdicts travel over that connection, with no store round trip at all (see
-:mod:`dist_workspace.peer_socket`; ``DIST_WORKSPACE_PEER_SOCKETS=0`` keeps the store).
-The job id, the host id and this process's start time are read once per process,
-and a header byte for byte like one already validated (a loop of calls of one
-shape sends the same one) is not parsed again (:func:`dist_workspace.reader.parse_header`).
+1. Lays its value out as a record (:func:`dist_workspace.writer.prepare_record`).
+2. Where the record goes depends on its size alone (:func:`dist_workspace.protocol.route`):
+   at most 8 MiB, in its frame; larger, into a fresh shared-memory segment
+   (:mod:`dist_workspace.shm`), or into a file of the call's directory when
+   ``workspace_path`` is given (:mod:`dist_workspace.call_directory`).
+3. Sends its frame over the link between ``ranks`` (:mod:`dist_workspace.link`,
+   opened by the first call with them): a head (``ranks``, host, route, size, segment
+   name, shape and dtype; or its error, when writing failed) and the record when it
+   travels on the link. The frame goes after the record's last byte is written, and
+   nothing writes the record again: a receiver never sees a half-written one.
+4. Waits for the receiver's verdict, raises the receiver's error if it failed, and
+   unlinks its segment (the receiver's private mapping keeps the data alive).
 
-Why the store (and connections of its own) and fresh segments: the process group
-cannot carry the handshake, because only ``ranks`` call (a subset of ``group`` makes
-any collective on it hang) and a collective's wait is bounded by the group's
-timeout, not the call's, so a missing rank could not be named. A segment is never
-reused across calls because the receiver's tensors map it and stay valid after the
-context: writing the next call's value into it would change them.
+Receiver:
 
-Values given to the receiver from segments are zero-copy, copy-on-write
-mappings of the writers' segments (nothing is copied or pre-faulted: the page tables
-fill as the tensors are read): writing to them never affects the writer, and they
-stay valid after the context exits (the memory is freed when the last tensor is
-dropped); values of inline records are over a private copy of their bytes, and
-values left in a sender's memory are copied into fresh memory of the receiver's. Segments
-are unlinked before the context body runs and, on every error path, in ``finally``
-blocks.
+1. Copies its own value (:mod:`dist_workspace.own_value`).
+2. Waits for every sender's frame at once: a connection that closes (a sender
+   exited) fails the call at once; a sender that never came is named at the timeout.
+3. Decides from the heads (:func:`dist_workspace.protocol.decide_receipt`), then reads
+   every record: from its frame, mapping the segment, or reading the file.
+4. Sends every sender the verdict: success, or the error that every sender raises
+   too, so no rank is left waiting. A sender's frame of a call that failed here (it
+   came late) is answered with that call's error and never taken for a later call's.
 
-Device rule: every value the receiver gets is on CPU, its own included, whatever
-device the tensors were on. The receiver's own value is copied as a peer's record
-would give it back (see :mod:`dist_workspace.own_value`): into fresh anonymous
-memory, never aliasing the caller's tensors, shared storage inside it still shared,
-tuples as lists.
+No call uses the process group or its store, except the first, which opens the link;
+``group`` decides who may take part. A segment is never reused across calls: the
+receiver's tensors map it and stay valid after the context.
+
+What the receiver gets: values from segments are zero-copy, copy-on-write mappings of
+the senders' segments (writing to them never affects the sender; the page tables
+fill as they are read); values from the link view the memory this process read the
+frame into; values from files are read into memory of its own. All stay valid after
+the context. Every value is on CPU, its own included, whatever device the tensors
+were on, and its own value never aliases the caller's tensors; tuples come back as
+lists.
 """
 
 from __future__ import annotations
@@ -73,33 +47,29 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import json
 import logging
 import os
 import socket
-from collections.abc import Callable, Iterator
-from datetime import timedelta
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from dist_workspace import peer_socket
+from dist_workspace import link, protocol, shm
+from dist_workspace.call_directory import CallDirectory
 from dist_workspace.errors import WorkspaceError
 from dist_workspace.jobid import current_job_id, short_tag
 from dist_workspace.own_value import own_config, own_tensor
-from dist_workspace.store_reader import StoreReader, frees_deleted_values, reader_for
-from dist_workspace.transport import CallId, Parcel, Transport
-from dist_workspace.transports import open_transport
+from dist_workspace.reader import assemble, parse_header, view_entries
+from dist_workspace.writer import prepare_record, record_buffers
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_SECONDS = 300.0
-_VERDICT_MARGIN_SECONDS = 10.0
-_sequences: dict[tuple[str, tuple[int, ...]], int] = {}
-# Receiver, by key prefix: for each recent call, the senders whose status may be in
-# the store (what later calls delete); its verdict went there too when any did.
-_in_store: dict[str, dict[int, list[int]]] = {}
+Values = tuple[Any, dict[str, torch.Tensor]]  # (config, weights) of one rank
 
 
 def _timeout_seconds(timeout: float | None) -> float:
@@ -109,7 +79,8 @@ def _timeout_seconds(timeout: float | None) -> float:
 
 
 @functools.cache  # neither the host's name nor its boot changes while a process runs
-def _host_id() -> str:
+def host_id() -> str:
+    """This host's name and boot: ranks with the same one share memory."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as handle:
             boot = handle.read().strip()
@@ -119,30 +90,45 @@ def _host_id() -> str:
 
 
 @dataclasses.dataclass
-class _Exchange:
-    """One call: who takes part, its number, its queues, how long to wait, the transport."""
+class Exchange:
+    """One call: who takes part, its number on the link, where large records go."""
 
-    kind: str
-    rank: int
-    ranks: list[int]
-    store: Any
-    reader: StoreReader
-    prefix: str  # of the keys of the calls with these ranks and group
-    seq: int  # this call's number among them
-    timeout: float
-    transport: Transport
+    call: protocol.Call
+    seq: int  # this call's number on the link
+    state: link.LinkState  # the link between the call's ranks, in this process
+    job: str  # the job id: names the link's store keys, segments and directories
+    workspace_path: Path | None
+    store: Any = None  # opens the link at the first call
 
     @property
-    def receiver(self) -> int:
-        return self.ranks[0]
+    def names(self) -> dict[str, Any]:
+        """What names this call's segment or directory: job, ranks and call number."""
+        ranks = short_tag(",".join(map(str, sorted(self.call.ranks))), 16)
+        return {"job": short_tag(self.job), "group": ranks, "seq": self.seq}
 
-    @property
-    def senders(self) -> list[int]:
-        return self.ranks[1:]
+    @functools.cached_property
+    def directory(self) -> CallDirectory | None:
+        """The call's directory under ``workspace_path``, if given."""
+        if self.workspace_path is None:
+            return None
+        names = self.names
+        return CallDirectory(
+            self.workspace_path, job=names["job"], ranks=names["group"], seq=self.seq
+        )
 
-    def key(self, name: str, seq: int | None = None) -> str:
-        """A key of this call (or of call number ``seq`` of these ranks)."""
-        return f"{self.prefix}/{self.seq if seq is None else seq}/{name}"
+    def open(self) -> link.Link:
+        """The link between the call's ranks, opened by the first call that needs it."""
+        if self.state.link is None:
+            self.state.link = link.open_link(self.store, self.job, self.call, self.state, host_id())
+        return self.state.link
+
+    def answer_stale(self, peer: int, frame: link.Frame) -> None:
+        """A frame of an earlier call came: a late sender's head gets that call's error."""
+        if frame.kind != protocol.HEAD or self.state.link is None:
+            return  # a verdict this rank stopped waiting for
+        verdict = protocol.stale_verdict(frame.seq, self.state.failures)
+        deadline = time.monotonic() + protocol.VERDICT_MARGIN_SECONDS
+        self.state.link.send(peer, link.Frame(protocol.VERDICT, frame.seq, verdict), (), deadline)
 
 
 def _check_ranks(given: Any, rank: int, group_ranks: list[int], what: str) -> list[int]:
@@ -167,7 +153,7 @@ def _check_ranks(given: Any, rank: int, group_ranks: list[int], what: str) -> li
 
 def _start(
     kind: str, ranks: Any, group: Any, workspace_path: Any, timeout: float | None
-) -> _Exchange | None:
+) -> Exchange | None:
     """Validates the call; returns None when it is a single rank (no exchange needed)."""
     if not (dist.is_available() and dist.is_initialized()):
         from dist_core.ranks import get_rank  # noqa: PLC0415
@@ -181,309 +167,179 @@ def _start(
         )
     group = dist.group.WORLD if group is None else group
     rank = dist.get_rank()
-    group_ranks = dist.get_process_group_ranks(group)
-    checked = _check_ranks(ranks, rank, group_ranks, kind)
+    checked = _check_ranks(ranks, rank, dist.get_process_group_ranks(group), kind)
     if len(checked) == 1:
         return None
     getter = getattr(dist.distributed_c10d, "_get_default_store", None)
     if getter is None:  # pragma: no cover - present in every supported torch
         raise WorkspaceError(f"rank {rank}: this torch has no default store to coordinate with")
-    store = getter()
-    group_name = getattr(group, "group_name", "") or ",".join(map(str, group_ranks))
-    key = (group_name, tuple(checked))
-    seq = _sequences.get(key, 0)
-    _sequences[key] = seq + 1
-    ranks_tag = short_tag(",".join(map(str, checked)), 8)
-    group_tag = short_tag(group_name, 8)
-    job = short_tag(current_job_id())
-    seconds = _timeout_seconds(timeout)
-    call = CallId(kind, rank, job, group_tag + ranks_tag, seq, seconds, checked[0])
-    return _Exchange(
-        kind=kind,
-        rank=rank,
-        ranks=checked,
-        store=store,
-        reader=reader_for(store),
-        prefix=f"dist_workspace/{job}/{group_tag}/{ranks_tag}",
-        seq=seq,
-        timeout=seconds,
-        transport=open_transport(workspace_path, call, inline=frees_deleted_values(store)),
-    )
+    job = current_job_id()
+    state = link.state_for(job, checked)
+    call = protocol.Call(kind, rank, tuple(checked), _timeout_seconds(timeout))
+    path = None if workspace_path is None else Path(workspace_path)
+    return Exchange(call, state.next_seq(), state, job, path, getter())
 
 
 def _error_text(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
 
-def _post(exchange: _Exchange, name: str, value: dict[str, Any], payload: bytes = b"") -> None:
-    # A set waits for no reply from the store's server: posting costs no round trip.
-    # The JSON (which never holds a raw newline) comes first, then any payload.
-    text = json.dumps(value).encode()
-    exchange.store.set(exchange.key(name), text + b"\n" + payload if payload else text)
-
-
-def _decoded(raw: bytes | str) -> tuple[dict[str, Any], bytes]:
-    """A posted value: its JSON and the payload after the first newline."""
-    text, _, payload = (raw if isinstance(raw, bytes) else raw.encode()).partition(b"\n")
-    value: dict[str, Any] = json.loads(text)
-    return value, payload
-
-
-def _forget_earlier_calls(exchange: _Exchange) -> None:
-    """Receiver: deletes the statuses of the previous call and the verdict before it.
-
-    It read those statuses itself, and every sender read the verdict of the call
-    before the previous one before posting a status to the previous one. Done before
-    waiting for this call's statuses, in the time the receiver waits for the senders
-    anyway; the store keeps the keys of the last two calls only. Statuses and
-    verdicts that went over direct connections were never in the store.
-    """
-    calls = _in_store.setdefault(exchange.prefix, {})
-    spent = [exchange.key(f"status/{r}", exchange.seq - 1) for r in calls.get(exchange.seq - 1, [])]
-    if calls.pop(exchange.seq - 2, None):
-        spent.append(exchange.key("verdict", exchange.seq - 2))
-    for key in spent:
-        with contextlib.suppress(RuntimeError):
-            exchange.store.delete_key(key)
-
-
-def _listener(exchange: _Exchange) -> peer_socket.Listener | None:
-    """The receiver's socket, where senders may connect to it (one host)."""
-    if exchange.transport.one_host and peer_socket.enabled():
-        return peer_socket.listener(_host_id())
-    return None
-
-
 # ---------------------------------------------------------------- sender
 
 
-def _send(exchange: _Exchange, weights: dict[str, torch.Tensor], config: Any) -> None:
-    """Writes this rank's record, posts its status, waits for the receiver's verdict."""
-    parcel: Parcel | None = None
-    link = peer_socket.link_for(exchange.prefix) if exchange.transport.one_host else None
+def send(exchange: Exchange, weights: dict[str, torch.Tensor], config: Any) -> None:
+    """Writes this rank's record, sends its frame, waits for the receiver's verdict."""
+    call = exchange.call
+    segment: shm.Segment | None = None
     try:
         try:
-            status: dict[str, Any] = {"ok": True, "ranks": exchange.ranks, "host": _host_id()}
-            parcel = exchange.transport.send(weights, config)
-            status.update(parcel.status())
+            record = prepare_record(
+                weights, config, rank=call.rank, job=exchange.job, checksums=False
+            )
+            route = protocol.route(record.total_size, exchange.workspace_path)
+            head: dict[str, Any] = {"ok": True, "ranks": list(call.ranks), "host": host_id()}
+            head.update(route=route, size=record.total_size)
             tensor = weights.get("tensor")
             if tensor is not None:
-                status.update(shape=list(tensor.shape), dtype=str(tensor.dtype))
+                head.update(shape=list(tensor.shape), dtype=str(tensor.dtype))
+            body: Sequence[Any] = ()
+            if route == "link":
+                body = record_buffers(record)
+            elif exchange.directory is None:
+                segment = shm.write_segment(record, rank=call.rank, **exchange.names)
+                head["segment"] = segment.name
+            else:  # a file has checksums: laid out again for it
+                exchange.directory.write(call.rank, weights, config)
         except BaseException as error:
             with contextlib.suppress(Exception):  # the error raised is this rank's own
-                _post_status(exchange, link, {"ok": False, "error": _error_text(error)})
+                _send_head(exchange, {"ok": False, "error": _error_text(error)}, ())
             raise
-        _post_status(exchange, link, status, parcel.payload())
-        _await_verdict(exchange, link)
+        deadline = _send_head(exchange, head, body)
+        _await_verdict(exchange, deadline)
     finally:
-        if parcel is not None:
-            parcel.release()
+        if segment is not None:
+            segment.unlink()
 
 
-def _post_status(
-    exchange: _Exchange,
-    link: peer_socket.Link | None,
-    status: dict[str, Any],
-    payload: bytes = b"",
-) -> None:
-    if link is None:
-        _post(exchange, f"status/{exchange.rank}", status, payload)
-        return
-    try:
-        link.post(peer_socket.with_seq(exchange.seq, status, payload), exchange.timeout)
-    except peer_socket.PeerClosed as error:
-        raise _receiver_lost(exchange, error) from None
+def _send_head(exchange: Exchange, head: dict[str, Any], body: Sequence[Any]) -> float:
+    """Sends this sender's frame; returns the deadline of its wait for the verdict.
 
-
-def _receiver_lost(exchange: _Exchange, error: peer_socket.PeerClosed) -> WorkspaceError:
-    """Drops this sender's dead connection; the error to raise, naming this rank."""
-    peer_socket.forget(exchange.prefix)
-    return WorkspaceError(f"rank {exchange.rank}: {exchange.kind}: {error}")
-
-
-def _await_verdict(exchange: _Exchange, link: peer_socket.Link | None) -> None:
-    """Waits for the receiver's verdict, tells the transport, raises if the call failed.
-
-    A failed call's verdict informs the transport too: a sender whose memory the
-    receiver could not read (a receiver restarted under another pid, say) sends
-    segments from the next call on instead of failing every call. A successful
-    verdict through the store may name the receiver's socket: the sender connects to
-    it for its later calls (:mod:`dist_workspace.peer_socket`).
+    The receiver waits up to the timeout for the slowest sender, then reads: a sender
+    allows it that plus a margin before declaring it gone.
     """
-    receiver = exchange.receiver
-    # The receiver waits up to the timeout for the slowest sender, then reads: a
-    # sender allows it that plus a margin before declaring it gone.
-    patience = exchange.timeout + _VERDICT_MARGIN_SECONDS
-    if link is None:
-        raw = exchange.reader.get(exchange.key("verdict"), patience)
-    else:
-        try:
-            raw = link.verdict(exchange.seq, patience)
-        except peer_socket.PeerClosed as error:
-            raise _receiver_lost(exchange, error) from None
-    if raw is None:
-        raise WorkspaceError(
-            f"rank {exchange.rank}: {exchange.kind} timed out after {patience:g} s "
-            f"waiting for receiver rank {receiver} to read the values (did rank {receiver} "
-            f"call {exchange.kind} with ranks={exchange.ranks}?)"
-        )
-    verdict, _ = _decoded(raw)
-    exchange.transport.settle(verdict)
-    if not verdict.get("ok"):
-        raise WorkspaceError(
-            f"rank {exchange.rank}: {exchange.kind} failed on receiver rank {receiver}: "
-            f"{verdict.get('error')}"
-        )
-    if link is None and exchange.transport.one_host and peer_socket.enabled():
-        peer_socket.connect(
-            exchange.prefix, exchange.rank, receiver, verdict.get("endpoint"), _host_id()
-        )
+    call = exchange.call
+    deadline = time.monotonic() + call.timeout + protocol.VERDICT_MARGIN_SECONDS
+    frame = link.Frame(protocol.HEAD, exchange.seq, head)
+    closed = exchange.open().send(call.receiver, frame, body, deadline)
+    if closed is not None:
+        raise WorkspaceError(protocol.receiver_closed(call, closed.why))
+    return deadline
+
+
+def _await_verdict(exchange: Exchange, deadline: float) -> None:
+    """Waits for the receiver's verdict; raises if the call failed."""
+    call = exchange.call
+    got = (
+        exchange.open()
+        .receive([call.receiver], protocol.VERDICT, exchange.seq, deadline, exchange.answer_stale)
+        .get(call.receiver)
+    )
+    if isinstance(got, link.Closed):
+        raise WorkspaceError(protocol.receiver_closed(call, got.why))
+    patience = call.timeout + protocol.VERDICT_MARGIN_SECONDS
+    failure = protocol.verdict_error(call, None if got is None else got.head, patience)
+    if failure is not None:
+        raise WorkspaceError(failure)
 
 
 # ---------------------------------------------------------------- receiver
 
 
-def _collect_statuses(
-    exchange: _Exchange, listener: peer_socket.Listener | None
-) -> tuple[dict[int, tuple[dict[str, Any], bytes]], list[int]]:
-    """Every sender's status and payload, by rank; and the senders that used the store."""
-    if listener is not None and listener.offered(exchange.prefix):
-        try:
-            raws = listener.collect(
-                exchange.prefix,
-                exchange.seq,
-                exchange.senders,
-                exchange.timeout,
-                functools.partial(_posted_in_store, exchange),
-            )
-        except WorkspaceError as error:  # a lost connection, a call out of order
-            raise WorkspaceError(
-                f"{exchange.kind}: receiver rank {exchange.rank}: {error}"
-            ) from None
-        linked = listener.linked(exchange.prefix)
-        in_store = [r for r in exchange.senders if r not in linked]
-    else:
-        raws = _wait_in_store(exchange)
-        in_store = exchange.senders
-    posted = {sender: _decoded(raw) for sender, raw in raws.items()}
-    # A failed sender posts its error as its status: it is raised once every sender
-    # has posted, or at the timeout beside the ranks that never did.
-    for sender, (status, _) in posted.items():
-        if not status.get("ok"):
-            raise WorkspaceError(
-                f"{exchange.kind}: rank {sender} failed to write its value: {status.get('error')}"
-            )
-    missing = [r for r in exchange.senders if r not in posted]
-    if missing:
-        raise WorkspaceError(
-            f"{exchange.kind}: receiver rank {exchange.rank} timed out after "
-            f"{exchange.timeout:g} s: rank(s) {missing} never wrote their value (ranks "
-            f"{sorted(posted)} did). Did they call {exchange.kind} with "
-            f"ranks={exchange.ranks}? Set DIST_WORKSPACE_TIMEOUT for slower ranks"
-        )
-    return posted, in_store
-
-
-def _wait_in_store(exchange: _Exchange) -> dict[int, bytes]:
-    """One wait for every sender's status in the store, then one read of them all."""
-    keys = {sender: exchange.key(f"status/{sender}") for sender in exchange.senders}
+def receive(exchange: Exchange, own_value: Callable[[], Values]) -> list[Values]:
+    """Every rank's values in ``ranks`` order, this rank's from ``own_value``."""
+    call = exchange.call
+    the_link: link.Link | None = None
+    closed: set[int] = set()
     try:
-        exchange.store.wait(list(keys.values()), timedelta(seconds=max(exchange.timeout, 0.001)))
-    except RuntimeError:  # DistStoreError on timeout: read those that came
-        return _posted_in_store(exchange, exchange.senders)
-    return dict(zip(keys, exchange.store.multi_get(list(keys.values())), strict=True))
-
-
-def _posted_in_store(exchange: _Exchange, senders: list[int]) -> dict[int, bytes]:
-    """The statuses some of ``senders`` have posted to the store so far (no wait)."""
-    keys = {r: exchange.key(f"status/{r}") for r in senders}
-    keys = {r: key for r, key in keys.items() if exchange.store.check([key])}
-    values = exchange.store.multi_get(list(keys.values())) if keys else []
-    return dict(zip(keys, values, strict=True))
-
-
-def _check_statuses(
-    exchange: _Exchange, statuses: dict[int, dict[str, Any]], own_tensor: torch.Tensor | None
-) -> None:
-    host = _host_id()
-    for sender, status in statuses.items():
-        if status.get("ranks") != exchange.ranks:
-            raise WorkspaceError(
-                f"{exchange.kind}: rank {sender} passed ranks={status.get('ranks')}, receiver "
-                f"rank {exchange.rank} passed ranks={exchange.ranks}; every rank must pass the "
-                "same list"
-            )
-        if exchange.transport.one_host and status.get("host") != host:
-            raise WorkspaceError(
-                f"{exchange.kind}: rank {sender} runs on {status.get('host')}, receiver rank "
-                f"{exchange.rank} on {host}: shared memory needs one host. Pass "
-                "workspace_path (a directory every rank sees) instead"
-            )
-    if own_tensor is not None:
-        shapes: dict[int, tuple[Any, Any]] = {
-            exchange.rank: (list(own_tensor.shape), str(own_tensor.dtype))
-        }
-        shapes.update({r: (s.get("shape"), s.get("dtype")) for r, s in statuses.items()})
-        if any(value != shapes[exchange.rank] for value in shapes.values()):
-            described = ", ".join(
-                f"rank {r} has shape {tuple(shapes[r][0] or ())} {shapes[r][1]}"
-                for r in exchange.ranks
-            )
-            raise WorkspaceError(
-                f"get_tensors_parallel needs tensors of one shape and dtype: {described}"
-            )
-
-
-def _receive(
-    exchange: _Exchange,
-    own_value: Callable[[], tuple[Any, dict[str, torch.Tensor]]],
-) -> list[tuple[Any, dict[str, torch.Tensor]]]:
-    listener = _listener(exchange)
-    in_store = exchange.senders
-    try:
+        the_link = exchange.open()
         own = own_value()
         own_tensor = own[1].get("tensor")
-        _forget_earlier_calls(exchange)
-        posted, in_store = _collect_statuses(exchange, listener)
-        _check_statuses(exchange, {r: status for r, (status, _) in posted.items()}, own_tensor)
-        values = [
-            own if r == exchange.rank else exchange.transport.receive(r, *posted[r])
-            for r in exchange.ranks
-        ]
+        deadline = time.monotonic() + call.timeout
+        frames = the_link.receive(
+            call.senders, protocol.HEAD, exchange.seq, deadline, exchange.answer_stale
+        )
+        came: dict[int, link.Frame] = {}
+        for sender, frame in frames.items():
+            if isinstance(frame, link.Closed):
+                closed.add(sender)
+                raise WorkspaceError(protocol.connection_lost(call, sender, frame.why))
+            came[sender] = frame
+        failure = protocol.decide_receipt(
+            call,
+            {sender: frame.head for sender, frame in came.items()},
+            host=host_id(),
+            one_host=exchange.workspace_path is None,
+            own_shape=None
+            if own_tensor is None
+            else (list(own_tensor.shape), str(own_tensor.dtype)),
+        )
+        if failure is not None:
+            raise WorkspaceError(failure)
+        values = [own if r == call.rank else _read(exchange, r, came[r]) for r in call.ranks]
     except BaseException as error:
-        with contextlib.suppress(Exception):
-            failed = {"ok": False, "error": _error_text(error), **exchange.transport.verdict()}
-            _deliver_verdict(exchange, listener, failed, in_store)
+        text = _error_text(error)
+        exchange.state.remember_failure(exchange.seq, text)
+        if the_link is not None:
+            _send_verdicts(exchange, the_link, {"ok": False, "error": text}, closed)
         raise
     finally:
-        exchange.transport.close()
-    _deliver_verdict(exchange, listener, {"ok": True, **exchange.transport.verdict()}, in_store)
+        if exchange.directory is not None:
+            exchange.directory.remove()
+    _send_verdicts(exchange, the_link, {"ok": True}, closed)
     return values
 
 
-def _deliver_verdict(
-    exchange: _Exchange,
-    listener: peer_socket.Listener | None,
-    verdict: dict[str, Any],
-    in_store: list[int],
-) -> None:
-    """Tells every sender the verdict: over its connection, else through the store.
+def _read(exchange: Exchange, sender: int, frame: link.Frame) -> Values:
+    """A sender's values, from where its head says the record lies."""
+    head = frame.head
+    route = head.get("route")
+    size = head.get("size")
+    if route == "file" and exchange.directory is not None:
+        return exchange.directory.read(sender, exchange.call.timeout, exchange.call.kind)
+    if route == "segment" and isinstance(size, int):
+        where = f"rank {sender}'s segment {head.get('segment')}"
+        return _values(shm.map_segment(str(head.get("segment")), size, where), size, sender, where)
+    where = f"rank {sender}'s record in its frame"
+    body = frame.body
+    got = 0 if body is None else body.numel()
+    if route != "link" or body is None or got != size:
+        raise WorkspaceError(f"{where}: {got} bytes by route {route!r:.20}, announced {size!r:.20}")
+    return _values(body.numpy(), got, sender, where)
 
-    A verdict through the store names the receiver's socket, so that its senders
-    connect for their next calls.
+
+def _values(buffer: Any, size: int, sender: int, where: str) -> Values:
+    """The record in ``buffer`` (writable, private), checked to be ``sender``'s."""
+    header = parse_header(lambda at, length: bytes(buffer[at : at + length]), size, where)
+    if header.rank != sender:
+        raise WorkspaceError(f"{where} says it was written by rank {header.rank}")
+    return assemble(view_entries(buffer, header), header, where)
+
+
+def _send_verdicts(
+    exchange: Exchange, the_link: link.Link, verdict: dict[str, Any], closed: set[int]
+) -> None:
+    """Sends the verdict to every sender whose connection lives.
+
+    A sender that failed to write does not wait for it: it reads it as an earlier
+    call's verdict at its next call, and drops it.
     """
-    if listener is not None:
-        listener.sweep()  # a sender that connected meanwhile reads its connection
-        # A sender reads the verdict where it posted; one also sent to its connection
-        # (it linked while this call waited for it) is skipped there as stale.
-        listener.answer(
-            exchange.prefix, exchange.senders, peer_socket.with_seq(exchange.seq, verdict)
-        )
-    if in_store:
-        if listener is not None and verdict.get("ok"):
-            verdict = {**verdict, "endpoint": listener.offer(exchange.prefix)}
-        _post(exchange, "verdict", verdict)
-    _in_store.setdefault(exchange.prefix, {})[exchange.seq] = in_store
+    frame = link.Frame(protocol.VERDICT, exchange.seq, verdict)
+    deadline = time.monotonic() + protocol.VERDICT_MARGIN_SECONDS
+    for sender in exchange.call.senders:
+        if sender not in closed:
+            gone = the_link.send(sender, frame, (), deadline)
+            if gone is not None:
+                logger.debug("no verdict sent to rank %s: %s", sender, gone.why)
 
 
 # ---------------------------------------------------------------- public API
@@ -512,14 +368,10 @@ def get_tensors_parallel(
     """Gives the first rank of ``ranks`` every listed rank's tensor, in ``ranks`` order.
 
     Every rank in ``ranks`` (and only those) calls it; the others get an empty list.
-    The tensors must have one shape and dtype. Exchanges through shared memory, so
-    all of ``ranks`` must be on one host. Reads ``DIST_WORKSPACE_TIMEOUT`` (seconds,
-    300 by default) when ``timeout`` is None, ``DIST_WORKSPACE_SHM_DIR``,
-    ``DIST_WORKSPACE_INLINE_BYTES`` (records up to this size, 64 KiB by default, travel
-    inside the handshake instead of a segment), ``DIST_WORKSPACE_CROSS_MEMORY``
-    (``0``: no copies straight from a sender's memory) and
-    ``DIST_WORKSPACE_PEER_SOCKETS`` (``0``: every handshake through the store, none
-    over direct connections).
+    The tensors must have one shape and dtype. Records of at most 8 MiB travel on the
+    link between the ranks, larger ones through shared memory; all of ``ranks`` must
+    be on one host. Reads ``DIST_WORKSPACE_TIMEOUT`` (seconds, 300 by default) when
+    ``timeout`` is None and ``DIST_WORKSPACE_SHM_DIR``.
 
     Args:
         tensor: This rank's tensor, on any device (any dtype safetensors stores).
@@ -529,10 +381,10 @@ def get_tensors_parallel(
 
     Yields:
         On the first rank, the tensors, all on CPU whatever device they were on
-        (peers' ones zero-copy views of shared memory, or private copies of records
-        small enough to travel inline or copied out of the senders' memory, that
-        stay valid after the context; its own a CPU copy that never aliases
-        ``tensor``); on the other ranks an empty list.
+        (peers' ones zero-copy views of shared memory, or of this process's copy of
+        records small enough for the link, that stay valid after the context; its
+        own a CPU copy that never aliases ``tensor``); on the other ranks an empty
+        list.
 
     Raises:
         WorkspaceError: The caller is not in ``ranks``; a rank failed, timed out, or
@@ -542,11 +394,12 @@ def get_tensors_parallel(
     if exchange is None:
         yield [_own_tensor(tensor, None)]
         return
-    if exchange.rank != exchange.receiver:
-        _send(exchange, {"tensor": tensor}, None)
+    rank = exchange.call.rank
+    if rank != exchange.call.receiver:
+        send(exchange, {"tensor": tensor}, None)
         yield []
         return
-    received = _receive(exchange, lambda: (None, {"tensor": _own_tensor(tensor, exchange.rank)}))
+    received = receive(exchange, lambda: (None, {"tensor": _own_tensor(tensor, rank)}))
     yield [weights["tensor"] for _, weights in received]
 
 
@@ -562,11 +415,11 @@ def get_configs_parallel(
     """Gives the first rank of ``ranks`` every listed rank's config, in ``ranks`` order.
 
     A config is any JSON value (tuples come back as lists), tensors inside included.
-    Exchanges through shared memory on one host when ``workspace_path`` is None,
-    else through files in a subdirectory of ``workspace_path`` that the receiver
-    removes afterwards. Reads ``DIST_WORKSPACE_TIMEOUT``, ``DIST_WORKSPACE_SHM_DIR``,
-    ``DIST_WORKSPACE_INLINE_BYTES``, ``DIST_WORKSPACE_CROSS_MEMORY`` and
-    ``DIST_WORKSPACE_PEER_SOCKETS``.
+    Records of at most 8 MiB travel on the link between the ranks; larger ones
+    through shared memory on one host when ``workspace_path`` is None, else through
+    files in a subdirectory of ``workspace_path`` that the receiver removes
+    afterwards (the ranks may then be on several hosts). Reads
+    ``DIST_WORKSPACE_TIMEOUT`` and ``DIST_WORKSPACE_SHM_DIR``.
 
     Args:
         config: This rank's config.
@@ -589,9 +442,10 @@ def get_configs_parallel(
     if exchange is None:
         yield [_own_config(config, None)]
         return
-    if exchange.rank != exchange.receiver:
-        _send(exchange, {}, config)
+    rank = exchange.call.rank
+    if rank != exchange.call.receiver:
+        send(exchange, {}, config)
         yield []
         return
-    received = _receive(exchange, lambda: (_own_config(config, exchange.rank), {}))
+    received = receive(exchange, lambda: (_own_config(config, rank), {}))
     yield [value for value, _ in received]

@@ -23,9 +23,16 @@ What is added around DCP:
   fsyncs it and renames it into place (or swaps it with an existing output in one
   step, :func:`dist_workspace.fsutil.swap_paths_atomically`, when ``overwrite``).
   A reader sees no checkpoint, or all of it.
-- **One shard per rank that holds tensors, numbered without gaps**: the writer's
-  global plan (made on the coordinator, which sees every rank's plan) gives rank
-  order's shard numbers.
+- **Files numbered without gaps, in rank order**: a rank that holds tensors writes
+  one file, or with ``max_shard_size`` as many as its tensors fill, packed in name
+  order as ``save_pretrained`` packs them (:func:`dist_workspace.shard_plan.pack_in_order`,
+  a tensor over the limit alone in its file). Each rank's packing depends on its own
+  names and sizes only; the writer's global plan, which DCP makes from every rank's
+  plan anyway, numbers the files: no extra collective. One file in all is named
+  ``model.safetensors``, without an index, as ``save_pretrained`` names it.
+- **Integer and bool tensors** are written as they are: nothing is consolidated, so
+  torch's consolidation of such tensors (``torch.finfo`` on an integer dtype, pytorch
+  #192485) never runs.
 - **A name on two ranks is an error** naming the name and both ranks (DCP would keep
   one copy silently: replicated state is what it deduplicates). Names are compared by
   a 64-bit hash, gathered with tensor collectives.
@@ -52,7 +59,9 @@ import torch.distributed as dist
 
 from dist_workspace.errors import WorkspaceError
 from dist_workspace.fsutil import fsync_directory, put_directory_in_place
-from dist_workspace.merge import check_output
+from dist_workspace.merge import SAFE_WEIGHTS_NAME, check_output
+from dist_workspace.shard_plan import numbered, pack_in_order
+from dist_workspace.units import parse_size
 
 logger = logging.getLogger(__name__)
 
@@ -62,29 +71,61 @@ INDEX_NAME = "model.safetensors.index.json"
 _COUNT_KEY = "dist_workspace.shard_count"
 
 
-def _one_shard_per_rank_writer(path: str) -> Any:
-    """DCP's Hugging Face writer, with each rank's tensors in a shard of their own.
+def _item_bytes(item: Any) -> int:
+    """The bytes of a DCP write item's tensor."""
+    data = item.tensor_data
+    return int(data.size.numel()) * int(data.properties.dtype.itemsize)
 
-    The coordinator sees every rank's plan; ranks holding tensors get shards 1..N in
-    rank order (no gaps), and every plan carries the count. Everything else (file
+
+def _files_by_size_writer(path: str, limit: int | None) -> Any:
+    """DCP's Hugging Face writer, each rank's tensors in files of their own.
+
+    The coordinator sees every rank's plan: each rank's tensors, sorted by name, are
+    packed into files of at most ``limit`` bytes (one file when None); files are
+    numbered 1..N in rank order, and every plan carries N. Everything else (file
     names, headers, the index) is DCP's.
     """
     from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageWriter  # noqa: PLC0415
 
-    class OneShardPerRank(HuggingFaceStorageWriter):
+    class FilesBySize(HuggingFaceStorageWriter):
         def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
-            holding = [index for index, plan in enumerate(plans) if plan.items]
-            count = max(len(holding), 1)
+            packed = []
+            for plan in plans:
+                items = sorted(plan.items, key=lambda item: item.index.fqn)
+                shards = pack_in_order([_item_bytes(item) for item in items], limit)
+                packed.append([[items[i].index.fqn for i in shard] for shard in shards])
+            firsts = numbered([len(files) for files in packed])
+            count = max(sum(len(files) for files in packed), 1)
             planned = []
-            for index, plan in enumerate(plans):
-                shard = holding.index(index) + 1 if plan.items else 1
-                mapping = {item.index.fqn: shard for item in plan.items}
-                mapping[_COUNT_KEY] = count
+            for plan, files, first in zip(plans, packed, firsts, strict=True):
+                mapping: dict[str, int] = {_COUNT_KEY: count}
+                mapping.update({fqn: first + k for k, names in enumerate(files) for fqn in names})
                 storage_data = {"fqn_to_index_mapping": mapping}
                 planned.append(dataclasses.replace(plan, storage_data=storage_data))
             return planned
 
-    return OneShardPerRank(path)
+    return FilesBySize(path)
+
+
+def _shard_limit(max_shard_size: int | str | None, rank: int) -> tuple[int | None, str | None]:
+    """``max_shard_size`` in bytes (None: no limit), or the error naming what was wrong."""
+    if max_shard_size is None:
+        return None, None
+    try:
+        if isinstance(max_shard_size, str):
+            limit = parse_size(max_shard_size)
+        elif isinstance(max_shard_size, int) and not isinstance(max_shard_size, bool):
+            limit = max_shard_size
+        else:
+            raise ValueError(f"{max_shard_size!r} is a {type(max_shard_size).__name__}")
+        if limit <= 0:
+            raise ValueError(f"{max_shard_size!r} is not a positive size")
+    except ValueError as error:
+        return None, (
+            f"rank {rank}: export_sharded got max_shard_size={max_shard_size!r}: {error}. "
+            "Pass bytes (an int) or a size such as '5GB' or '500MiB'"
+        )
+    return limit, None
 
 
 def _name_hash(name: str) -> int:
@@ -160,6 +201,7 @@ def export_sharded(
     *,
     group: dist.ProcessGroup | None = None,
     overwrite: bool = False,
+    max_shard_size: int | str | None = None,
 ) -> Path:
     """Writes every rank's tensors at once as one Hugging Face sharded checkpoint.
 
@@ -172,13 +214,17 @@ def export_sharded(
         group: The ranks that take part; None means the world.
         overwrite: Replace an existing checkpoint directory (in one step where the
             file system can); False refuses it.
+        max_shard_size: Bytes of tensors per file at most (an int, or a size such
+            as ``"5GB"``, decimal, or ``"500MiB"``, binary, as ``save_pretrained``
+            reads them); None writes one file per rank that holds tensors.
 
     Returns:
         ``output`` as a Path, once the checkpoint is complete and visible.
 
     Raises:
         WorkspaceError: ``output`` exists (and not ``overwrite``) or is not ours to
-            replace, a name is on two ranks (naming both), or a value is not a tensor.
+            replace, a name is on two ranks (naming both), a value is not a tensor,
+            or ``max_shard_size`` is not a positive size.
     """
     from torch.distributed.checkpoint.state_dict_saver import save as dcp_save  # noqa: PLC0415
 
@@ -190,7 +236,8 @@ def export_sharded(
         else list(range(dist.get_world_size()))
     )
     first = ranks[0]
-    problem = next(
+    limit, problem = _shard_limit(max_shard_size, rank)
+    problem = problem or next(
         (
             f"rank {rank}: export_sharded needs tensors; {name!r} is a {type(value).__name__}"
             for name, value in state_dict.items()
@@ -212,7 +259,7 @@ def export_sharded(
     try:
         dcp_save(
             state_dict,
-            storage_writer=_one_shard_per_rank_writer(str(building)),
+            storage_writer=_files_by_size_writer(str(building), limit),
             process_group=group,
         )
         dist.barrier(group=group)  # every rank's files are written and fsynced
@@ -235,6 +282,10 @@ def _publish(building: Path, target: Path) -> None:
                 shutil.rmtree(leftover)
             else:
                 leftover.unlink()
+    files = sorted(building.glob("*.safetensors"))
+    if len(files) == 1:  # one file: named as save_pretrained names it, no index
+        files[0].rename(building / SAFE_WEIGHTS_NAME)
+        (building / INDEX_NAME).unlink(missing_ok=True)
     fsync_directory(building)
     put_directory_in_place(building, target)
     fsync_directory(target.parent)

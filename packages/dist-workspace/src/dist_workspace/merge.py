@@ -62,6 +62,7 @@ from dist_workspace.fsutil import (
     write_all,
 )
 from dist_workspace.reader import entry_chunks, load_entries, read_header_fd, view_in_block
+from dist_workspace.shard_plan import pack_in_order
 from dist_workspace.workspace import RANK_FILE_PATTERN
 
 # A plain safetensors file (what torch and Hugging Face load) aligns its data to 8
@@ -257,17 +258,10 @@ def split_into_shards(items: list[MergeItem], max_shard_size: int) -> list[list[
     """Groups ``items`` in order into shards of at most ``max_shard_size`` tensor bytes.
 
     A tensor larger than the limit gets a shard of its own; there is always at least
-    one shard (empty when there are no tensors).
+    one shard (empty when there are no tensors). See :func:`shard_plan.pack_in_order`.
     """
-    shards: list[list[MergeItem]] = [[]]
-    size = 0
-    for item in items:
-        if shards[-1] and size + item.nbytes > max_shard_size:
-            shards.append([])
-            size = 0
-        shards[-1].append(item)
-        size += item.nbytes
-    return shards
+    shards = pack_in_order([item.nbytes for item in items], max_shard_size)
+    return [[items[index] for index in shard] for shard in shards] or [[]]
 
 
 def shard_file_names(count: int) -> list[str]:

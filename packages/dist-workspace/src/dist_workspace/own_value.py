@@ -4,28 +4,11 @@ A peer's value reaches the receiver as a record, so it comes back on CPU, with t
 as lists, with tensors that shared a storage still sharing one, and aliasing nothing
 of the sender's. The receiver's own value must look the same, but it need not take
 the detour through a record: it is copied straight into one fresh anonymous buffer,
-with one ``memmove`` per tensor (or shared span) on CPU. Writing a record into
-``memfd`` pages, as up to 0.2.1, cost the kernel a shared-memory page per 4 KiB (1 GiB:
-580 ms against 500 ms into anonymous memory on the development VM).
-
-The buffer's pages are allocated in one call before the copy (``MAP_POPULATE``)
-rather than faulted in one by one by the ``memmove``: the copy writes every page
-anyway, so populating costs nothing extra, and under load it measured faster. On
-the development VM (2 cores, 3 senders writing 1 GiB each, memory not warmed first,
-so partly taken back by the host), the receiver's 1 GiB copy took the
-exchange from 0.69-0.79 s (the senders alone) to 1.28-2.25 s faulted in page by page
-and to 0.87-1.42 s populated first (interleaved runs); with warm pages, and at 64 and
-256 MiB, the two were within noise.
-
-Transparent huge pages (``MADV_HUGEPAGE``) would be faster while warm (1 GiB in 110
-ms) but are not asked for: on a VM with free page reporting (virtio-balloon, as on the
-development VM) a huge page freed for more than about two seconds has been handed back
-to the host, and faulting it in again cost 0.9 to 2.7 s per GiB, which is the usual
-case for exchanges seconds or minutes apart. Measured again for 0.3.2 (1 GiB,
-populated, eight copies each, interleaved): back to back, huge pages took 0.11-0.28 s
-in five of eight copies and 1.1-3.2 s in the rest, 4 KiB pages 0.40-0.84 s; three
-seconds apart, huge pages 0.77-2.67 s, 4 KiB pages 0.42-2.53 s (median 0.66 against
-1.30). On hosts that do not take memory back, huge pages would be the faster choice.
+its pages allocated in the one ``mmap`` call (``MAP_POPULATE``: the copy writes every
+page anyway), with one ``memmove`` per tensor (or shared span) on CPU. Not into
+shared memory (a page of tmpfs costs more than an anonymous one), and not with huge
+pages (a VM that takes freed memory back makes them slower to fault in again); the
+measurements are on the benchmarks page.
 
 Sharing is found as the record writer finds it (same device, same storage address,
 see :func:`~dist_workspace.writer.shared_groups`) and each shared span is copied once.

@@ -34,6 +34,7 @@ from pathlib import Path
 
 from dist_workspace.errors import WorkspaceError
 from dist_workspace.jobid import own_start_time, process_start_time
+from dist_workspace.writer import PreparedRecord, write_record
 
 logger = logging.getLogger(__name__)
 
@@ -53,14 +54,7 @@ _last_sweep: dict[Path, float] = {}
 
 def shm_directory() -> Path:
     """Where segments live: ``DIST_WORKSPACE_SHM_DIR`` or ``/dev/shm``."""
-    text = os.environ.get("DIST_WORKSPACE_SHM_DIR", "/dev/shm")
-    known = _directories.get(text)
-    if known is None:  # made once per value: a Path costs a visible part of a small call
-        known = _directories[text] = Path(text)
-    return known
-
-
-_directories: dict[str, Path] = {}
+    return Path(os.environ.get("DIST_WORKSPACE_SHM_DIR", "/dev/shm"))
 
 
 def free_bytes(directory: Path) -> int:
@@ -193,6 +187,27 @@ def create_segment(size: int, *, job: str, group: str, seq: int, rank: int) -> S
     return Segment(path, fd, size)
 
 
+def write_segment(record: PreparedRecord, *, job: str, group: str, seq: int, rank: int) -> Segment:
+    """A new segment holding ``record``, closed; unlinked again if writing fails.
+
+    Raises:
+        WorkspaceError: The shared-memory file system has no room (see :func:`too_small`).
+    """
+    segment = create_segment(record.total_size, job=job, group=group, seq=seq, rank=rank)
+    try:
+        write_record(segment.fd, record)
+        segment.close()
+    except OSError as error:
+        segment.unlink()
+        if is_full(error):  # another process filled it since create_segment looked
+            raise too_small(rank, record.total_size, segment.path.parent) from None
+        raise
+    except BaseException:
+        segment.unlink()
+        raise
+    return segment
+
+
 def _sweep(directory: Path) -> None:
     remove_dead_segments(directory)
     _last_sweep[directory] = time.monotonic()
@@ -206,11 +221,9 @@ def map_segment(name: str, expected_size: int, where: str) -> mmap.mmap:
     opened without following symlinks. The reader never unlinks it: the creator does.
 
     The page tables fill as the mapping is first read, 16 pages per fault
-    (fault-around), which costs less than filling them all here
-    (``MADV_POPULATE_READ`` goes page by page: reading 256 MiB once took 34 ms
-    mapped lazily against 23 + 17 ms pre-filled on the development VM) and lets a
-    receiver that reads a part pay for that part. Every page exists: the writer
-    filled the whole file with ``pwrite`` before announcing it.
+    (fault-around), which costs less than filling them all here and lets a receiver
+    that reads a part pay for that part. Every page exists: the writer filled the
+    whole file with ``pwrite`` before announcing it.
 
     Raises:
         WorkspaceError: The name, owner, type or size is not what the writer announced.

@@ -305,42 +305,25 @@ def write_record(fd: int, record: PreparedRecord) -> None:
     _write_with(lambda data, position: write_all(fd, data, position), record)
 
 
-def record_bytes(record: PreparedRecord) -> bytearray:
-    """``record`` as the bytes :func:`write_record` would write to a file."""
-    buffer = bytearray(record.total_size)
+def record_buffers(record: PreparedRecord) -> list[Any]:
+    """``record`` (laid out without checksums) as the buffers of its bytes, in order.
 
-    def put(data: memoryview | bytes, position: int) -> None:
-        buffer[position : position + len(data)] = data
-
-    _write_with(put, record)
-    return buffer
-
-
-@dataclasses.dataclass(frozen=True)
-class RecordPieces:
-    """A record without checksums, in the pieces a reader rebuilds it from.
-
-    The bytes that are not data (length and header, digest) and where each entry's
-    data lies in this process.
+    The length and header, each entry's data straight from its tensor (nothing is
+    copied), the zeros between them and the header's digest: what a socket sends
+    with one ``sendmsg`` and a reader gets as :func:`write_record` would write it.
     """
-
-    head: bytes  # the length and the header: the record's first ``len(head)`` bytes
-    digest: bytes  # the header's digest, the record's last bytes
-    spans: tuple[tuple[int, torch.Tensor], ...]  # (position in the record, 1-D uint8 data)
-
-
-def record_pieces(record: PreparedRecord) -> RecordPieces:
-    """``record`` (laid out without checksums) in pieces; every other byte is zero."""
     if record.checksums:
-        raise ValueError("record_pieces needs a record laid out without checksums")
+        raise ValueError("record_buffers needs a record laid out without checksums")
     head = struct.pack("<Q", len(record.header)) + record.header
-    spans = []
-    position = record.data_start
+    buffers: list[Any] = [head]  # the data starts right after it
     for entry in record.entries:
-        if entry.data is not None and entry.nbytes:
-            spans.append((position, entry.data))
-        position += entry.nbytes
-    return RecordPieces(head, header_digest(head), tuple(spans))
+        if entry.name == INTEGRITY_ENTRY:
+            buffers.append(header_digest(head))
+        elif entry.data is None:
+            buffers.append(bytes(entry.nbytes))  # padding: zeros
+        elif entry.nbytes:
+            buffers.append(entry.data.numpy())
+    return buffers
 
 
 def _write_with(put: Callable[[memoryview | bytes, int], object], record: PreparedRecord) -> None:

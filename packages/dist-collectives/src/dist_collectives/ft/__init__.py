@@ -14,6 +14,7 @@ from dist_collectives.ft.baby import (
     ProcessGroupBabyGloo,
     ProcessGroupBabyNCCL,
 )
+from dist_collectives.ft.bounded_store import StoreTimeoutError
 from dist_collectives.ft.ddp import DistributedDataParallel, ReplicaAveraging, ft_allreduce_hook
 from dist_collectives.ft.device_mesh import extend_device_mesh
 from dist_collectives.ft.dummy import ProcessGroupDummy
@@ -24,6 +25,7 @@ from dist_collectives.ft.manager import Manager, ManagerConfigError, ReplicaErro
 from dist_collectives.ft.nccl import ProcessGroupNCCL
 from dist_collectives.ft.process_group import ProcessGroup, StoreAddressReusedError
 from dist_collectives.ft.quorum import Quorum, QuorumTimeoutError
+from dist_collectives.ft.quorum_worker import QuorumWorkerTimeoutError
 from dist_collectives.ft.reconfigurable import ProcessGroupReconfigurableGloo
 from dist_collectives.ft.state_transfer import StateTransferError
 from dist_collectives.ft.store import (
@@ -65,6 +67,8 @@ __all__ = [
     "ManagerConfigError",
     "ReplicaError",
     "QuorumTimeoutError",
+    "QuorumWorkerTimeoutError",
+    "StoreTimeoutError",
     "StateTransferError",
     "FTError",
     "UnsupportedOperationError",

@@ -38,8 +38,14 @@ The Manager is a facade over small modules, after torch elastic's dynamic rendez
   and which thread owns what;
 - :mod:`~dist_collectives.ft.manager_executor`: the store and group calls of a step,
   and the threads that make them;
+- :mod:`~dist_collectives.ft.quorum_worker`: the one thread that forms quorums,
+  configures the group and heals;
 - :mod:`~dist_collectives.ft.manager_watcher`: the watcher thread the executor runs;
-- :mod:`~dist_collectives.ft.manager_futures`: the futures and buffers it hands out.
+- :mod:`~dist_collectives.ft.generation`: a step's operations, exchanged through
+  buffers of its own;
+- :mod:`~dist_collectives.ft.bounded_store`: store calls that return within the
+  timeout;
+- :mod:`~dist_collectives.ft.manager_futures`: the buffers and futures it reuses.
 """
 
 from __future__ import annotations
@@ -230,8 +236,9 @@ class Manager:
     def start_quorum(self) -> None:
         """Starts forming this step's quorum in the background and forgets the last error.
 
-        The quorum, a reconfiguration of the group and healing all happen on a
-        background thread; :meth:`allreduce` and :meth:`should_commit` wait for it.
+        The quorum, a reconfiguration of the group and healing all happen on the
+        Manager's quorum worker thread; :meth:`allreduce` and :meth:`should_commit`
+        wait for it, at most the Manager's ``timeout``.
         """
         self._executor.start_quorum()
 
@@ -243,9 +250,10 @@ class Manager:
     ) -> WorkFuture:
         """Averages ``tensor`` in place over this step's participants.
 
-        A contiguous floating-point tensor is divided by the number of participants
-        first and then summed in place, with no copy and no work after the exchange;
-        other tensors go through a copy that is summed, divided and copied back.
+        The group exchanges a buffer the step owns, never ``tensor`` itself: a
+        floating-point tensor is divided by the number of participants on its way into
+        the buffer, the buffer is summed, and the result is copied into ``tensor`` once
+        the exchange succeeded (integers are floor-divided on the way back).
 
         Args:
             tensor: The tensor, reduced in place.
@@ -257,10 +265,11 @@ class Manager:
         Returns:
             A future of ``tensor`` (a :class:`WorkFuture`, so torchft code that expects
             a Work can call ``wait()``, ``get_future()``, ``is_completed()`` on it). It
-            never raises: after an error anywhere :meth:`should_commit` answers False
-            and the tensor's values are unspecified (a healing replica's are zeros),
-            since the exchange may have written part of the sum into it. The step is
-            discarded everywhere, so nothing uses them.
+            never raises. After an error anywhere, :meth:`should_commit` answers False
+            and ``tensor`` holds what it held before the call: once the step failed,
+            no exchange of it writes into ``tensor`` any more, even one that completes
+            late (a group whose peer died may run until its own timeout). A healing
+            replica sends zeros and receives the average.
 
         Raises:
             ValueError: ``reduce_op`` is neither AVG nor SUM.

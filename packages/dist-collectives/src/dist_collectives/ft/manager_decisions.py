@@ -105,6 +105,100 @@ def heal_plan(quorum: Quorum, replica_id: str) -> HealPlan:
     return HealPlan(receive_from=None, send_to=healers)
 
 
+@dataclasses.dataclass(frozen=True)
+class Configure:
+    """Configure the group for a quorum whose id is new to it."""
+
+    quorum_id: int
+    address: str
+    rank: int
+    world_size: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ReceiveState:
+    """Receive a healthy peer's state (this replica heals)."""
+
+    source: int  # the sender's rank in the quorum's group
+
+
+@dataclasses.dataclass(frozen=True)
+class SendState:
+    """Send this replica's state to the replicas that heal from it."""
+
+    healers: tuple[int, ...]
+
+
+QuorumAction = Configure | ReceiveState | SendState
+
+
+def quorum_actions(
+    quorum: Quorum,
+    replica_id: str,
+    *,
+    configured_id: int | None,
+    store_address: str,
+    group_rank: int,
+    group_world_size: int,
+) -> tuple[QuorumAction, ...]:
+    """What the quorum worker does, in order, once ``quorum`` is decided.
+
+    Args:
+        quorum: The decided quorum.
+        replica_id: This replica.
+        configured_id: The quorum id the group is configured for now (None: never).
+        store_address: ``host:port/namespace`` of the job's store.
+        group_rank: This process's rank in its replica group.
+        group_world_size: The size of each replica group.
+    """
+    actions: list[QuorumAction] = []
+    if quorum.quorum_id != configured_id:
+        address = group_address(
+            store_address,
+            quorum.quorum_id,
+            group_rank=group_rank,
+            group_world_size=group_world_size,
+        )
+        rank = quorum.replica_rank(replica_id)
+        actions.append(Configure(quorum.quorum_id, address, rank, len(quorum.members)))
+    plan = heal_plan(quorum, replica_id)
+    if plan.receive_from is not None:
+        actions.append(ReceiveState(plan.receive_from))
+    elif plan.send_to:
+        actions.append(SendState(plan.send_to))
+    return tuple(actions)
+
+
+def describe_action(action: QuorumAction) -> str:
+    """What the quorum worker is doing, for a timeout's message."""
+    if isinstance(action, Configure):
+        return (
+            f"configuring the group for quorum {action.quorum_id} "
+            f"(rank {action.rank} of {action.world_size} on {action.address})"
+        )
+    if isinstance(action, ReceiveState):
+        return f"receiving a state from rank {action.source}"
+    return f"sending its state to ranks {list(action.healers)}"
+
+
+def kept_a_failed_quorum(quorum: Quorum, failed_quorum_id: int | None) -> bool:
+    """Whether a decided quorum keeps the id of a configuration whose step failed here.
+
+    Such a group is never used again: the failed step's exchanges may still be running
+    on it and would pair with the next step's.
+    """
+    return failed_quorum_id is not None and quorum.quorum_id == failed_quorum_id
+
+
+def request_is_stale(request_generation: int, current_generation: int) -> bool:
+    """Whether a quorum request of ``request_generation`` was superseded by a newer step.
+
+    The worker drops such a request without a store call: nobody waits for it, and a
+    round joined with an old step would only make the others wait for it.
+    """
+    return request_generation != current_generation
+
+
 def overdue_error(
     now: float,
     *,

@@ -5,35 +5,40 @@ It reads what the protocol needs (the store, the group, the clock), asks
 :class:`~dist_collectives.ft.manager_state.StepState` and does it. The protocol itself,
 step by step:
 
-1. ``start_quorum`` starts a step: it reuses the last quorum when the last commit
-   allowed it, else a *quorum thread* joins a round (:mod:`dist_collectives.ft.quorum`;
-   in a replica group only group rank 0 does, and publishes the decision to its ranks),
-   configures the group when the quorum id changed, and sends or receives a state to
-   heal.
-2. ``allreduce`` hands each tensor to the group; a group's callback completes it.
+1. ``start_quorum`` starts a step and its :class:`~dist_collectives.ft.generation.Generation`:
+   it reuses the last quorum when the last commit allowed it, else it asks the
+   *quorum worker* (:mod:`dist_collectives.ft.quorum_worker`) to join a round
+   (:mod:`dist_collectives.ft.quorum`; in a replica group only group rank 0 does, and
+   publishes the decision to its ranks), configure the group when the quorum id
+   changed, and send or receive a state to heal.
+2. ``allreduce`` hands each tensor to the step's generation, which exchanges a buffer
+   of its own and writes the result into the tensor only on success.
 3. ``should_commit`` waits for the allreduces, loads a healed state and votes: the last
    voter writes the decision, the others wait for it.
 4. Meanwhile the *watcher* thread (:mod:`dist_collectives.ft.manager_watcher`), which
    the executor starts and stops, beats the heartbeats, reads the registry version,
    and fails the step when another replica reported an error, a member stopped
-   beating, or a wait ran past its deadline; every failure is written to the store so
-   that the others stop waiting too.
+   beating, or a wait ran past its deadline; it also writes every failure to the
+   store, so that the others stop waiting too.
 
 Threads, and what each owns besides the shared :class:`StepState`:
 
 - the training thread (the caller of the Manager): whether the next step may reuse
-  the quorum, the future of this step's quorum, the count of quorum requests, whether
-  the executor was shut down, and the vote's store connection;
-- the quorum thread: its own store connection and its liveness observer (whose
-  ticker closes rounds);
-- the watcher: its own store connection and the liveness observer of heartbeats and
-  of the replica group;
-- callback threads (a group's, a wrapped future's): nothing; they record failures
-  in the state.
+  the quorum, the future of this step's quorum, whether the executor was shut down,
+  the count of quorum requests, and the vote's store connection;
+- the quorum worker, started once: every quorum round, ``configure`` of the group and
+  state transfer; its round connection and its liveness observer (through which it
+  closes rounds);
+- the watcher, started once: its own store connection and the liveness observer of
+  heartbeats and of the replica group;
+- callback threads (a group's, a wrapped future's): nothing; they record failures in
+  the state and make no store call.
 
-A failure is published on the watcher's connection from whichever thread saw it; a
-TCPStore client serialises its callers. The buffer pool and the wrapped futures each
-have their own lock (:mod:`dist_collectives.ft.manager_futures`).
+Every store connection is a :class:`~dist_collectives.ft.bounded_store.BoundedStore`
+of its one owning thread: no store call outlasts the Manager's timeout, even with a
+store server that stopped answering. The step's operations are its generation's,
+behind that object's own condition; the buffer pool and the wrapped futures each have
+their own lock (:mod:`dist_collectives.ft.manager_futures`).
 """
 
 from __future__ import annotations
@@ -41,34 +46,38 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import logging
-import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch
-import torch.distributed as dist
-from torch.distributed import PrefixStore, Store  # type: ignore[attr-defined]  # public, not re-exported in the stubs
 from torch.futures import Future
 
+from dist_collectives.ft.bounded_store import BoundedStore, StoreTimeoutError
 from dist_collectives.ft.errors import ManagerConfigError, ReplicaError
+from dist_collectives.ft.generation import Generation
 from dist_collectives.ft.manager_config import ManagerConfig
 from dist_collectives.ft.manager_decisions import (
     COMMIT_FAIL,
     COMMIT_SAME,
+    Configure,
     Failure,
+    ReceiveState,
     commit_key,
     commit_proposal,
+    describe_action,
+    error_key,
     failure_cause,
-    group_address,
-    heal_plan,
+    kept_a_failed_quorum,
     lost_since,
     membership_change,
+    quorum_actions,
     read_commit,
+    request_is_stale,
     votes_key,
 )
-from dist_collectives.ft.manager_futures import BufferPool, PendingAllreduce, WrappedFutures
+from dist_collectives.ft.manager_futures import BufferPool, WrappedFutures
 from dist_collectives.ft.manager_state import StepState
 from dist_collectives.ft.manager_watcher import Watcher, reported_error
 from dist_collectives.ft.process_group import ProcessGroup
@@ -77,13 +86,19 @@ from dist_collectives.ft.quorum import (
     Quorum,
     compute_quorum,
 )
+from dist_collectives.ft.quorum_worker import QuorumRequest, QuorumWorker, QuorumWorkerTimeoutError
 from dist_collectives.ft.state_transfer import recv_state, send_state
-from dist_collectives.ft.store import connect_tcp_store
 from dist_collectives.ft.work import WorkFuture, future_for
 
 # The wait for a commit decision ends through the watcher, which fails the step at the
 # deadline; the wait's own timeout, this much later, only catches a store that is gone.
 _VOTE_WAIT_GRACE_SECONDS = 5.0
+# The training thread waits this much longer than the timeout for the quorum worker, so
+# that the worker's own bounded error (a store call that timed out, naming the call)
+# reaches it before its own "still busy" one.
+_QUORUM_WAIT_GRACE_SECONDS = 1.0
+# How long shutdown() waits for the quorum worker to finish what it is doing.
+_WORKER_STOP_SECONDS = 5.0
 
 _T = TypeVar("_T")
 
@@ -120,13 +135,13 @@ class ManagerExecutor:
         self._load_state_dict = load_state_dict
         self._state_dict = state_dict
         self._log = log
-        # Separate connections: a shared TCPStore client serialises its callers, and
-        # the quorum thread and the commit vote block in waits that must not delay the
-        # error watcher (its own connection, below), nor the ticker that closes a round
-        # (its liveness' connection).
-        self._store = self._connect()
-        self._quorum_store = self._connect()
-        self._quorum_liveness = Liveness(self._connect(), config.heartbeat_timeout)
+        # Separate connections, one per thread: a TCPStore client serialises its
+        # callers, and the quorum worker and the commit vote block in waits that must
+        # not delay the error watcher (its own connection, below); the worker closes
+        # rounds through a second one (its liveness') while the first waits.
+        self._store = self._connect("vote")
+        self._quorum_store = self._connect("quorum")
+        self._quorum_liveness = Liveness(self._connect("round"), config.heartbeat_timeout)
 
         # Shared between threads: one lock each.
         self.state = StepState()
@@ -138,27 +153,33 @@ class ManagerExecutor:
         # decision under).
         self._reuse_quorum = False
         self._quorum_future: concurrent.futures.Future[Quorum] | None = None
+        self._quorum_waited_since: float | None = None
         self._closed = False
         self._quorum_requests = 0
         # Set here, read-only afterwards.
         # Looked up once: the lookup missed on most groups, and a miss costs an exception.
         error_of = getattr(pg, "error", None)
         self._error_of: Callable[[], object] | None = error_of if callable(error_of) else None
-        self._sum_options = dist.AllreduceOptions()
-        self._sum_options.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]
         self._incarnation = 0
         if config.grouped:
             self._join_group()
         self._watcher = Watcher(
             config,
             self.state,
-            self._connect(),
+            self._connect("watch"),
             self._wrapped,
             group_name=self._group_name(),
             fail=self.fail,
             log=log,
         )
         self._watcher.start()
+        self._worker: QuorumWorker[Quorum] = QuorumWorker(
+            f"ft-quorum-{config.replica_id}",
+            self._serve_quorum,
+            is_stale=lambda request: request_is_stale(request.generation, self.state.generation),
+            drop=self._drop_quorum_request,
+            log=log,
+        )
 
     def _join_group(self) -> None:
         """Checks the group size against the job's and counts this rank's incarnation.
@@ -186,11 +207,14 @@ class ManagerExecutor:
     def _group_key(self, request: int) -> str:
         return f"group/{self._group_name()}/{request}"
 
-    def _connect(self) -> Store:
-        client = connect_tcp_store(
-            self._config.host, self._config.port, self._config.timeout, shared=False
+    def _connect(self, role: str) -> BoundedStore:
+        return BoundedStore(
+            self._config.host,
+            self._config.port,
+            prefix=self._config.namespace,
+            timeout=self._config.timeout,
+            label=f"{role}-{self._config.replica_id}",
         )
-        return PrefixStore(self._config.namespace, client)
 
     # -- the step -----------------------------------------------------------------------
 
@@ -206,30 +230,37 @@ class ManagerExecutor:
         return quorum
 
     def start_quorum(self) -> None:
-        """Starts a step: reuses the last quorum, or starts a quorum thread to form one."""
+        """Starts a step: reuses the last quorum, or asks the quorum worker to form one."""
         if self._closed:
             raise RuntimeError(f"replica {self._config.replica_id}: the Manager was shut down")
         reuse, self._reuse_quorum = self._reuse_quorum, False
-        generation, reused = self.state.begin_step(reuse=reuse)
-        future: concurrent.futures.Future[Quorum] = concurrent.futures.Future()
-        self._quorum_future = future
+        generation, reused = self.state.begin_step(
+            reuse=reuse, open_generation=self._open_generation
+        )
+        self._quorum_waited_since = None
         if reused is not None:  # no store round trip at all
+            future: concurrent.futures.Future[Quorum] = concurrent.futures.Future()
             future.set_result(reused)
+            self._quorum_future = future
             return
-
         self._quorum_requests += 1
-        request = self._quorum_requests
         step = self.state.step
-
-        def run() -> None:
-            try:
-                future.set_result(self._form_quorum(generation, request, step))
-            except BaseException as error:
-                future.set_exception(error)
-
-        threading.Thread(target=run, name=f"ft-quorum-{generation}", daemon=True).start()
+        self._quorum_future = self._worker.submit(
+            QuorumRequest(generation, self._quorum_requests, step)
+        )
         if self._config.init_sync and step == 0:
             self._load_first_state()
+
+    def _open_generation(self, number: int) -> Generation:
+        """The :class:`Generation` of the step ``number``: its operations on the group."""
+        return Generation(
+            number,
+            self._pg,
+            self._buffers,
+            on_error=lambda error: self.fail(error, number),
+            swallowed_error=self._swallowed_error,
+            copy_wait=self._config.timeout.total_seconds(),
+        )
 
     def _load_first_state(self) -> None:
         """Before this replica's first step: waits for the quorum, loads the state it sent.
@@ -291,6 +322,25 @@ class ManagerExecutor:
         return quorum
 
     def _compute_quorum(self, step: int) -> Quorum:
+        """The round's decision; one more round when it kept the id of a failed step.
+
+        A step of this replica that failed on a configuration leaves that group unused
+        for good: its exchanges may still run and would pair with the next step's.
+        The round keeps the id only when nobody reported the failure under it before
+        the round was decided (the watcher writes it as soon as it can); then this
+        replica reports it and joins the next round, which gives a new id.
+        """
+        quorum = self._round(step, self.state.last_quorum)
+        if kept_a_failed_quorum(quorum, self.state.failed_quorum_id):
+            message = (
+                f"{self._config.replica_id}: quorum {quorum.quorum_id} kept the id of a "
+                "configuration whose step failed"
+            )
+            self._quorum_store.set(error_key(quorum), message)
+            quorum = self._round(step, quorum)
+        return quorum
+
+    def _round(self, step: int, previous: Quorum | None) -> Quorum:
         return compute_quorum(
             self._quorum_store,
             self._config.replica_id,
@@ -299,45 +349,57 @@ class ManagerExecutor:
             min_replicas=self._config.min_replica_size,
             join_timeout=self._config.join_timeout,
             timeout=self._config.timeout,
-            previous=self.state.last_quorum,
+            previous=previous,
             first_quorum_window=self._config.first_quorum_window,
             init_sync=self._config.init_sync,
         )
 
-    def _form_quorum(self, generation: int, request: int, step: int) -> Quorum:
-        quorum = self._group_quorum(request, step)
-        if not self.state.adopt_quorum(quorum, generation):
+    def _serve_quorum(self, request: QuorumRequest) -> Quorum:
+        """On the quorum worker: the round, then the actions the decision calls for."""
+        config = self._config
+        self._worker.doing = f"the quorum round of step {request.step}"
+        quorum = self._group_quorum(request.number, request.step)
+        if not self.state.adopt_quorum(quorum, request.generation):
             return quorum  # a newer start_quorum took over; leave the group alone
-        rank = quorum.replica_rank(self._config.replica_id)
         configured_id, configured_members = self.state.configured
-        if quorum.quorum_id != configured_id:
-            address = group_address(
-                f"{self._config.host}:{self._config.port}/{self._config.namespace}",
-                quorum.quorum_id,
-                group_rank=self._config.group_rank,
-                group_world_size=self._config.group_world_size,
-            )
-            started = time.perf_counter()
-            self._pg.configure(address, rank, len(quorum.members))
-            self.state.configured_for(quorum)
-            self._log.info(
-                "replica %s: quorum %d with %d replicas, rank %d, step %d%s; configured in %.1f ms",
-                self._config.label,
-                quorum.quorum_id,
-                len(quorum.members),
-                rank,
-                quorum.max_step,
-                membership_change(configured_members, quorum.members),
-                1000 * (time.perf_counter() - started),
-            )
-        plan = heal_plan(quorum, self._config.replica_id)
-        if plan.receive_from is not None:
-            self.state.received(*recv_state(self._pg, plan.receive_from), generation)
-        elif plan.send_to:
-            state = self._state_dict()
-            for healer in plan.send_to:
-                send_state(self._pg, state, step, healer)
+        actions = quorum_actions(
+            quorum,
+            config.replica_id,
+            configured_id=configured_id,
+            store_address=f"{config.host}:{config.port}/{config.namespace}",
+            group_rank=config.group_rank,
+            group_world_size=config.group_world_size,
+        )
+        for action in actions:
+            self._worker.doing = describe_action(action)
+            if isinstance(action, Configure):
+                started = time.perf_counter()
+                self._pg.configure(action.address, action.rank, action.world_size)
+                self.state.configured_for(quorum)
+                self._log.info(
+                    "replica %s: quorum %d with %d replicas, rank %d, step %d%s; configured "
+                    "in %.1f ms",
+                    config.label,
+                    quorum.quorum_id,
+                    len(quorum.members),
+                    action.rank,
+                    quorum.max_step,
+                    membership_change(configured_members, quorum.members),
+                    1000 * (time.perf_counter() - started),
+                )
+            elif isinstance(action, ReceiveState):
+                self.state.received(*recv_state(self._pg, action.source), request.generation)
+            else:
+                state = self._state_dict()
+                for healer in action.healers:
+                    send_state(self._pg, state, request.step, healer)
         return quorum
+
+    def _drop_quorum_request(self, request: QuorumRequest) -> None:
+        """On the quorum worker: a superseded request; its group ranks stop waiting for it."""
+        if self._config.grouped and self._config.group_rank == 0:
+            with contextlib.suppress(Exception):  # they time out on their own otherwise
+                self._quorum_store.set(self._group_key(request.number), "fail:superseded")
 
     def wait_for_quorum(self) -> Quorum | None:
         """This step's quorum; None when the step failed or timed out before it formed."""
@@ -346,7 +408,13 @@ class ManagerExecutor:
             raise RuntimeError("call start_quorum() before allreduce() or should_commit()")
         if future.done() and future.exception() is None:
             return future.result()
-        deadline = time.monotonic() + self._config.timeout.total_seconds()
+        if self._quorum_waited_since is None:
+            self._quorum_waited_since = time.monotonic()
+        deadline = (
+            self._quorum_waited_since
+            + self._config.timeout.total_seconds()
+            + _QUORUM_WAIT_GRACE_SECONDS
+        )
         while True:
             done, _ = concurrent.futures.wait([future], timeout=0.01)
             if done:
@@ -354,7 +422,12 @@ class ManagerExecutor:
             if self.state.error is not None:
                 return None
             if time.monotonic() > deadline:
-                self.report_error(TimeoutError(f"no quorum within {self._config.timeout}"))
+                self.report_error(
+                    QuorumWorkerTimeoutError(
+                        f"no quorum within {self._config.timeout}: the quorum worker is "
+                        f"still {self._worker.doing}"
+                    )
+                )
                 return None
         error = future.exception()
         if error is not None:
@@ -363,58 +436,22 @@ class ManagerExecutor:
         return future.result()
 
     def allreduce(self, tensor: torch.Tensor, *, average: bool) -> WorkFuture:
-        """Sums ``tensor`` in place over this step's participants, or averages it.
+        """Sums ``tensor`` over this step's participants, or averages it (the step's generation).
 
         Returns:
             A future of ``tensor`` that never raises (see ``Manager.allreduce``).
         """
-        # With CUDA tensors the future records an event where its result is set: on
-        # the stream the group's own future runs ``finish`` on (after the exchange and
-        # the division), so a waiter's stream is ordered after both.
-        result = future_for(tensor, WorkFuture)
         quorum = self.wait_for_quorum()
-        if quorum is None or self.state.error is not None:
+        generation = self.state.current()
+        if quorum is None or generation is None or self.state.error is not None:
+            result = future_for(tensor, WorkFuture)
             result.set_result(tensor)
             return result
-        participants = len(quorum.participants) if average else 1
-        if quorum.is_behind(self._config.replica_id):
-            tensor.zero_()  # computed from stale weights: contributes nothing
-        in_place = tensor.is_contiguous() and (tensor.is_floating_point() or tensor.is_complex())
-        # Dividing first makes the sum the average: the exchange's own result is the
-        # answer, and the callback below has no tensor work to do.
-        buffer = tensor.div_(participants) if in_place else self._buffers.copy_of(tensor)
-        pending = PendingAllreduce(result, tensor)
-        generation = self.state.add_pending(pending)
-        if generation is None:  # failed meanwhile; its failure may not have seen this one
-            pending.complete()
-            return result
-        try:
-            work = self._pg.allreduce([buffer], self._sum_options)
-        except Exception as error:
-            self.fail(error, generation)
-            return result
-
-        def finish(future: Future[Any]) -> None:
-            try:
-                future.value()
-                swallowed = self._swallowed_error()
-                if swallowed is not None:
-                    raise swallowed
-            except Exception as error:
-                self.fail(error, generation)
-                return
-            if pending.future.done():
-                return  # failed meanwhile: the step is discarded
-            if not in_place:
-                if buffer.is_floating_point() or buffer.is_complex():
-                    torch.div(buffer, participants, out=tensor)
-                else:
-                    torch.floor_divide(buffer, participants, out=tensor)
-                self._buffers.give_back(buffer)
-            pending.complete()
-
-        work.get_future().then(finish)
-        return result
+        return generation.allreduce(
+            tensor,
+            participants=len(quorum.participants) if average else 1,
+            behind=quorum.is_behind(self._config.replica_id),
+        )
 
     def wrap_future(self, fut: Future[_T], default: _T, timeout: timedelta | None) -> Future[_T]:
         """``fut``'s value, or ``default`` after its error or timeout (``Manager.wrap_future``)."""
@@ -460,24 +497,25 @@ class ManagerExecutor:
     def fail(self, error: Exception, generation: int | None, *, publish: bool = True) -> None:
         """Fails the step of ``generation`` (None: the current one), unless it failed already.
 
-        Completes the step's allreduces, logs the failure and, with ``publish``, writes it
-        to the store, where every other replica's watcher or vote finds it.
+        Fails the step's :class:`Generation` first (once that returns, no operation of
+        the step writes into a caller's tensor again, and the step's futures are
+        complete), logs the failure and, with ``publish``, has the watcher write it to
+        the store, where every other replica's watcher or vote finds it. Any thread may
+        call it; it makes no store call.
         """
         failed = self.state.fail(error, generation)
         if failed is None:
             return
-        for pending in failed.pending:
-            pending.complete()
+        if failed.generation is not None:
+            failed.generation.fail()
         self._log.warning(
             "replica %s: step %d failed: %s", self._config.label, failed.step, failure_cause(error)
         )
         quorum = failed.quorum
         if publish and quorum is not None:
-            try:
-                message = f"{self._config.replica_id}: {type(error).__name__}: {error}"[:1000]
-                self._watcher.publish(quorum, message)
-            except Exception:
-                self._log.warning("could not publish the error to the store", exc_info=True)
+            message = f"{self._config.replica_id}: {type(error).__name__}: {error}"[:1000]
+            self.state.to_publish(quorum, message)
+            self._watcher.wake()
 
     def should_commit(self) -> bool:
         """Ends the step: waits for its allreduces, loads a healed state, votes."""
@@ -486,8 +524,9 @@ class ManagerExecutor:
         # Each future completes through its exchange or a failure; past the deadline the
         # watcher fails the step, which completes them all.
         self.state.set_deadlines(allreduce=deadline, vote=None)
-        for pending in self.state.pending():
-            pending.future.wait()
+        generation = self.state.current()
+        for future in generation.futures() if generation is not None else ():
+            future.wait()
         self.state.set_deadlines(allreduce=None, vote=None)
         # A group that records errors instead of raising them (the error-swallowing
         # wrapper; a baby group whose child died after its work was handed back on the
@@ -552,24 +591,33 @@ class ManagerExecutor:
         """
         key = commit_key(quorum)
         decision: bytes | None = None
-        if self.state.error is None:
-            proposal = commit_proposal(
-                self._store.add(votes_key(quorum), 1),
-                quorum,
-                group_world_size=self._config.group_world_size,
-                registry_version=self.state.registry_version,
-            )
-            if proposal is not None:
-                decision = self._store.compare_set(key, "", proposal)
-        if decision is None:
-            decision = self._await_decision(key, deadline)
+        try:
+            if self.state.error is None:
+                proposal = commit_proposal(
+                    self._store.add(votes_key(quorum), 1),
+                    quorum,
+                    group_world_size=self._config.group_world_size,
+                    registry_version=self.state.registry_version,
+                )
+                if proposal is not None:
+                    decision = self._store.compare_set(key, "", proposal)
+            if decision is None:
+                decision = self._await_decision(quorum, deadline)
+        except StoreTimeoutError as error:
+            # The store does not answer: no decision can be read, so this replica does
+            # not commit; the watcher writes the failure once the store answers again.
+            self.report_error(error)
+            decision = COMMIT_FAIL.encode()
         outcome = read_commit(decision)
         self._reuse_quorum = outcome.reuse_quorum
         committed = outcome.committed
         if not committed and self.state.error is None:
             # Another replica failed the step before this one's watcher saw why: take
             # its reason now, so that errored() and the log say it before "discarded".
-            reported = reported_error(self._store, quorum)
+            try:
+                reported = reported_error(self._store, quorum)
+            except StoreTimeoutError:
+                reported = None
             self.fail(
                 reported or ReplicaError("another replica failed the step"),
                 self.state.generation,
@@ -577,7 +625,7 @@ class ManagerExecutor:
             )
         return committed
 
-    def _await_decision(self, key: str, deadline: float) -> bytes:
+    def _await_decision(self, quorum: Quorum, deadline: float) -> bytes:
         """The commit decision, after one blocking wait (no check first: it is rarely there).
 
         The wait ends when the last voter writes the decision, or when any replica
@@ -585,19 +633,22 @@ class ManagerExecutor:
         watcher too when a peer stops beating or the deadline passes. No wait with a
         short timeout, then: torch logs a warning each time one runs out.
         """
-        if self.state.error is not None:  # failed before voting: publish it again, to be sure
-            self._store.compare_set(key, "", COMMIT_FAIL)
+        key = commit_key(quorum)
+        if self.state.error is not None:  # failed before voting: publish it here, to be sure
+            self._publish_failure(quorum)
         else:
             self.state.set_deadlines(allreduce=None, vote=deadline)
             try:
                 grace = max(deadline - time.monotonic(), 0.0) + _VOTE_WAIT_GRACE_SECONDS
                 self._store.wait([key], timedelta(seconds=grace))
+            except StoreTimeoutError:
+                raise
             except Exception:  # torch raises DistStoreError (or RuntimeError) on a timeout
                 if not self._store.check([key]):
                     self.report_error(
                         TimeoutError(f"no commit decision within {self._config.timeout}")
                     )
-                    self._store.compare_set(key, "", COMMIT_FAIL)
+                    self._publish_failure(quorum)
             finally:
                 self.state.set_deadlines(allreduce=None, vote=None)
         # The key exists now, so this reads it in one round trip (get would first wait
@@ -605,11 +656,34 @@ class ManagerExecutor:
         # which it then leaves as it is.
         return bytes(self._store.compare_set(key, COMMIT_SAME, COMMIT_SAME))
 
+    def _publish_failure(self, quorum: Quorum) -> None:
+        """Writes this step's failure to the store from the training thread, before it ends.
+
+        The watcher writes it too, as soon as it can; this write makes sure that
+        ``err/<quorum id>`` exists before this replica asks for its next quorum, so that
+        the round gives the group a new id instead of keeping the one whose exchanges
+        failed.
+        """
+        error = self.state.error
+        message = f"{self._config.replica_id}: {type(error).__name__}: {error}"[:1000]
+        self._store.set(error_key(quorum), message)
+        self._store.compare_set(commit_key(quorum), "", COMMIT_FAIL)
+
     def shutdown(self) -> None:
-        """Leaves the quorum for good, stops the watcher and releases the group."""
+        """Leaves the quorum for good, stops the worker and the watcher, releases the group."""
         if self._closed:
             return
         self._closed = True
+        # A worker still in a round of a failed step ends when its bounded calls do;
+        # shutdown does not wait the whole timeout for it.
+        wait = min(self._config.timeout.total_seconds(), _WORKER_STOP_SECONDS)
+        if not self._worker.stop(wait):
+            self._log.warning(
+                "replica %s: the quorum worker is still %s after %.0f s; leaving it",
+                self._config.label,
+                self._worker.doing,
+                wait,
+            )
         self._watcher.stop()
         try:
             if self._config.group_rank == 0:  # the group leaves with its rank 0
@@ -620,4 +694,7 @@ class ManagerExecutor:
             self._log.warning(
                 "could not tell the store that %s left", self._config.replica_id, exc_info=True
             )
+        for store in (self._store, self._quorum_store, self._quorum_liveness.store):
+            if isinstance(store, BoundedStore):
+                store.close()
         self._pg.shutdown()

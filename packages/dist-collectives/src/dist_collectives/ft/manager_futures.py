@@ -1,4 +1,4 @@
-"""What a Manager's step API hands out and reuses: allreduce futures, buffers, wrapped futures.
+"""What a Manager's step API reuses and hands out: exchange buffers, wrapped futures.
 
 Each class here is used from the training thread and from the threads that complete
 operations (a group's callbacks, the futures given to ``wrap_future``), and says how
@@ -7,36 +7,12 @@ it stays consistent between them.
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import itertools
 import threading
 import time
 from collections.abc import Callable
 
 import torch
-from torch.futures import Future
-
-
-@dataclasses.dataclass(eq=False)
-class PendingAllreduce:
-    """One allreduce of the current step, completed once: by its exchange or a failure."""
-
-    future: Future[torch.Tensor]
-    tensor: torch.Tensor
-
-    def complete(self) -> None:
-        """Hands ``tensor`` to the caller's future, unless that happened already.
-
-        No lock: the exchange's thread and a failing watcher may race here, and the
-        loser's second ``set_result`` raises, which is all that needs to happen. A lock
-        taken per allreduce, by the training thread and by gloo's threads through the
-        GIL, cost about a tenth of a small model's step.
-        """
-        if self.future.done():
-            return
-        with contextlib.suppress(RuntimeError):  # completed by the other thread meanwhile
-            self.future.set_result(self.tensor)
 
 
 class BufferPool:
@@ -53,14 +29,14 @@ class BufferPool:
         self._lock = threading.Lock()
         self._free: dict[tuple[torch.Size, torch.dtype, torch.device], list[torch.Tensor]] = {}
 
-    def copy_of(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A contiguous buffer holding a copy of ``tensor``."""
+    def take(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A contiguous buffer of ``tensor``'s shape, dtype and device (its values unset)."""
         with self._lock:
             free = self._free.get((tensor.shape, tensor.dtype, tensor.device))
             buffer = free.pop() if free else None
         if buffer is None:
             buffer = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
-        return buffer.copy_(tensor.detach())
+        return buffer
 
     def give_back(self, buffer: torch.Tensor) -> None:
         """Returns a buffer whose operation completed successfully."""

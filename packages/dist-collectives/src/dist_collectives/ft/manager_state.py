@@ -4,7 +4,7 @@ A Manager runs on four kinds of thread:
 
 - the *training* thread, which calls the public API (``start_quorum``, ``allreduce``,
   ``should_commit``, ...);
-- a *quorum* thread per step that needs a round: it forms the quorum, configures the
+- the *quorum worker*, one long-lived thread: it forms the quorums, configures the
   group and heals;
 - the *watcher*, which beats the heartbeats and fails a step that another replica
   failed, that lost a member or that ran past its deadline;
@@ -12,9 +12,9 @@ A Manager runs on four kinds of thread:
 
 Every field of :class:`StepState` is read and written only with its lock held, by
 the methods below, each one short and free of I/O. What only one thread touches is
-not here: the executor keeps it and says which thread owns it. The futures of
-allreduces complete without this lock (see
-:class:`~dist_collectives.ft.manager_futures.PendingAllreduce`).
+not here: the executor keeps it and says which thread owns it. The step's operations
+are its :class:`~dist_collectives.ft.generation.Generation`'s, behind that object's
+own condition; this lock is never held while that one is taken.
 """
 
 from __future__ import annotations
@@ -22,10 +22,11 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
+from dist_collectives.ft.generation import Generation
 from dist_collectives.ft.manager_decisions import Failure, recovered_failure, reused_quorum
-from dist_collectives.ft.manager_futures import PendingAllreduce
 from dist_collectives.ft.quorum import Quorum
 
 
@@ -35,7 +36,7 @@ class FailedStep:
 
     quorum: Quorum | None
     step: int
-    pending: tuple[PendingAllreduce, ...]
+    generation: Generation | None  # to fail, outside the state's lock
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +45,7 @@ class WatchedStep:
 
     quorum: Quorum
     generation: int
-    pending: tuple[PendingAllreduce, ...]
+    operations: Generation | None
     allreduce_deadline: float | None
     vote_deadline: float | None
 
@@ -71,15 +72,19 @@ class StepState:
         configured_quorum_id, configured_members: The quorum the group was last
             configured for.
         healed: The state received from a peer in this step, with its step.
-        pending: This step's allreduces.
+        current: This step's :class:`Generation`: its operations.
         allreduce_deadline, vote_deadline: When the commit's waits must end (None
             while it does not wait); the watcher fails the step past them.
         error, error_wall_time: This step's error and when it was recorded (wall clock).
         failure: The first failure since the last commit, for the recovery log.
         step_active: Between ``start_quorum`` and the end of ``should_commit``.
         group_broken: Why this replica group left the quorum for good, once it has.
-        arrival_key, awaited_key: The group keys the quorum thread is blocked on.
+        arrival_key, awaited_key: The group keys the quorum worker is blocked on.
         registry_version: The registry version as the watcher last read it.
+        unpublished: Failures recorded but not yet written to the store; the watcher
+            writes them (no thread that completes an operation makes store calls).
+        failed_quorum_id: The last quorum a step failed in: its group is never used
+            again.
     """
 
     def __init__(self) -> None:
@@ -91,7 +96,7 @@ class StepState:
         self._configured_quorum_id: int | None = None
         self._configured_members: tuple[str, ...] = ()
         self._healed: tuple[Any, int] | None = None
-        self._pending: list[PendingAllreduce] = []
+        self._current: Generation | None = None
         self._allreduce_deadline: float | None = None
         self._vote_deadline: float | None = None
         self._error: Exception | None = None
@@ -102,6 +107,8 @@ class StepState:
         self._arrival_key: str | None = None
         self._awaited_key: str | None = None
         self._registry_version = 0
+        self._unpublished: list[tuple[Quorum, str]] = []
+        self._failed_quorum_id: int | None = None
 
     # -- reads ------------------------------------------------------------------------
 
@@ -154,15 +161,21 @@ class StepState:
             return self._registry_version
 
     @property
+    def failed_quorum_id(self) -> int | None:
+        """The id of the last quorum a step of this replica failed in, if any."""
+        with self._lock:
+            return self._failed_quorum_id
+
+    @property
     def configured(self) -> tuple[int | None, tuple[str, ...]]:
         """The id and the members of the quorum the group was last configured for."""
         with self._lock:
             return self._configured_quorum_id, self._configured_members
 
-    def pending(self) -> tuple[PendingAllreduce, ...]:
-        """This step's allreduces so far."""
+    def current(self) -> Generation | None:
+        """This step's :class:`Generation` (None before the first step)."""
         with self._lock:
-            return tuple(self._pending)
+            return self._current
 
     def healed(self) -> tuple[Any, int] | None:
         """The state received in this step and its step, while no error failed the step."""
@@ -171,15 +184,19 @@ class StepState:
 
     # -- the training thread's transitions ----------------------------------------------
 
-    def begin_step(self, *, reuse: bool) -> tuple[int, Quorum | None]:
+    def begin_step(
+        self, *, reuse: bool, open_generation: Callable[[int], Generation] | None = None
+    ) -> tuple[int, Quorum | None]:
         """Starts a step: a new generation, no error, no quorum, no allreduce yet.
 
         Args:
             reuse: The last step's commit said the next step may reuse its quorum.
+            open_generation: Makes the step's :class:`Generation` from its number
+                (no I/O: it runs under the lock).
 
         Returns:
             The step's generation, and its quorum when it reuses the last one (else a
-            quorum thread decides it).
+            quorum worker decides it).
         """
         with self._lock:
             self._generation += 1
@@ -187,7 +204,7 @@ class StepState:
             self._error_wall_time = None
             self._quorum = None
             self._healed = None
-            self._pending = []
+            self._current = open_generation(self._generation) if open_generation else None
             self._step_active = True
             quorum = reused_quorum(
                 self._last_quorum, reuse=reuse, group_broken=self._group_broken is not None
@@ -201,12 +218,6 @@ class StepState:
         with self._lock:
             healed, self._healed = self._healed, None
             return healed
-
-    def add_pending(self, pending: PendingAllreduce) -> int | None:
-        """Adds an allreduce to this step; its generation, or None if the step failed."""
-        with self._lock:
-            self._pending.append(pending)
-            return self._generation if self._error is None else None
 
     def set_deadlines(self, *, allreduce: float | None, vote: float | None) -> None:
         """Sets when the commit's waits (for the allreduces, for the vote) must end."""
@@ -239,7 +250,7 @@ class StepState:
                 self._step = quorum.max_step + 1
             return recovered
 
-    # -- the quorum thread's transitions ------------------------------------------------
+    # -- the quorum worker's transitions ------------------------------------------------
 
     def adopt_quorum(self, quorum: Quorum, generation: int) -> bool:
         """Records a decided quorum; whether it is still the current step's."""
@@ -265,7 +276,7 @@ class StepState:
     def wait_for_group(
         self, *, arrival_key: str | None = None, awaited_key: str | None = None
     ) -> str | None:
-        """Records the group key the quorum thread blocks on next; why the group broke, if so.
+        """Records the group key the quorum worker blocks on next; why the group broke, if so.
 
         The watcher ends that wait (:meth:`break_group`) when the group breaks; a group
         that broke before the key was recorded is answered here instead.
@@ -306,7 +317,7 @@ class StepState:
             return WatchedStep(
                 self._quorum,
                 self._generation,
-                tuple(self._pending),
+                self._current,
                 self._allreduce_deadline,
                 self._vote_deadline,
             )
@@ -322,7 +333,7 @@ class StepState:
                 dropped. None: the current step.
 
         Returns:
-            The failed step, to complete its allreduces and to publish the error; None
+            The failed step, to fail its generation and to publish the error; None
             when the error was dropped.
         """
         with self._lock:
@@ -333,6 +344,8 @@ class StepState:
             self._error = error
             self._error_wall_time = time.time()
             quorum = self._quorum
+            if quorum is not None:
+                self._failed_quorum_id = quorum.quorum_id
             step = quorum.max_step if quorum is not None else self._step
             if self._failure is None:
                 self._failure = Failure(
@@ -341,4 +354,15 @@ class StepState:
                     members=quorum.members if quorum is not None else (),
                     generation=self._generation,
                 )
-            return FailedStep(quorum, step, tuple(self._pending))
+            return FailedStep(quorum, step, self._current)
+
+    def to_publish(self, quorum: Quorum, message: str) -> None:
+        """Queues a failure of ``quorum``'s step for the watcher to write to the store."""
+        with self._lock:
+            self._unpublished.append((quorum, message))
+
+    def take_unpublished(self) -> list[tuple[Quorum, str]]:
+        """The failures queued for the store since the last call (the watcher's)."""
+        with self._lock:
+            unpublished, self._unpublished = self._unpublished, []
+            return unpublished

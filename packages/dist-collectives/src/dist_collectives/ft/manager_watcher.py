@@ -8,6 +8,10 @@ group's and the registry version: heartbeats only back up the error path, and
 newcomers only wait a little longer, so they are read less often to keep the store
 traffic small.
 
+It also writes the failures the other threads queued in the state to the store, at
+once when woken (:meth:`Watcher.wake`): the threads that complete operations (a
+group's callbacks) make no store calls.
+
 The watcher owns its store connection and its liveness observer. It reads and writes
 the step only through :class:`~dist_collectives.ft.manager_state.StepState`, and fails
 it through the executor's ``fail``.
@@ -20,8 +24,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from torch.distributed import Store  # type: ignore[attr-defined]  # public, not re-exported in the stubs
-
+from dist_collectives.ft.bounded_store import KeyValueStore
 from dist_collectives.ft.errors import ReplicaError
 from dist_collectives.ft.manager_config import ManagerConfig
 from dist_collectives.ft.manager_decisions import (
@@ -41,7 +44,7 @@ from dist_collectives.ft.quorum import REGISTRY_VERSION_KEY, Liveness, Quorum
 _HEARTBEAT_CHECK_TICKS = 2
 
 
-def reported_error(store: Store, quorum: Quorum) -> ReplicaError | None:
+def reported_error(store: KeyValueStore, quorum: Quorum) -> ReplicaError | None:
     """The error another replica wrote for ``quorum``'s step, if any."""
     key = error_key(quorum)
     if not store.check([key]):
@@ -66,7 +69,7 @@ class Watcher:
         self,
         config: ManagerConfig,
         state: StepState,
-        store: Store,
+        store: KeyValueStore,
         wrapped: WrappedFutures,
         *,
         group_name: str,
@@ -82,6 +85,8 @@ class Watcher:
         self._fail = fail
         self._log = log
         self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._failing = False  # the watcher thread's own: whether its last store call failed
         self._thread = threading.Thread(
             target=self._loop, name=f"ft-monitor-{config.replica_id}", daemon=True
         )
@@ -95,35 +100,77 @@ class Watcher:
         self._thread.start()
 
     def stop(self) -> None:
-        """Stops the thread; waits a little for it to end."""
+        """Stops the thread, waits a little for it to end, and closes its connection."""
         self._stop.set()
+        self._wake.set()
         self._thread.join(timeout=5)
+        close = getattr(self._store, "close", None)
+        if callable(close):
+            close()
 
-    def publish(self, quorum: Quorum, message: str) -> None:
-        """Writes a failure of ``quorum``'s step to the store, for every other replica.
+    def wake(self) -> None:
+        """Has the thread write the failures queued in the state now, not at its next tick."""
+        self._wake.set()
 
-        Called from whichever thread saw the failure; the store client serialises its
-        callers.
+    def _publish(self) -> None:
+        """Writes each queued failure to the store, for every other replica.
+
+        What could not be written is queued again, for the next tick.
         """
-        self._store.set(error_key(quorum), message)
-        self._store.compare_set(commit_key(quorum), "", COMMIT_FAIL)
+        queued = self._state.take_unpublished()
+        for index, (quorum, message) in enumerate(queued):
+            try:
+                self._store.set(error_key(quorum), message)
+                self._store.compare_set(commit_key(quorum), "", COMMIT_FAIL)
+            except Exception:
+                for later in queued[index:]:
+                    self._state.to_publish(*later)
+                raise
 
     def _loop(self) -> None:
         interval = self._config.heartbeat_interval.total_seconds()
         ticks = 0
-        while not self._stop.wait(interval):
-            ticks += 1
+        next_tick = time.monotonic() + interval
+        while not self._stop.is_set():
+            self._wake.wait(max(next_tick - time.monotonic(), 0.0))
+            self._wake.clear()
+            if self._stop.is_set():
+                break
+            due = time.monotonic() >= next_tick
             try:
-                self._wrapped.expire()
-                slow_tick = ticks % _HEARTBEAT_CHECK_TICKS == 0
-                self._beat(check_group=slow_tick)
-                if slow_tick:
-                    version = int(self._store.add(REGISTRY_VERSION_KEY, 0))
-                    self._state.saw_registry_version(version)
-                self._watch_step(check_heartbeats=slow_tick)
-            except Exception:
-                if not self._stop.is_set():
-                    self._log.warning("ft monitor: store call failed", exc_info=True)
+                self._publish()
+                if due:
+                    next_tick = time.monotonic() + interval
+                    ticks += 1
+                    self._tick(slow_tick=ticks % _HEARTBEAT_CHECK_TICKS == 0)
+            except Exception as error:
+                next_tick = max(next_tick, time.monotonic() + interval)
+                self._store_failed(error)
+            else:
+                self._store_answered()
+
+    def _tick(self, *, slow_tick: bool) -> None:
+        self._wrapped.expire()
+        self._beat(check_group=slow_tick)
+        if slow_tick:
+            version = int(self._store.add(REGISTRY_VERSION_KEY, 0))
+            self._state.saw_registry_version(version)
+        self._watch_step(check_heartbeats=slow_tick)
+
+    def _store_failed(self, error: Exception) -> None:
+        """Logs the first failed store call of an outage; the others until it ends at debug."""
+        if self._stop.is_set():
+            return
+        if self._failing:
+            self._log.debug("ft monitor: store call failed again: %s", error)
+            return
+        self._failing = True
+        self._log.warning("ft monitor: store call failed: %s", error, exc_info=True)
+
+    def _store_answered(self) -> None:
+        if self._failing:
+            self._failing = False
+            self._log.warning("ft monitor: the store answers again")
 
     def _beat(self, *, check_group: bool) -> None:
         """Beats this rank's heartbeat; group rank 0 beats the group's while it is whole.
@@ -170,7 +217,7 @@ class Watcher:
         overdue = overdue_error(
             time.monotonic(),
             allreduce_deadline=watched.allreduce_deadline,
-            allreduce_unfinished=any(not pending.future.done() for pending in watched.pending),
+            allreduce_unfinished=watched.operations is not None and watched.operations.unfinished(),
             vote_deadline=watched.vote_deadline,
             timeout=self._config.timeout,
         )

@@ -10,12 +10,15 @@ also waits until no replica has announced itself for ``first_quorum_window``, so
 replicas started together begin in one quorum instead of the last ones healing a step
 later.
 
-A replica waits for the decision in one blocking ``wait`` on the store, which the
-closing replica's write ends at once. What closes a round on a timer (a replica that
-stopped beating, a join time that ran out) is checked every ``ROUND_TICK_SECONDS`` by
-a ticker thread on a second connection. No wait is made with a short timeout: torch's
-TCPStore client logs two warnings (``[c10d] waitForInput: ... likely a timeout``) each
-time one runs out, which read like a network fault; here only a real timeout logs.
+A replica waits for the decision in one ``wait`` on the store, which the closing
+replica's write ends at once; on a :class:`~dist_collectives.ft.bounded_store.BoundedStore`
+that wait runs on the store's own link thread while the waiting thread checks, every
+``ROUND_TICK_SECONDS`` and on a second connection, what closes a round on a timer (a
+replica that stopped beating, a join time that ran out). No thread is started per
+round. No wait is made with a short timeout: torch's TCPStore client logs two warnings
+(``[c10d] waitForInput: ... likely a timeout``) each time one runs out, which read like
+a network fault; here only a real timeout logs. On a plain torch store (tests,
+benchmarks) the waiting thread only checks every tick.
 
 The decision keeps the quorum id of the previous round when the members are the same
 and no error was reported in it; otherwise the id goes up by one and every member
@@ -27,16 +30,15 @@ clock, when it last saw a replica's counter change.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
 import logging
-import threading
 import time
 from collections.abc import Collection, Sequence
 from datetime import timedelta
 
-from torch.distributed import Store  # type: ignore[attr-defined]  # public, not re-exported in the stubs
-
+from dist_collectives.ft.bounded_store import KeyValueStore
 from dist_collectives.ft.errors import FTError
 
 logger = logging.getLogger(__name__)
@@ -51,7 +53,7 @@ ROUND_TICK_SECONDS = 0.1
 REGISTRY_VERSION_KEY = "replicas_version"
 
 
-def _append(store: Store, key: str, value: str) -> None:
+def _append(store: KeyValueStore, key: str, value: str) -> None:
     """Appends atomically on the server (``Store.append`` is missing from torch's stubs)."""
     store.append(key, value)  # type: ignore[attr-defined]
 
@@ -192,13 +194,13 @@ def is_stale(quiet: float | None, *, counter: int, timeout: float) -> bool:
 class Liveness:
     """Which replicas beat their heartbeat counter recently, on this observer's clock."""
 
-    def __init__(self, store: Store, heartbeat_timeout: timedelta) -> None:
+    def __init__(self, store: KeyValueStore, heartbeat_timeout: timedelta) -> None:
         self._store = store
         self._timeout = heartbeat_timeout.total_seconds()
         self._clock = HeartbeatClock()
 
     @property
-    def store(self) -> Store:
+    def store(self) -> KeyValueStore:
         """The connection this observer reads heartbeats through."""
         return self._store
 
@@ -332,7 +334,9 @@ def round_is_due(
     return len(members) >= min_replicas and everyone_in and settled
 
 
-def _decide(store: Store, round_: int, members: dict[str, int], known: Quorum | None) -> Quorum:
+def _decide(
+    store: KeyValueStore, round_: int, members: dict[str, int], known: Quorum | None
+) -> Quorum:
     previous = known if known is not None and known.round == round_ - 1 else None
     if previous is None and round_ > 0 and store.check([f"r{round_ - 1}/decision"]):
         previous = Quorum.from_json(store.get(f"r{round_ - 1}/decision"))
@@ -350,7 +354,7 @@ def _decide(store: Store, round_: int, members: dict[str, int], known: Quorum | 
 class _Round:
     """A round this replica joined: whether it is due to close, and closing it.
 
-    Used by the waiting thread once, then by its ticker (never both at once).
+    Used by the one thread that waits for the round.
     """
 
     def __init__(
@@ -378,7 +382,7 @@ class _Round:
         self.members: dict[str, int] = {}
         self.alive: set[str] = set()
 
-    def try_close(self, store: Store, liveness: Liveness) -> bytes | None:
+    def try_close(self, store: KeyValueStore, liveness: Liveness) -> bytes | None:
         """The round's decision: the one stored, or the one written now if the round is due.
 
         Returns None while the round stays open.
@@ -414,40 +418,51 @@ class _Round:
 
 
 def _wait_for_decision(
-    store: Store, attempt: _Round, liveness: Liveness, deadline: float, tick: float
+    store: KeyValueStore, attempt: _Round, liveness: Liveness, deadline: float, tick: float
 ) -> bytes | None:
-    """Blocks on the round's decision key while a ticker closes the round when it is due.
+    """The round's decision: the one another replica writes, or the one this replica writes.
 
-    The ticker goes through ``liveness``'s connection: this thread's connection is held
-    by its ``wait``. Returns None at the deadline.
+    Waits for the decision key on ``store`` (on its link thread, when it has one) and,
+    every ``tick``, closes the round through ``liveness``'s connection when it is due.
+    Returns None at the deadline.
     """
-    stop = threading.Event()
-
-    def ticker() -> None:
-        while not stop.wait(tick):
+    wait_async = getattr(store, "wait_async", None)
+    remaining = timedelta(seconds=max(deadline - time.monotonic(), 0.001))
+    waiting = wait_async([attempt.decision_key], remaining) if callable(wait_async) else None
+    while True:
+        if waiting is None:
+            time.sleep(tick)  # a plain store: the tick is the only way to learn of it
+        else:
             try:
-                if attempt.try_close(liveness.store, liveness) is not None:
-                    return
-            except Exception:  # the waiter's own timeout reports a store that is gone
-                logger.debug("quorum ticker: store call failed", exc_info=True)
-
-    thread = threading.Thread(target=ticker, name=f"ft-round-{attempt.number}", daemon=True)
-    thread.start()
-    try:
-        remaining = max(deadline - time.monotonic(), 0.001)
+                waiting.result(timeout=tick)
+                return bytes(store.get(attempt.decision_key))
+            except concurrent.futures.TimeoutError:
+                pass
+            except Exception:  # torch raises DistStoreError (or RuntimeError) on a timeout
+                if not store.check([attempt.decision_key]):
+                    return None
+                return bytes(store.get(attempt.decision_key))
         try:
-            store.wait([attempt.decision_key], timedelta(seconds=remaining))
-        except Exception:  # torch raises DistStoreError (or RuntimeError) on a timeout
-            if not store.check([attempt.decision_key]):
-                return None
+            decision = attempt.try_close(liveness.store, liveness)
+        except FTError:
+            raise  # a store that does not answer: the caller reports it by name
+        except Exception:  # the wait's own timeout reports a store that is gone
+            logger.debug("quorum tick: store call failed", exc_info=True)
+            decision = None
+        if decision is not None:
+            return decision
+        if time.monotonic() > deadline:
+            return _decision_if_any(store, attempt)
+
+
+def _decision_if_any(store: KeyValueStore, attempt: _Round) -> bytes | None:
+    if store.check([attempt.decision_key]):
         return bytes(store.get(attempt.decision_key))
-    finally:
-        stop.set()
-        thread.join(timeout=10)
+    return None
 
 
 def compute_quorum(
-    store: Store,
+    store: KeyValueStore,
     replica_id: str,
     step: int,
     *,
@@ -470,15 +485,15 @@ def compute_quorum(
         replica_id: This replica.
         step: The last step this replica committed.
         liveness: This replica's view of who is alive, on a connection other than
-            ``store``'s (a ticker closes the round through it while this thread
-            blocks on ``store``).
+            ``store``'s (the round is closed through it while ``store`` waits for the
+            decision).
         min_replicas: A round closes only with at least this many members.
         join_timeout: Close a round without a replica that looks alive but did not join.
         timeout: Give up after this long.
         previous: The last decision this replica saw (saves reading it again).
         first_quorum_window: The job's first round closes only once no replica has
             announced itself for this long (at most ``join_timeout`` after joining).
-        tick: How often the ticker checks whether the round is due to close.
+        tick: How often the waiting thread checks whether the round is due to close.
         init_sync: Decide, when no member has committed a step, that every member but
             the first heals from it (:attr:`Quorum.init_sync`). The replica that closes
             the round decides, so every replica of a job should pass the same value.

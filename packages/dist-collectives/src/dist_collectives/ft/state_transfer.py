@@ -24,7 +24,7 @@ Devices and streams: the bytes travel on the group's transport device, the CPU f
 gloo groups and the current CUDA device for NCCL groups (``getBackendName()``
 containing ``nccl``), and the receiver gets its tensors on that device. The state
 sent was written by the training thread, on whatever stream it uses, while this runs
-on the Manager's quorum thread: before anything is read, every CUDA device holding a
+on the Manager's quorum worker: before anything is read, every CUDA device holding a
 tensor of the state is synchronised, and after the last send (and after the last
 receive) the transport stream is synchronised too, so that neither side hands a
 tensor to another thread, or lets it be overwritten, while the GPU still reads or

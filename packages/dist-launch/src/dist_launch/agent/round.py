@@ -9,11 +9,22 @@ ended and what the agent needs to decide what comes next
 (:func:`~dist_launch.agent.next_step.decide_next`). The agent routes the signals it
 receives to the round in progress (:meth:`Round.interrupt`, :meth:`Round.dump_stacks`,
 :meth:`Round.resize`).
+
+When the hang watch finds the group hung, the round stops nothing at first: it asks
+every rank for its collective records (:mod:`dist_launch.watch.rank_requests`) and its
+Python stack, waits for both (bounded), exchanges them with the other nodes on the job
+board (c10d: every node raised the alarm by then), decides the verdict
+(:func:`~dist_launch.diagnostics.verdict.decide_verdict`), prints it and writes
+``hang.json``, and only then stops the workers. With ``--slow-ranks`` the round also
+runs the slow-rank report (:mod:`dist_launch.watch.slow_rank_watch`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import datetime
+import json
+import logging
 import re
 import signal
 import sys
@@ -26,16 +37,39 @@ from typing import Literal
 from dist_core.supervisor import GroupOutcome
 from dist_launch.agent.event_loop import EventLoop
 from dist_launch.diagnostics.failure_class import FailureClass, Fingerprint, classify_failure
+from dist_launch.diagnostics.flight_records import (
+    RankRecords,
+    RecordsError,
+    records_from_json,
+    records_to_json,
+)
+from dist_launch.diagnostics.hang_json import RankPlace, hang_document
 from dist_launch.diagnostics.hang_report import HangReport
 from dist_launch.diagnostics.stacks import format_stack_dump, without_launcher_frames
+from dist_launch.diagnostics.verdict import decide_verdict
 from dist_launch.output.log_layout import LogLayout, write_torch_error_file
 from dist_launch.plan.hang_policy import HangPolicy
 from dist_launch.plan.launch_plan import LaunchPlan
+from dist_launch.rendezvous.job_board import JobBoard
 from dist_launch.rendezvous.protocol import Assignment, FailureRecord, Rendezvous, RoundChange
 from dist_launch.watch.file_timer import FILE_VARIABLE, FileTimerWatch
 from dist_launch.watch.hang_watch import HangWatch, node_name
+from dist_launch.watch.rank_requests import RankRequests
+from dist_launch.watch.slow_rank_watch import SLOW_RANKS_FILE, SlowRankWatch
 from dist_launch.workers.fork_server_client import ForkServerClient
 from dist_launch.workers.worker_group import WorkerGroup
+
+logger = logging.getLogger(__name__)
+
+# How long the ranks may take to answer a hang's records request (their stacks are
+# taken meanwhile, at most dist-core's STACK_DUMP_SECONDS).
+RECORDS_SECONDS = 5.0
+# How long the other nodes' records of a hang are waited for; past it the verdict
+# covers the nodes that answered.
+HANG_EXCHANGE_SECONDS = 15.0
+# The records a node shares for a hang's verdict: the last few of each group.
+SHARED_OPS = 8
+HANG_TOPIC = "hang"
 
 _ADDRESS_IN_USE = re.compile(r"EADDRINUSE|address already in use", re.IGNORECASE)
 
@@ -122,8 +156,28 @@ def round_ending(
     return "failed"
 
 
-def hang_record(hang: HangReport, assignment: Assignment, host: str) -> FailureRecord:
-    """This node's record of a hang: the odd rank out, else this node's first rank."""
+def hang_record(
+    hang: HangReport, assignment: Assignment, host: str, local_ranks: range | None = None
+) -> FailureRecord:
+    """This node's record of a hang: the rank it blames, and whether it is another node's.
+
+    The first rank behind the verdict's collective, when the records name one (an
+    effect here when that rank runs on another node); else the odd rank out of the
+    stacks, else this node's first rank (an effect: every rank here waits in the same
+    place, so the rank they wait for, if any node can name it, is another node's).
+    """
+    verdict = hang.verdict
+    if verdict is not None and verdict.collective is not None and verdict.behind:
+        rank = verdict.behind[0]
+        local = local_ranks if local_ranks is not None else range(rank, rank + 1)
+        return FailureRecord(
+            node=host,
+            group_rank=assignment.group_rank,
+            rank=rank,
+            timestamp=time.time(),
+            summary=f"hang: {verdict.headline()}",
+            consequence=rank not in local,
+        )
     odd = hang.odd_rank
     return FailureRecord(
         node=host,
@@ -131,10 +185,18 @@ def hang_record(hang: HangReport, assignment: Assignment, host: str) -> FailureR
         rank=odd if odd is not None else min(hang.stacks, default=assignment.base_rank),
         timestamp=time.time(),
         summary=f"hang: {hang.summary}",
-        # Every rank here waits in the same place: the rank they wait for, if any node
-        # can name it, is another node's.
         consequence=odd is None,
     )
+
+
+@dataclass(frozen=True)
+class Collected:
+    """What a hang's collection brought: every rank's records and stack, and where it runs."""
+
+    records: dict[int, RankRecords]
+    stacks: dict[int, str]
+    places: dict[int, RankPlace]
+    collect_s: float
 
 
 class Round:
@@ -234,7 +296,9 @@ class Round:
             stack.callback(loop.run_posted)
             stack.callback(watch.stop)
             policy = self._hang_policy()
-            board = self.rdzv.progress_board(policy.look_period) if policy.enabled else None
+            board = None
+            if policy.enabled or plan.slow_ranks is not None:
+                board = self.rdzv.job_board(policy.look_period)
             if board is not None:
                 stack.callback(board.stop)
             group = stack.enter_context(
@@ -258,6 +322,11 @@ class Round:
                 board,
             )
             stack.callback(hang_watch.close)
+            requests = None
+            if not plan.target.no_python and (
+                policy.enabled or self.context.timers is not None or plan.slow_ranks is not None
+            ):
+                requests = RankRequests(group.run_dir)
             self._group = group
             stack.callback(setattr, self, "_group", None)
             for signum, delivered in self._signals:
@@ -268,7 +337,7 @@ class Round:
             try:
                 workers = group.start(
                     node_variables=node_variables,
-                    rank_variables=hang_watch.worker_variables,
+                    rank_variables=partial(self._rank_variables, hang_watch, requests),
                     on_output=hang_watch.output,
                 )
             except (OSError, RuntimeError) as error:
@@ -279,15 +348,21 @@ class Round:
                 )
             for worker in workers:
                 hang_watch.started(worker.rank, worker.pid)
-            # A hang is stopped as a signal is: every rank's stack first, then SIGTERM.
-            hang_watch.on_hang = lambda reason: group.interrupt(signal.SIGTERM)
             stack.callback(loop.remove_timer, loop.add_timer(hang_watch.due))
-            loop.run_until(lambda: group.ended)
+            if requests is not None and plan.slow_ranks is not None:
+                slow = self._slow_rank_watch(plan.slow_ranks, requests, board, group.hostname)
+                stack.callback(loop.remove_timer, loop.add_timer(slow.due))
+            loop.run_until(lambda: group.ended or hang_watch.reason is not None)
+            collected = None
+            if hang_watch.reason is not None and not group.ended:
+                # Nothing is stopped before every rank's records and stack are in hand.
+                collected = self._collect(group, requests, board)
+                group.interrupt(signal.SIGTERM, take_stacks=False)
+                loop.run_until(lambda: group.ended)
             outcome = group.finish()
-            hang = self._hang_report(hang_watch, outcome)
+            hang = self._hang_report(hang_watch, outcome, collected)
             if hang is not None:
-                self._write_hang_files(hang)
-                print(hang.format(), file=sys.stderr, flush=True)
+                self._report_hang(hang, collected)
             else:
                 group.write_error_files(outcome)
             host = group.hostname
@@ -302,7 +377,8 @@ class Round:
         failure = None
         if ending == "hung":
             assert hang is not None
-            record = hang_record(hang, self.assignment, host)
+            base = self.assignment.base_rank
+            record = hang_record(hang, self.assignment, host, range(base, base + self.plan.nproc))
         elif ending == "failed":
             record = FailureRecord.of_round(outcome, self.assignment.group_rank)
             failure = classify_failure(outcome, self.previous_failure)
@@ -319,21 +395,131 @@ class Round:
             failure=failure,
         )
 
-    @staticmethod
-    def _hang_report(hang_watch: HangWatch, outcome: GroupOutcome) -> HangReport | None:
+    def _rank_variables(
+        self, hang_watch: HangWatch, requests: RankRequests | None, rank: int
+    ) -> dict[str, str]:
+        variables = hang_watch.worker_variables(rank)
+        if requests is not None:
+            variables.update(requests.worker_variables(rank))
+        return variables
+
+    def _slow_rank_watch(
+        self, window: float, requests: RankRequests, board: JobBoard | None, host: str
+    ) -> SlowRankWatch:
+        layout = self.context.layout
+        base = self.assignment.base_rank
+        return SlowRankWatch(
+            window,
+            requests,
+            self.loop.call_in_thread,
+            job_ranks=range(self.assignment.world_size),
+            nodes={base + i: self.assignment.group_rank for i in range(self.plan.nproc)},
+            board=board,
+            log_file=None if layout is None else layout.run_dir / SLOW_RANKS_FILE,
+            attempt=self.attempt,
+            host=host,
+        )
+
+    def _collect(
+        self, group: WorkerGroup, requests: RankRequests | None, board: JobBoard | None
+    ) -> Collected:
+        """Every rank's records and stack, this node's and (c10d) the other nodes'."""
+        loop, assignment = self.loop, self.assignment
+        started = time.monotonic()
+        request = requests.send("hang") if requests is not None else None
+        stacks = group.take_stacks()  # faulthandler's, while the beacons dump their records
+        records: dict[int, RankRecords] = {}
+        if requests is not None and request is not None:
+            asked = len(request.asked)
+            loop.run_until(
+                lambda: len(requests.answered(request)) >= asked, started + RECORDS_SECONDS
+            )
+            parsing = loop.call_in_thread(lambda: requests.read(request), "records-read")
+            loop.run_until(lambda: parsing.done)
+            if parsing.error is None:
+                records = parsing.result
+        base, host = assignment.base_rank, group.hostname
+        places: dict[int, RankPlace] = {}
+        why = "no Python bootstrap (--no-python)" if self.plan.target.no_python else "none sent"
+        for local_rank in range(self.plan.nproc):
+            rank = base + local_rank
+            places[rank] = RankPlace(assignment.group_rank, host, local_rank)
+            records.setdefault(rank, RankRecords(rank, None, {}, missing=why))
+        collect_s = time.monotonic() - started
+        if board is not None:
+            self._exchange(board, records, stacks, places)
+        return Collected(records, stacks, places, collect_s)
+
+    def _exchange(
+        self,
+        board: JobBoard,
+        records: dict[int, RankRecords],
+        stacks: dict[int, str],
+        places: dict[int, RankPlace],
+    ) -> None:
+        """Shares this node's ranks' records and stacks; merges the other nodes' (bounded)."""
+        own = {
+            str(rank): {
+                "records": records_to_json(records[rank], last=SHARED_OPS),
+                "stack": without_launcher_frames(stacks.get(rank, "")),
+                "place": [places[rank].node, places[rank].host, places[rank].local_rank],
+            }
+            for rank in places
+        }
+        board.share(HANG_TOPIC, json.dumps(own))
+        deadline = time.monotonic() + HANG_EXCHANGE_SECONDS
+        self.loop.run_until(lambda: board.shared(HANG_TOPIC) is not None, deadline)
+        shared = board.shared(HANG_TOPIC)
+        if shared is None:
+            logger.warning(
+                "the other nodes' records did not arrive within %g s: the verdict covers "
+                "this node's ranks",
+                HANG_EXCHANGE_SECONDS,
+            )
+            return
+        for node, payload in shared.items():
+            try:
+                for key, value in json.loads(payload).items():
+                    rank = int(key)
+                    records[rank] = records_from_json(value["records"], rank, f"node {node}")
+                    stacks[rank] = str(value["stack"])
+                    place_node, place_host, local_rank = value["place"]
+                    places[rank] = RankPlace(int(place_node), str(place_host), int(local_rank))
+            except (ValueError, KeyError, TypeError, RecordsError) as error:
+                logger.warning("node %d's records could not be read: %s", node, error)
+
+    def _hang_report(
+        self, hang_watch: HangWatch, outcome: GroupOutcome, collected: Collected | None
+    ) -> HangReport | None:
         reason = hang_watch.reason
         if reason is None:
             return None
         stacks = {rank.rank: rank.live_stack for rank in outcome.ranks if rank.live_stack}
-        return HangReport(reason, hang_watch.node, stacks)
+        verdict = None
+        if collected is not None:
+            verdict = decide_verdict(
+                collected.records,
+                job_ranks=range(self.assignment.world_size),
+                stacks=collected.stacks,
+            )
+        return HangReport(reason, hang_watch.node, stacks, verdict)
 
-    def _write_hang_files(self, hang: HangReport) -> None:
-        """The hang report in the attempt's directory, and each rank's error.json."""
+    def _report_hang(self, hang: HangReport, collected: Collected | None) -> None:
+        """Prints the hang's report; writes hang.txt, hang.json and each rank's error.json."""
+        text = hang.format()
+        path = self._write_hang_files(hang, collected)
+        if path is not None:
+            text += f"\ndist-launch: hang details in {path}"
+        print(text, file=sys.stderr, flush=True)
+
+    def _write_hang_files(self, hang: HangReport, collected: Collected | None) -> str | None:
+        """The hang's files in the attempt's directory; returns hang.json's path, if written."""
         layout = self.context.layout
         if layout is None:
-            return
+            return None
         # The attempt's directories exist: the worker group made them.
-        (layout.attempt_dir(self.attempt) / "hang.txt").write_text(hang.format() + "\n")
+        attempt_dir = layout.attempt_dir(self.attempt)
+        (attempt_dir / "hang.txt").write_text(hang.format() + "\n")
         now = time.time()
         base = self.assignment.base_rank
         for local_rank in range(self.plan.nproc):
@@ -344,3 +530,19 @@ class Round:
                 traceback=stack,
                 timestamp=now,
             )
+        if hang.verdict is None or collected is None:
+            return None
+        document = hang_document(
+            reason=hang.reason,
+            node=hang.node,
+            attempt=self.attempt,
+            time=datetime.datetime.fromtimestamp(now, datetime.UTC).isoformat(timespec="seconds"),
+            verdict=hang.verdict,
+            records=collected.records,
+            stacks=collected.stacks,
+            places=collected.places,
+            collect_s=collected.collect_s,
+        )
+        path = attempt_dir / "hang.json"
+        path.write_text(json.dumps(document, indent=1, sort_keys=True) + "\n")
+        return str(path)

@@ -258,6 +258,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS|auto|off",
     )
     value(
+        "slow_ranks",
+        "every SECONDS (default 60), name the ranks that enter collectives consistently "
+        "late, from torch's flight recorder: a warning on the launcher's log and a line "
+        "in slow_ranks.jsonl in the log directory; off: no report",
+        metavar="SECONDS|off",
+    )
+    value(
         "run_id", "TORCHELASTIC_RUN_ID (default: --rdzv-id, else random on one node)", metavar="ID"
     )
     parser.add_argument(

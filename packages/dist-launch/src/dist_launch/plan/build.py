@@ -40,12 +40,14 @@ from dist_launch.plan.launch_plan import LaunchPlan, UsageError, WorkerTarget
 from dist_launch.plan.slurm import slurm_restart_count, slurm_settings
 from dist_launch.plan.sources import Settings, default_settings, flag_settings, pet_settings
 from dist_launch.plan.values import (
+    DEFAULT_SLOW_RANKS_WINDOW,
     parse_int,
     parse_nnodes,
     parse_nproc,
     parse_positive_float,
     parse_rdzv_conf,
     parse_signals,
+    parse_slow_ranks,
 )
 
 RDZV_BACKENDS = ("static", "c10d")
@@ -241,6 +243,16 @@ def _hang_policy(settings: Settings) -> HangPolicy:
         raise UsageError(f"{error}{where}") from None
 
 
+def _slow_ranks(settings: Settings) -> float | None:
+    """The slow-rank report's window (``--slow-ranks``); None when off."""
+    given = settings.get("slow_ranks")
+    if given is None:
+        return DEFAULT_SLOW_RANKS_WINDOW
+    source = settings.source("slow_ranks")
+    where = "--slow-ranks" if source == "flag" else f"--slow-ranks (from {source})"
+    return parse_slow_ranks(given, where)
+
+
 def _run_and_rdzv_ids(
     values: Mapping[str, object], settings: Settings, nodes: _Nodes
 ) -> tuple[str, str]:
@@ -341,4 +353,5 @@ def build_plan(
         standalone=nodes.standalone,
         sources=sources,
         hang_policy=_hang_policy(settings),
+        slow_ranks=_slow_ranks(settings),
     )

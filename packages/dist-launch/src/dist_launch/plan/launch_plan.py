@@ -74,6 +74,8 @@ class LaunchPlan:
     # Restarts before this launcher started (a requeued SLURM job's SLURM_RESTART_COUNT):
     # the workers' TORCHELASTIC_RESTART_COUNT counts on from it.
     restart_base: int = 0
+    # --slow-ranks: the slow-rank report's window in seconds; None when off.
+    slow_ranks: float | None = 60.0
 
     @property
     def nnodes(self) -> int:

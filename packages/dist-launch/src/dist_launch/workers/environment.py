@@ -6,6 +6,10 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from dist_core.log import LAUNCHER_PREFIXES_VARIABLE
+from dist_launch.in_worker.records import BUFFER_SIZE_VARIABLE, NCCL_BUFFER_SIZE_VARIABLE
+
+# Entries per flight recorder (torch's own default where it records by default).
+FLIGHT_RECORDER_ENTRIES = 2000
 
 if TYPE_CHECKING:
     from dist_launch.plan.launch_plan import LaunchPlan
@@ -20,10 +24,16 @@ def node_environment(plan: LaunchPlan, base: Mapping[str, str]) -> dict[str, str
     """The variables every worker of this node shares in every attempt.
 
     ``OMP_NUM_THREADS=1`` unless set (as torchrun, when several workers share a node),
-    ``PYTHONUNBUFFERED=1`` unless set (so that prefixed lines arrive as written), and
-    ``TORCH_NCCL_ASYNC_ERROR_HANDLING=1`` unless set (as torchrun).
+    ``PYTHONUNBUFFERED=1`` unless set (so that prefixed lines arrive as written),
+    ``TORCH_NCCL_ASYNC_ERROR_HANDLING=1`` unless set (as torchrun), and
+    ``TORCH_FR_BUFFER_SIZE=2000`` when hang detection or the slow-rank report is on and
+    neither it nor ``TORCH_NCCL_TRACE_BUFFER_SIZE`` is set (torch's flight recorder then
+    records for every backend; a user's value, 0 included, is kept).
     """
     env = dict(base)
+    diagnosing = plan.hang_policy.enabled or plan.slow_ranks is not None
+    if diagnosing and not ({BUFFER_SIZE_VARIABLE, NCCL_BUFFER_SIZE_VARIABLE} & set(env)):
+        env[BUFFER_SIZE_VARIABLE] = str(FLIGHT_RECORDER_ENTRIES)
     if "OMP_NUM_THREADS" not in env and plan.nproc > 1:
         env["OMP_NUM_THREADS"] = "1"
     env.setdefault("PYTHONUNBUFFERED", "1")

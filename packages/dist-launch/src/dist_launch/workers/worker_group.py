@@ -309,6 +309,13 @@ class WorkerGroup:
         """Passes ``signum`` on to every running worker, stopping nothing; their ranks."""
         return [] if self.supervisor is None else self.supervisor.notify(signum)
 
+    def take_stacks(self) -> dict[int, str]:
+        """Every running worker's Python stack, stopping nothing (bounded)."""
+        if self.supervisor is None:
+            return {}
+        self.supervisor.dump_stacks()
+        return {o.rank: o.live_stack for o in self.supervisor.outcomes if o.live_stack}
+
     def resize(self) -> None:
         """The launcher's terminal was resized: so are the workers' pseudo-terminals."""
         self._follower.resize()

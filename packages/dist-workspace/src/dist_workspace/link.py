@@ -1,0 +1,406 @@
+"""The link: one TCP connection between every two ranks of a list, opened once per job.
+
+Every call of the ``*_parallel`` helpers with one list of ranks (in any order: ``[0,
+1, 2]`` and ``[2, 0, 1]`` share a link) travels on it: each sender's frame (a head,
+and the record itself when it is small, see :mod:`dist_workspace.protocol`) to the
+receiver, the receiver's verdict back. The first call with a list opens it:
+
+1. Every rank opens a listening socket on the address its host uses to reach the
+   store's server (loopback when the store is on this host) and writes that address,
+   a random token, its host and the wire version to the store, under a prefix of the
+   job, the ranks and the attempt.
+2. The call's receiver waits for every rank's key (the call's timeout) and writes the
+   verdict: success, or who never came (:func:`dist_workspace.protocol.decide_open`);
+   the others wait for that verdict. A failed opening raises on every rank, and the
+   next call tries again under the next attempt's prefix.
+3. Every rank connects to the ranks before it in the list and accepts the ones after
+   it; a connection presents the listener's token, so nobody who cannot read the
+   store can join. The listeners close.
+
+No call uses the store after that: a call costs one frame each way. Every wait ends
+at its deadline and leaves the link as it was; a frame of an earlier call (a late
+sender's) goes to ``on_stale`` and never counts for a later one; a connection that
+ends (a rank exited) is reported at once, in the words launchers look for
+(``Connection closed by peer``), and every later call that needs it fails at once.
+Not a gloo group: its send/recv cost 40 times a socket's, and a gloo wait that times
+out closes every connection of its rank (see the benchmarks page).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import secrets
+import select
+import socket
+import time
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any, Protocol
+
+import torch
+
+from dist_workspace import protocol
+from dist_workspace.errors import WorkspaceError
+from dist_workspace.jobid import short_tag
+
+logger = logging.getLogger(__name__)
+
+_IOV_MAX = 512  # buffers per sendmsg; Linux allows 1024
+_FAILURES_KEPT = 64  # failed calls a receiver remembers for senders that come late
+
+
+@dataclasses.dataclass(frozen=True)
+class Frame:
+    """One message of a call: a sender's head (and record) or a receiver's verdict."""
+
+    kind: int  # protocol.HEAD or protocol.VERDICT
+    seq: int  # the call's number on the link
+    head: dict[str, Any]
+    body: torch.Tensor | None = None  # the record's bytes, when it travels on the link
+
+
+@dataclasses.dataclass(frozen=True)
+class Closed:
+    """A peer's connection ended or broke; ``why`` is what the socket said."""
+
+    why: str
+
+
+class Link(Protocol):
+    """What a call needs of its link; :class:`SocketLink` is the real one."""
+
+    def send(self, peer: int, frame: Frame, body: Sequence[Any], deadline: float) -> Closed | None:
+        """Sends ``frame`` with ``body`` (buffers, in order) to ``peer``; None once sent."""
+        ...
+
+    def receive(
+        self,
+        peers: Sequence[int],
+        kind: int,
+        seq: int,
+        deadline: float,
+        on_stale: Callable[[int, Frame], None],
+    ) -> dict[int, Frame | Closed]:
+        """The frames of ``kind`` and ``seq`` from ``peers`` that came by ``deadline``.
+
+        Returns as soon as every peer sent one or any connection closed; a peer that
+        did neither by the deadline is absent. Frames of earlier calls go to
+        ``on_stale`` and the wait goes on.
+        """
+        ...
+
+
+def _read_exactly(sock: socket.socket, size: int, deadline: float, into: Any = None) -> Any:
+    buffer = bytearray(size) if into is None else into
+    view = memoryview(buffer).cast("B")
+    got = 0
+    while got < size:
+        sock.settimeout(max(deadline - time.monotonic(), 0.001))
+        count = sock.recv_into(view[got:], size - got)
+        if count == 0:
+            raise ConnectionError("Connection closed by peer")
+        got += count
+    return buffer
+
+
+def _send_all(sock: socket.socket, buffers: list[memoryview], deadline: float) -> None:
+    while buffers:
+        sock.settimeout(max(deadline - time.monotonic(), 0.001))
+        sent = sock.sendmsg(buffers[:_IOV_MAX])
+        while buffers and sent >= len(buffers[0]):
+            sent -= len(buffers[0])
+            buffers.pop(0)
+        if sent:
+            buffers[0] = buffers[0][sent:]
+
+
+class SocketLink:
+    """The connections of one rank to every other rank of a list."""
+
+    def __init__(self, peers: dict[int, socket.socket]) -> None:
+        self._peers = peers
+        self._closed: dict[int, Closed] = {}
+
+    def _drop(self, peer: int, why: str) -> Closed:
+        """Closes ``peer``'s connection for good; every later use reports ``why``."""
+        sock = self._peers.pop(peer, None)
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.close()
+        return self._closed.setdefault(peer, Closed(why))
+
+    def send(self, peer: int, frame: Frame, body: Sequence[Any], deadline: float) -> Closed | None:
+        """Sends ``frame``, then ``body`` from the caller's buffers (nothing is copied)."""
+        sock = self._peers.get(peer)
+        if sock is None:
+            return self._closed[peer]
+        views = [memoryview(part).cast("B") for part in body]
+        views = [view for view in views if len(view)]
+        size = sum(len(view) for view in views)
+        fixed = protocol.encode_frame(frame.kind, frame.seq, frame.head, size)
+        try:
+            _send_all(sock, [memoryview(fixed), *views], deadline)
+        except OSError as error:  # a frame half sent is lost to the stream as well
+            return self._drop(peer, str(error) or type(error).__name__)
+        return None
+
+    def receive(
+        self,
+        peers: Sequence[int],
+        kind: int,
+        seq: int,
+        deadline: float,
+        on_stale: Callable[[int, Frame], None],
+    ) -> dict[int, Frame | Closed]:
+        """See :meth:`Link.receive`."""
+        got: dict[int, Frame | Closed] = {}
+        for peer in peers:
+            if peer not in self._peers:
+                got[peer] = self._closed[peer]
+                return got
+        waiting = {self._peers[peer].fileno(): peer for peer in peers}
+        poller = select.poll()  # not select(): a process may hold fds above 1024
+        for fd in waiting:
+            poller.register(fd, select.POLLIN)
+        while waiting:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            for fd, _ in poller.poll(max(1, int(left * 1000))):
+                peer = waiting[fd]
+                outcome = self._next_frame(peer, kind, seq, deadline, on_stale)
+                if outcome is None:
+                    continue  # a stale frame; wait on
+                got[peer] = outcome
+                del waiting[fd]
+                poller.unregister(fd)
+                if isinstance(outcome, Closed):
+                    return got
+        return got
+
+    def _next_frame(
+        self,
+        peer: int,
+        kind: int,
+        seq: int,
+        deadline: float,
+        on_stale: Callable[[int, Frame], None],
+    ) -> Frame | Closed | None:
+        """Reads ``peer``'s next frame: the one awaited, None for a stale one, or Closed."""
+        sock = self._peers[peer]
+        # A frame that has begun is read to its end: the sender writes it whole.
+        finish = max(deadline, time.monotonic()) + protocol.VERDICT_MARGIN_SECONDS
+        try:
+            fixed = _read_exactly(sock, protocol.FIXED_BYTES, finish)
+            got_kind, got_seq, head_size, body_size = protocol.decode_fixed(bytes(fixed), peer)
+            head = protocol.decode_head(bytes(_read_exactly(sock, head_size, finish)), peer)
+            body = None
+            if body_size:
+                body = torch.empty(body_size, dtype=torch.uint8)
+                _read_exactly(sock, body_size, finish, body.numpy())
+        except OSError as error:
+            return self._drop(peer, str(error) or type(error).__name__)
+        except WorkspaceError as error:  # not a frame of this protocol
+            return self._drop(peer, str(error))
+        frame = Frame(got_kind, got_seq, head, body)
+        if got_seq < seq:
+            on_stale(peer, frame)
+            return None
+        if (got_kind, got_seq) != (kind, seq):
+            return self._drop(peer, protocol.out_of_order(peer, got_kind, got_seq, kind, seq))
+        return frame
+
+    def close(self) -> None:
+        """Closes every connection."""
+        for peer in list(self._peers):
+            self._drop(peer, "the link was closed")
+
+
+@dataclasses.dataclass
+class LinkState:
+    """One list of ranks in this process: its call count, its link, its failed calls."""
+
+    attempt: int = 0  # openings that failed before; names the store keys of the next
+    seq: int = 0  # the next call's number
+    link: Link | None = None  # a SocketLink once opened
+    failures: dict[int, str] = dataclasses.field(default_factory=dict)  # seq -> error
+
+    def next_seq(self) -> int:
+        """The number of the call that starts now."""
+        seq = self.seq
+        self.seq += 1
+        return seq
+
+    def remember_failure(self, seq: int, error: str) -> None:
+        """A receiver keeps a failed call's error for its senders that come late."""
+        self.failures[seq] = error
+        while len(self.failures) > _FAILURES_KEPT:
+            del self.failures[min(self.failures)]
+
+
+# (pid, job id, the ranks sorted) -> state; a forked child starts its own
+_states: dict[tuple[int, str, tuple[int, ...]], LinkState] = {}
+
+
+def state_for(job: str, ranks: Sequence[int]) -> LinkState:
+    """This process's state of the link between ``ranks`` (made at the first call)."""
+    key = (os.getpid(), job, tuple(sorted(ranks)))
+    state = _states.get(key)
+    if state is None:
+        state = _states[key] = LinkState()
+    return state
+
+
+# ---------------------------------------------------------------- opening
+
+
+def _store_host(store: Any) -> str | None:
+    """The host of the store's server, looking through wrapping stores."""
+    while True:
+        host = getattr(store, "host", None)
+        if isinstance(host, str) and host:
+            return host
+        store = getattr(store, "underlying_store", None)
+        if store is None:
+            return None
+
+
+def _listen_address(store: Any) -> tuple[int, str]:
+    """The address family and address this host reaches the store's server from.
+
+    Loopback for a store without a server (FileStore, HashStore: one host).
+    """
+    host = _store_host(store)
+    if host is None:
+        return socket.AF_INET, "127.0.0.1"
+    try:
+        family, _, _, _, address = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect(address)  # a datagram socket sends nothing to connect
+            return family, str(probe.getsockname()[0])
+    except OSError as error:
+        logger.info(
+            "no route to the store's host %s (%s): the link listens on loopback", host, error
+        )
+        return socket.AF_INET, "127.0.0.1"
+
+
+def _store_wait(store: Any, keys: list[str], deadline: float) -> list[str]:
+    """Waits until ``deadline`` for ``keys``; returns those that are there."""
+    try:
+        store.wait(keys, timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+    except RuntimeError:  # DistStoreError (a RuntimeError) at the timeout
+        return [key for key in keys if store.check([key])]
+    return keys
+
+
+def open_link(store: Any, job: str, call: protocol.Call, state: LinkState, host: str) -> SocketLink:
+    """Opens the link between ``call.ranks`` (see the module's docstring).
+
+    Raises:
+        WorkspaceError: A rank never came, runs another wire version, or could not
+            connect; the next call tries again.
+    """
+    ranks = sorted(call.ranks)
+    prefix = f"dist_workspace/link/{short_tag(job)}/{short_tag(','.join(map(str, ranks)), 16)}"
+    prefix += f"/{state.attempt}"
+    family, address = _listen_address(store)
+    token = secrets.token_hex(16)
+    mine: dict[str, Any] = {"version": protocol.WIRE_VERSION, "host": host, "token": token}
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        listener.bind((address, 0))
+        listener.listen(len(ranks))
+        mine["address"] = [address, listener.getsockname()[1]]
+    except OSError as error:  # the receiver names this rank and why, to every rank
+        mine["error"] = f"cannot listen on {address}: {error}"
+    try:
+        store.set(f"{prefix}/rank/{call.rank}", json.dumps(mine))
+        infos = _agree(store, prefix, call, ranks)
+        peers = _connect(listener, infos, call, token, prefix)
+    except WorkspaceError:
+        state.attempt += 1
+        raise
+    finally:
+        listener.close()
+    return SocketLink(peers)
+
+
+def _agree(store: Any, prefix: str, call: protocol.Call, ranks: list[int]) -> dict[int, Any]:
+    """Every rank's key, once the call's receiver has said all came."""
+    keys = {rank: f"{prefix}/rank/{rank}" for rank in ranks}
+    verdict_key = f"{prefix}/verdict"
+    began = time.monotonic()
+    if call.rank == call.receiver:
+        present = set(_store_wait(store, list(keys.values()), began + call.timeout))
+        came = [rank for rank, key in keys.items() if key in present]
+        infos = dict(zip(came, store.multi_get([keys[r] for r in came]), strict=True))
+        decided = protocol.decide_open(call, {r: _info(raw, r) for r, raw in infos.items()})
+        store.set(verdict_key, json.dumps({"ok": decided is None, "error": decided}))
+        if decided is not None:
+            raise WorkspaceError(decided)
+    else:
+        patience = call.timeout + protocol.VERDICT_MARGIN_SECONDS
+        if not _store_wait(store, [verdict_key], began + patience):
+            raise WorkspaceError(protocol.receiver_timed_out(call, patience))
+        failure = protocol.verdict_error(call, json.loads(store.get(verdict_key)), patience)
+        if failure is not None:
+            raise WorkspaceError(failure)
+    raws = store.multi_get(list(keys.values()))
+    return {rank: _info(raw, rank) for rank, raw in zip(keys, raws, strict=True)}
+
+
+def _info(raw: bytes | str, rank: int) -> dict[str, Any]:
+    text = raw.decode() if isinstance(raw, bytes) else raw
+    return protocol.decode_head(text.encode(), rank)
+
+
+def _connect(
+    listener: socket.socket, infos: dict[int, Any], call: protocol.Call, token: str, prefix: str
+) -> dict[int, socket.socket]:
+    """Connects to the ranks before this one, accepts those after it (a full mesh)."""
+    deadline = time.monotonic() + call.timeout
+    peers: dict[int, socket.socket] = {}
+    expected = {rank for rank in infos if rank > call.rank}
+    try:
+        for peer in sorted(rank for rank in infos if rank < call.rank):
+            host, port = infos[peer]["address"]
+            sock = socket.create_connection((host, port), max(deadline - time.monotonic(), 0.001))
+            peers[peer] = sock
+            hello = {"link": prefix, "rank": call.rank, "token": infos[peer]["token"]}
+            _send_all(
+                sock, [memoryview(protocol.encode_frame(protocol.HEAD, 0, hello, 0))], deadline
+            )
+        while expected:
+            listener.settimeout(max(deadline - time.monotonic(), 0.001))
+            sock, _ = listener.accept()
+            said = _hello(sock, deadline)
+            rank = said.get("rank")
+            if said.get("token") != token or said.get("link") != prefix or rank not in expected:
+                sock.close()  # not a rank of this link: it could not read the store
+                continue
+            peers[rank] = sock
+            expected.discard(rank)
+    except OSError as error:
+        for sock in peers.values():
+            sock.close()
+        missing = sorted(rank for rank in infos if rank != call.rank and rank not in peers)
+        raise WorkspaceError(protocol.could_not_connect(call, missing, error)) from None
+    for sock in peers.values():
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return peers
+
+
+def _hello(sock: socket.socket, deadline: float) -> dict[str, Any]:
+    """What a connecting rank says first (a frame of call 0); empty when it is not that."""
+    try:
+        _, _, head_size, _ = protocol.decode_fixed(
+            bytes(_read_exactly(sock, protocol.FIXED_BYTES, deadline)), -1
+        )
+        return protocol.decode_head(bytes(_read_exactly(sock, head_size, deadline)), -1)
+    except WorkspaceError:
+        return {}
