@@ -6,7 +6,10 @@ import json
 import re
 from pathlib import Path
 
-_GROUP_LINE = re.compile(r"^(?:\[rank\d+\]: )?rank (\d+)/(\d+) port (\d+) sum (\d+)$", re.MULTILINE)
+# Unanchored: Open MPI forwards each rank's output through a pty of its own and may
+# interleave two ranks' lines ("... sum 1rank 1/2 ... sum 1\n\n").
+_GROUP_LINE = re.compile(r"rank (\d+)/(\d+) port (\d+) sum (\d+)")
+_ENV_LINE = re.compile(r"\{[^{}\n]*\}")  # show_env.py's flat JSON object
 
 
 def groups_formed(out: str) -> list[tuple[int, int, int, int]]:
@@ -21,7 +24,7 @@ def ranks_of(out: str) -> list[tuple[int, int]]:
 
 def envs(out: str) -> list[dict[str, object]]:
     """Each show_env.py line, sorted by rank."""
-    found = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    found = [json.loads(text) for text in _ENV_LINE.findall(out)]
     return sorted(found, key=lambda env: int(env["rank"]))  # type: ignore[call-overload]
 
 

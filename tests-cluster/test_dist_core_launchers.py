@@ -48,7 +48,7 @@ def test_dist_core_report_under_srun(slurm: SlurmCluster, job_env: dict[str, str
 def test_init_group_under_srun(slurm: SlurmCluster, job_env: dict[str, str]) -> None:
     done = slurm.run(["srun", "-K", "-n2", PY, str(SCRIPTS / "init_group.py")], job_env, timeout=90)
     assert done.returncode == 0, done.stderr
-    assert ranks_of(done.stdout) == [(0, 2), (1, 2)]
+    assert ranks_of(done.stdout) == [(0, 2), (1, 2)], (done.stdout, done.stderr)
 
 
 def test_init_group_in_sbatch_step(slurm: SlurmCluster, job_env: dict[str, str]) -> None:
@@ -92,7 +92,7 @@ def test_init_group_under_mpirun(
     argv = [*mpirun(tmp_path), "-x", "MASTER_PORT", "-np", "2", PY, str(SCRIPTS / "init_group.py")]
     done = slurm.run(argv, env, timeout=90)
     assert done.returncode == 0, done.stderr
-    assert ranks_of(done.stdout) == [(0, 2), (1, 2)]
+    assert ranks_of(done.stdout) == [(0, 2), (1, 2)], (done.stdout, done.stderr)
 
 
 def test_two_mpirun_jobs_on_one_host(
