@@ -64,6 +64,7 @@ nox.options.error_on_missing_interpreters = True
 nox.options.sessions = [
     "tests",
     "integration",
+    "cluster",
     "torch(2.15)",
     "torch(2.11)",
     "lint",
@@ -279,7 +280,11 @@ def _file_name(session_name: str) -> str:
 
 
 def _pytest(
-    session: nox.Session, *args: str, dist: str = "worksteal", env: dict[str, str] | None = None
+    session: nox.Session,
+    *args: str,
+    dist: str = "worksteal",
+    env: dict[str, str] | None = None,
+    workers: str = TEST_WORKERS,
 ) -> None:
     """Runs pytest with the run's workers, keeping its per-test times for ``summary``.
 
@@ -292,7 +297,7 @@ def _pytest(
     session.run(
         "pytest",
         "-n",
-        TEST_WORKERS,
+        workers,
         "--dist",
         dist,
         f"--junitxml={junit}",
@@ -362,6 +367,46 @@ def integration(session: nox.Session) -> None:
     _install_packages(session, PACKAGES, extras="")
     session.install("pytest>=8", "pytest-timeout>=2", "pytest-xdist>=3")
     _pytest(session, str(ROOT / "tests-integration"))
+
+
+# What the real-launcher session installs (Debian), and the programs it needs from them.
+CLUSTER_APT_PACKAGES = ("slurm-wlm", "munge", "openmpi-bin")
+CLUSTER_PROGRAMS = ("munged", "slurmctld", "slurmd", "srun", "sbatch", "scancel", "mpirun")
+
+
+@nox.session
+@_timed
+def cluster(session: nox.Session) -> None:
+    """Real srun, sbatch, scancel and mpirun against a one-host SLURM cluster.
+
+    tests-cluster/ brings the cluster up itself (munged, slurmctld and slurmd as child
+    processes, stopped on every exit path). Needs root: the Debian packages are
+    installed with apt-get when a program is missing. Without root it is skipped, except
+    in CI (``CI`` set), where it fails. Runs once, on ``TORCH_SPEC``.
+    """
+    if os.geteuid() != 0:
+        reason = "needs root (apt-get, and slurmd runs jobs as any user)"
+        if os.environ.get("CI"):
+            session.error(f"nox -s cluster {reason}: CI must run the real launchers")
+        session.skip(reason)
+    path = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])
+    if any(shutil.which(program, path=path) is None for program in CLUSTER_PROGRAMS):
+        apt_env = {"DEBIAN_FRONTEND": "noninteractive"}
+        session.run("apt-get", "update", external=True, env=apt_env)
+        session.run(
+            "apt-get",
+            "install",
+            "-y",
+            "--no-install-recommends",
+            *CLUSTER_APT_PACKAGES,
+            external=True,
+            env=apt_env,
+        )
+    _install_packages(session, ["dist-core", "dist-launch"])
+    session.install("pytest>=8", "pytest-timeout>=2", "pytest-xdist>=3")
+    # Each xdist worker brings up a cluster of its own (three daemons): two are enough
+    # to keep the waiting tests side by side.
+    _pytest(session, str(ROOT / "tests-cluster"), workers="2")
 
 
 @nox.session(name="torch")

@@ -385,6 +385,8 @@ def test_srun_environment_without_node_flags(
             "SLURM_STEP_NODELIST": nodelist,
             "SLURM_STEP_NUM_NODES": "2",
             "SLURMD_NODENAME": host.name,
+            "SLURM_STEP_ID": "0",
+            "SLURM_STEPID": "0",
             "SLURM_PROCID": str(node_id),
             "SLURM_LOCALID": "0",
             "SLURM_NTASKS": "2",

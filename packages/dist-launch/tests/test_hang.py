@@ -13,7 +13,7 @@ from launcher_nodes import LAUNCH, run_nodes
 
 pytestmark = pytest.mark.timeout(240)
 
-# The launcher's exit status after a hang with no restart left (run_outcome.HANG_EXIT_STATUS).
+# The launcher's exit status after a hang with no restart left (ExitCode.HUNG).
 HUNG = 75
 # Short enough for a quick test, long enough for a loaded machine's start-up.
 TIMEOUT = "8"

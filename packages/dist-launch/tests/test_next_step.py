@@ -23,8 +23,18 @@ from dist_launch.agent.next_step import (
 )
 from dist_launch.agent.round import RoundResult
 from dist_launch.agent.run_outcome import RunOutcome
+from dist_launch.diagnostics.failure_class import FailureClass, Fingerprint
 from dist_launch.rendezvous.protocol import FailureCount, FailureRecord, RoundChange
 
+DETERMINISTIC = FailureClass(
+    "deterministic",
+    Fingerprint("ImportError", "train.py:3"),
+    "ImportError at train.py:3 before the process group existed",
+)
+NOT_RESTARTING = (
+    "not restarting: ImportError at train.py:3 before the process group existed "
+    "(a restart would fail the same way)"
+)
 GROUP = GroupOutcome("failed", [RankOutcome(0, 0, 0, status="failed", returncode=1)])
 CAUSE = FailureRecord("h", 0, 1, 1.0, "ValueError: x")
 EFFECT = FailureRecord("h", 0, 1, 1.0, "peer vanished", consequence=True)
@@ -169,6 +179,43 @@ ROWS: list[tuple[str, RoundResult, dict[str, object], Action]] = [
         result("failed", record=CAUSE),
         {},
         CountFailure(CAUSE, RunOutcome("failed", GROUP)),
+    ),
+    # Exit codes (issue 32): what a failure is decides whether a restart is spent.
+    (
+        "a-preemption-spends-no-restart",
+        result("failed", record=CAUSE, failure=FailureClass("infrastructure")),
+        {"interrupted": signal.SIGTERM},
+        End(
+            RunOutcome("interrupted", GROUP, signum=signal.SIGTERM),
+            close_job="node h was interrupted by SIGTERM",
+        ),
+    ),
+    (
+        "a-deterministic-failure-spends-no-restart",
+        result("failed", record=CAUSE, failure=DETERMINISTIC),
+        {},
+        End(
+            RunOutcome("failed", GROUP, message=NOT_RESTARTING, failure="deterministic"),
+            close_job=NOT_RESTARTING,
+        ),
+    ),
+    (
+        "a-taken-port-is-replaced-before-a-repeat-counts-as-deterministic",
+        result("failed", record=CAUSE, failure=DETERMINISTIC, address_in_use=True),
+        {},
+        ReplacePort(CountFailure(CAUSE, RunOutcome("failed", GROUP, failure="deterministic"))),
+    ),
+    (
+        "an-infrastructure-failure-is-counted",
+        result("failed", record=CAUSE, failure=FailureClass("infrastructure")),
+        {},
+        CountFailure(CAUSE, RunOutcome("failed", GROUP, failure="infrastructure")),
+    ),
+    (
+        "another-error-is-counted",
+        result("failed", record=CAUSE, failure=FailureClass("error")),
+        {},
+        CountFailure(CAUSE, RunOutcome("failed", GROUP, failure="error")),
     ),
 ]
 

@@ -18,13 +18,13 @@ from dist_launch.agent.agent import Agent
 from dist_launch.agent.next_step import decide_next, needs_membership
 from dist_launch.agent.round import RoundResult, hang_record
 from dist_launch.agent.run_outcome import (
-    HANG_EXIT_STATUS,
     RunOutcome,
+    exit_code_of,
     format_run_outcome,
     report_run_outcome,
-    run_exit_status,
 )
 from dist_launch.diagnostics.hang_report import HangReport
+from dist_launch.exit_codes import ExitCode
 from dist_launch.plan.build import build_plan
 from dist_launch.plan.launch_plan import LaunchPlan
 from dist_launch.rendezvous.c10d import C10dRendezvous
@@ -45,22 +45,28 @@ def failed_group(returncode: int = 3, rank: int = 1) -> GroupOutcome:
 @pytest.mark.parametrize(
     ("outcome", "status"),
     [
-        (RunOutcome("succeeded"), 0),
-        (RunOutcome("failed", failed_group(returncode=3)), 3),
-        (RunOutcome("failed", failed_group(returncode=-9)), 128 + 9),
-        (RunOutcome("failed"), 1),
-        (RunOutcome("timed_out", GroupOutcome("timed_out", [], timeout=5.0)), 124),
-        (RunOutcome("interrupted", signum=signal.SIGTERM), 143),
-        (RunOutcome("interrupted", failed_group(), signum=signal.SIGINT), 130),
-        (RunOutcome("closed", message="the job was closed: x"), 1),
-        (RunOutcome("rendezvous_failed", message="error: x"), 1),
-        (RunOutcome("start_failed", message="error: x"), 1),
-        (RunOutcome("usage", message="error: x"), 2),
-        (RunOutcome("hung", failed_group(returncode=-15)), 75),
+        (RunOutcome("succeeded"), ExitCode.SUCCESS),
+        # The rank's own exit code is in the report, not the launcher's.
+        (RunOutcome("failed", failed_group(returncode=3), failure="error"), ExitCode.FAILED),
+        (RunOutcome("failed", failed_group(), failure="deterministic"), ExitCode.FAILED),
+        (
+            RunOutcome("failed", failed_group(returncode=-9), failure="infrastructure"),
+            ExitCode.INFRASTRUCTURE,
+        ),
+        (RunOutcome("failed"), ExitCode.FAILED),
+        (RunOutcome("timed_out", GroupOutcome("timed_out", [], timeout=5.0)), ExitCode.TIMEOUT),
+        (RunOutcome("interrupted", signum=signal.SIGTERM), ExitCode.PREEMPTED),
+        (RunOutcome("interrupted", signum=signal.SIGHUP), ExitCode.PREEMPTED),
+        (RunOutcome("interrupted", failed_group(), signum=signal.SIGINT), ExitCode.INTERRUPTED),
+        (RunOutcome("closed", message="the job was closed: x"), ExitCode.FAILED),
+        (RunOutcome("rendezvous_failed", message="error: x"), ExitCode.INFRASTRUCTURE),
+        (RunOutcome("start_failed", message="error: x"), ExitCode.INFRASTRUCTURE),
+        (RunOutcome("usage", message="error: x"), ExitCode.USAGE),
+        (RunOutcome("hung", failed_group(returncode=-15)), ExitCode.HUNG),
     ],
 )
 def test_each_outcome_has_its_documented_exit_status(outcome: RunOutcome, status: int) -> None:
-    assert run_exit_status(outcome) == status
+    assert exit_code_of(outcome) == status
 
 
 def test_an_outcome_names_the_rank_and_its_exit_code() -> None:
@@ -200,8 +206,8 @@ def test_a_hang_restarts_within_the_budget_then_ends_hung(
     assert "rank 1 is elsewhere: loader.py:4 in load" in caplog.text
     ended = carry_out(plan, rdzv, hung_round(rdzv, failed_group(), hang))
     assert ended is not None and ended.status == "hung"
-    assert run_exit_status(ended) == HANG_EXIT_STATUS
-    assert format_run_outcome(ended, PROG).endswith(f"exit status {HANG_EXIT_STATUS}")
+    assert exit_code_of(ended) == ExitCode.HUNG
+    assert format_run_outcome(ended, PROG).endswith("exit status 75")
 
 
 def test_a_hang_on_c10d_names_the_odd_rank_to_every_node(script: str) -> None:

@@ -20,7 +20,11 @@ One agent runs per node (one ``dist-launch`` process). It joins the rendezvous
   (:mod:`dist_launch.diagnostics.hang_report`), and the hang counts against ``--max-restarts`` as
   a failure does; past the budget the run ends ``hung``;
 - a handled signal (``--signals-to-handle``) stops the workers with that signal and
-  closes the rendezvous; ``SIGQUIT`` prints every rank's stack and stops nothing;
+  closes the rendezvous: sent to each worker once, or not at all when it reached
+  every process of the job already (a scheduler's stop, seen by the
+  :class:`~dist_launch.workers.signal_witness.SignalWitness`), then the grace period
+  for checkpoints; ``--signals-to-forward`` signals are passed on to every worker the
+  same way, stopping nothing; ``SIGQUIT`` prints every rank's stack and stops nothing;
   ``SIGWINCH`` resizes the workers' terminals.
 
 The agent works through the :class:`~dist_launch.rendezvous.protocol.Rendezvous` interface
@@ -42,6 +46,7 @@ import signal
 import socket
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from dist_launch.agent.event_loop import EventLoop, Pending
@@ -59,15 +64,18 @@ from dist_launch.agent.next_step import (
     needs_membership,
 )
 from dist_launch.agent.round import Round, RoundContext
-from dist_launch.agent.run_outcome import RunOutcome, report_run_outcome
+from dist_launch.agent.run_outcome import RunOutcome, error_file_fields, report_run_outcome
 from dist_launch.agent.signal_inbox import DUMP_SIGNAL, SignalInbox
-from dist_launch.output.log_layout import LogLayout
+from dist_launch.diagnostics.failure_class import Fingerprint
+from dist_launch.exit_codes import ExitCode
+from dist_launch.output.log_layout import LogLayout, write_torch_error_file
 from dist_launch.plan.launch_plan import LaunchPlan, describe_sources
 from dist_launch.rendezvous.factory import open_rendezvous
 from dist_launch.rendezvous.protocol import Assignment, Rendezvous, RendezvousUsageError
 from dist_launch.watch.file_timer import FileTimerWatch, file_timer_requested
 from dist_launch.workers.environment import node_environment
 from dist_launch.workers.fork_server_client import ForkServerClient, start_fork_server
+from dist_launch.workers.signal_witness import SignalWitness
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +109,10 @@ class Agent:
         self._round: Round | None = None  # the round in progress
         self._interrupted: int | None = None  # the first stopping signal received
         self._timers: FileTimerWatch | None = None  # torch elastic's timer server
+        self._witness: SignalWitness | None = None  # which signals reached the workers
         self.layout: LogLayout | None = None
+        # torchrun's parent-facing error file: where this launcher reports its own end.
+        self._error_file = os.environ.get("TORCHELASTIC_ERROR_FILE") or None
 
     # -- signals ----------------------------------------------------------------------
 
@@ -113,11 +124,38 @@ class Agent:
             elif signum == RESIZE_SIGNAL:
                 if self._round is not None:
                     self._round.resize()
+            elif signum in self.plan.signals_to_forward:
+                self._forward(signum)
             else:
+                delivered = self._reached_the_workers(signum)
                 if self._interrupted is None:
                     self._interrupted = signum
                 if self._round is not None:
-                    self._round.interrupt(signum)
+                    self._round.interrupt(signum, delivered=delivered)
+
+    def _reached_the_workers(self, signum: int) -> bool:
+        """Whether ``signum`` was sent to every process of the job, the workers included.
+
+        The witness, placed as a worker is, says so (waiting a moment for its copy).
+        """
+        if self._witness is None or not self._witness.saw(signum):
+            return False
+        logger.info(
+            "%s reached every process of the job, the workers too: not sent again",
+            signal.Signals(signum).name,
+        )
+        return True
+
+    def _forward(self, signum: int) -> None:
+        """A --signals-to-forward signal: every worker gets it once; nothing stops."""
+        if self._reached_the_workers(signum):
+            return
+        name = signal.Signals(signum).name
+        ranks = [] if self._round is None else self._round.notify(signum)
+        if ranks:
+            logger.info("passed %s on to rank(s) %s", name, ranks)
+        else:
+            logger.info("%s: no workers are running; not passed on", name)
 
     def _received(self) -> int | None:
         """The first stopping signal received (set by the signal callback, on the loop)."""
@@ -141,16 +179,23 @@ class Agent:
         """Runs the job, reports how it ended; returns the exit status."""
         plan = self.plan
         logger.info("%s", describe_sources(plan))
-        self.inbox = SignalInbox((*plan.signals_to_handle, DUMP_SIGNAL, RESIZE_SIGNAL))
+        handled = (*plan.signals_to_handle, *plan.signals_to_forward, DUMP_SIGNAL)
+        self.inbox = SignalInbox((*handled, RESIZE_SIGNAL))
         self.loop.watch(self.inbox.read_fd, self._on_signal)
+        self._witness = SignalWitness(handled)
         node_env = node_environment(plan, os.environ)
         if plan.routing.needs_files(range(plan.nproc)):
             self.layout = LogLayout.create(plan.log_dir, plan.run_id)
             logger.info("logs of this run: %s", self.layout.run_dir)
         try:
             # Reported before the cleanup below, which may wait for a silent store.
-            return report_run_outcome(self._run(node_env), PROG)
+            outcome = self._run(node_env)
+            code = report_run_outcome(outcome, PROG)
+            self._write_error_files(outcome, code)
+            return code
         finally:
+            if self._witness is not None:
+                self._witness.close()
             if self._timers is not None:
                 self._timers.close()
             if self._fork_server is not None:
@@ -160,6 +205,27 @@ class Agent:
             self.loop.unwatch(self.inbox.read_fd)
             self.inbox.close()
             self.loop.close()
+
+    def _write_error_files(self, outcome: RunOutcome, code: ExitCode) -> None:
+        """The run's error.json (in torch's format, with the exit code and its class).
+
+        Written for every ending but success: in ``--log-dir``'s run directory, and to
+        ``TORCHELASTIC_ERROR_FILE`` when the launcher's own environment names one.
+        """
+        if code == ExitCode.SUCCESS:
+            return
+        paths = [] if self.layout is None else [self.layout.run_dir / "error.json"]
+        if self._error_file is not None:
+            paths.append(Path(self._error_file))
+        message, traceback, timestamp = error_file_fields(outcome)
+        extra = {"exit_code": int(code), "exit_class": code.name}
+        for path in paths:
+            try:
+                write_torch_error_file(
+                    path, message=message, traceback=traceback, timestamp=timestamp, extra=extra
+                )
+            except OSError as error:
+                logger.warning("could not write %s: %s", path, error)
 
     def _run(self, node_env: dict[str, str]) -> RunOutcome:
         plan = self.plan
@@ -228,6 +294,7 @@ class Agent:
         port_retries = 0
         attempt = 0
         learned_quiet = 0.0
+        previous_failure: Fingerprint | None = None
         while True:
             if self._interrupted is not None:
                 return self._interrupted_outcome(rdzv)
@@ -235,7 +302,14 @@ class Agent:
             if isinstance(joined, RunOutcome):
                 return joined
             self._round = Round(
-                plan, joined, rdzv, context, self.loop, attempt=attempt, learned_quiet=learned_quiet
+                plan,
+                joined,
+                rdzv,
+                context,
+                self.loop,
+                attempt=attempt,
+                learned_quiet=learned_quiet,
+                previous_failure=previous_failure,
             )
             received = self._received()
             if received is not None:  # with the join's end, in the same turn of the loop
@@ -246,6 +320,8 @@ class Agent:
                 self._round = None
             attempt += 1
             learned_quiet = result.learned_quiet
+            if result.failure is not None:
+                previous_failure = result.failure.fingerprint
             action = decide_next(
                 result,
                 interrupted=self._received(),

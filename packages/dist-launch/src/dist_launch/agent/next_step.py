@@ -23,6 +23,9 @@ because the store stopped answering            :class:`End` ``rendezvous_failed`
 because nodes join or left                     :class:`Rejoin` (no restart spent)
 at ``--timeout``                               :class:`End` ``timed_out``, the job closed
 failed on a master port taken meanwhile        :class:`ReplacePort` (at most PORT_RETRIES)
+failed deterministically (an error before the  :class:`End` ``failed`` (no restart spent),
+process group existed, or the same error at    the job closed
+the same place as the last time)
 failed, only losing peers while the job        :class:`Rejoin` (no restart spent)
 re-forms
 failed                                         :class:`CountFailure`, then ``failed``
@@ -39,7 +42,8 @@ import signal
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from dist_launch.agent.run_outcome import HANG_EXIT_STATUS, RunOutcome
+from dist_launch.agent.run_outcome import RunOutcome
+from dist_launch.exit_codes import ExitCode
 from dist_launch.rendezvous.protocol import FailureCount, FailureRecord
 
 if TYPE_CHECKING:
@@ -157,7 +161,7 @@ def decide_next(
             "hung",
             group,
             message=f"the group hung and no restart is left (--max-restarts "
-            f"{max_restarts}): exit status {HANG_EXIT_STATUS}",
+            f"{max_restarts}): exit status {int(ExitCode.HUNG)}",
         )
         return CountFailure(result.record, final)
     if result.ending == "changed":
@@ -178,9 +182,14 @@ def decide_next(
         signum = group.signum if group is not None else None
         return End(RunOutcome("interrupted", group, signum=signum or signal.SIGTERM))
     assert result.record is not None
-    count = CountFailure(result.record, RunOutcome("failed", group))
+    failure = result.failure
+    kind = None if failure is None else failure.kind
+    count = CountFailure(result.record, RunOutcome("failed", group, failure=kind))
     if result.address_in_use and port_retries < PORT_RETRIES:
         return ReplacePort(otherwise=count)
+    if failure is not None and failure.kind == "deterministic":
+        why = f"not restarting: {failure.why} (a restart would fail the same way)"
+        return End(RunOutcome("failed", group, message=why, failure=kind), close_job=why)
     if result.record.consequence and membership_changing:
         # Peers went away because the job is re-forming (a node restarted or left);
         # the node that failed first counts the failure, if it was one.

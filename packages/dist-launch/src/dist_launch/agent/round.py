@@ -36,6 +36,7 @@ from typing import Literal
 
 from dist_core.supervisor import GroupOutcome
 from dist_launch.agent.event_loop import EventLoop
+from dist_launch.diagnostics.failure_class import FailureClass, Fingerprint, classify_failure
 from dist_launch.diagnostics.flight_records import (
     RankRecords,
     RecordsError,
@@ -116,6 +117,7 @@ class RoundResult:
         address_in_use: The root cause's traceback says its master port was taken.
         learned_quiet: The longest quiet interval ``--hang-timeout auto`` learned so far.
         message: Why the workers could not be started.
+        failure: For ``failed``, what kind of failure it was (worth a restart or not).
     """
 
     ending: RoundEnding
@@ -126,6 +128,7 @@ class RoundResult:
     address_in_use: bool = False
     learned_quiet: float = 0.0
     message: str = ""
+    failure: FailureClass | None = None
 
 
 def address_in_use(outcome: GroupOutcome) -> bool:
@@ -207,6 +210,8 @@ class Round:
         loop: The launcher's event loop.
         attempt: The round's number in this run.
         learned_quiet: What ``--hang-timeout auto`` learned in earlier rounds.
+        previous_failure: The root cause's fingerprint of the last failed round, if any
+            (the same error at the same place again is deterministic).
     """
 
     def __init__(
@@ -219,8 +224,10 @@ class Round:
         *,
         attempt: int,
         learned_quiet: float = 0.0,
+        previous_failure: Fingerprint | None = None,
     ) -> None:
         self.plan = plan
+        self.previous_failure = previous_failure
         self.assignment = assignment
         self.rdzv = rdzv
         self.context = context
@@ -228,17 +235,26 @@ class Round:
         self.attempt = attempt
         self.learned_quiet = learned_quiet
         self._group: WorkerGroup | None = None
-        self._signals: list[int] = []  # received before the workers existed
+        # (signum, delivered) received before the workers existed
+        self._signals: list[tuple[int, bool]] = []
         self._change: RoundChange | None = None
 
     # -- what the agent routes here -------------------------------------------------
 
-    def interrupt(self, signum: int) -> None:
-        """A stopping signal: every worker gets it, after its stack was taken."""
+    def interrupt(self, signum: int, *, delivered: bool = False) -> None:
+        """A stopping signal: every worker gets it, after its stack was taken.
+
+        With ``delivered``, it reached every worker already (the scheduler signalled
+        them all): none is sent again; the grace period starts.
+        """
         if self._group is None:
-            self._signals.append(signum)
+            self._signals.append((signum, delivered))
         else:
-            self._group.interrupt(signum)
+            self._group.interrupt(signum, delivered=delivered)
+
+    def notify(self, signum: int) -> list[int]:
+        """A notification (``--signals-to-forward``): every running worker gets it."""
+        return [] if self._group is None else self._group.notify(signum)
 
     def dump_stacks(self) -> str | None:
         """Every running rank's stack, stopping nothing (SIGQUIT); None without workers."""
@@ -313,8 +329,8 @@ class Round:
                 requests = RankRequests(group.run_dir)
             self._group = group
             stack.callback(setattr, self, "_group", None)
-            for signum in self._signals:
-                group.interrupt(signum)
+            for signum, delivered in self._signals:
+                group.interrupt(signum, delivered=delivered)
             node_variables = {}
             if self.context.timers is not None:
                 node_variables[FILE_VARIABLE] = self.context.timers.path
@@ -358,12 +374,14 @@ class Round:
     ) -> RoundResult:
         ending = round_ending(outcome, hang, self._change)
         record = None
+        failure = None
         if ending == "hung":
             assert hang is not None
             base = self.assignment.base_rank
             record = hang_record(hang, self.assignment, host, range(base, base + self.plan.nproc))
         elif ending == "failed":
             record = FailureRecord.of_round(outcome, self.assignment.group_rank)
+            failure = classify_failure(outcome, self.previous_failure)
         elif ending == "timed_out":
             outcome.timeout = self.plan.timeout  # the job's, not this round's remainder
         return RoundResult(
@@ -374,6 +392,7 @@ class Round:
             record=record,
             address_in_use=address_in_use(outcome),
             learned_quiet=learned_quiet,
+            failure=failure,
         )
 
     def _rank_variables(

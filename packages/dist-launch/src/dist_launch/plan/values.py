@@ -78,16 +78,16 @@ def parse_rdzv_conf(value: str) -> dict[str, str]:
     return conf
 
 
-def parse_signals(value: str) -> tuple[int, ...]:
-    """``SIGTERM,SIGINT,...`` as signal numbers."""
+def parse_signals(value: str, flag: str = "--signals-to-handle") -> tuple[int, ...]:
+    """``SIGTERM,SIGINT,...`` (or ``TERM,INT``) as signal numbers; an error names ``flag``."""
     numbers: list[int] = []
     for name in filter(None, (part.strip().upper() for part in value.split(","))):
         full = name if name.startswith("SIG") else f"SIG{name}"
         try:
             numbers.append(int(signal.Signals[full]))
         except KeyError:
-            raise UsageError(f"--signals-to-handle: {name!r} is not a signal name") from None
-    return tuple(numbers)
+            raise UsageError(f"{flag}: {name!r} is not a signal name") from None
+    return tuple(dict.fromkeys(numbers))
 
 
 # The slow-rank report's window unless --slow-ranks says otherwise.

@@ -16,6 +16,10 @@ if TYPE_CHECKING:
     from dist_launch.rendezvous.protocol import Assignment
 
 
+# What a launcher's environment may hold that describes its node, not a worker.
+_POD_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+
+
 def node_environment(plan: LaunchPlan, base: Mapping[str, str]) -> dict[str, str]:
     """The variables every worker of this node shares in every attempt.
 
@@ -36,8 +40,10 @@ def node_environment(plan: LaunchPlan, base: Mapping[str, str]) -> dict[str, str
     env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     # The launcher prefixes every line with the rank: dist_core.log adds no second one.
     env[LAUNCHER_PREFIXES_VARIABLE] = "1"
-    # torchrun's flags reach no worker as PET_ variables.
-    for name in [key for key in env if key.startswith("PET_")]:
+    # torchrun's flags reach no worker as PET_ variables, and a pod's own RANK and
+    # WORLD_SIZE (PyTorchJob's node rank and pod count) none as its own: each worker
+    # gets its process rank.
+    for name in [key for key in env if key.startswith("PET_") or key in _POD_VARIABLES]:
         del env[name]
     return env
 
@@ -58,7 +64,8 @@ def worker_environment(
             "ROLE_WORLD_SIZE": str(assignment.world_size),
             "MASTER_ADDR": assignment.master_addr,
             "MASTER_PORT": str(assignment.master_port),
-            "TORCHELASTIC_RESTART_COUNT": str(assignment.restart_count),
+            # Counts on from a requeued SLURM job's restarts (plan.restart_base).
+            "TORCHELASTIC_RESTART_COUNT": str(plan.restart_base + assignment.restart_count),
             "TORCHELASTIC_MAX_RESTARTS": str(plan.max_restarts),
             "TORCHELASTIC_RUN_ID": plan.run_id,
             "TORCHELASTIC_USE_AGENT_STORE": "False",

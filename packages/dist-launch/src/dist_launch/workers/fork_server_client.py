@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+from dist_launch.in_worker.fork_server import FORWARDED_VARIABLE
 from dist_launch.in_worker.proctitle import TITLE_ROOM
 from dist_launch.plan.launch_plan import LaunchPlan, WorkerTarget
 from dist_launch.workers.terminals import PIPES_ONLY, WorkerTerminals, open_outputs
@@ -222,4 +223,6 @@ def start_fork_server(plan: LaunchPlan, loop: Loop) -> ForkServerClient | None:
         return None
     from dist_launch.workers.environment import node_environment  # noqa: PLC0415 - light
 
-    return ForkServerClient(node_environment(plan, os.environ), loop)
+    env = node_environment(plan, os.environ)
+    env[FORWARDED_VARIABLE] = ",".join(str(signum) for signum in plan.signals_to_forward)
+    return ForkServerClient(env, loop)

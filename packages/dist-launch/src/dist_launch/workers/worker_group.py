@@ -297,10 +297,17 @@ class WorkerGroup:
         """True once every worker ended (the supervisor's outcome is ready)."""
         return self.supervisor is not None and self.supervisor.finished
 
-    def interrupt(self, signum: int, *, take_stacks: bool = True) -> None:
-        """Stops every worker with ``signum`` (stacks first, unless taken already)."""
+    def interrupt(self, signum: int, *, take_stacks: bool = True, delivered: bool = False) -> None:
+        """Stops every worker with ``signum`` (stacks first, unless taken already).
+
+        With ``delivered``, the signal reached every worker already: none is sent again.
+        """
         if self.supervisor is not None:
-            self.supervisor.interrupt(signum, take_stacks=take_stacks)
+            self.supervisor.interrupt(signum, take_stacks=take_stacks, delivered=delivered)
+
+    def notify(self, signum: int) -> list[int]:
+        """Passes ``signum`` on to every running worker, stopping nothing; their ranks."""
+        return [] if self.supervisor is None else self.supervisor.notify(signum)
 
     def take_stacks(self) -> dict[int, str]:
         """Every running worker's Python stack, stopping nothing (bounded)."""
