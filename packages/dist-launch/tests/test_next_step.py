@@ -32,7 +32,8 @@ DETERMINISTIC = FailureClass(
     "ImportError at train.py:3 before the process group existed",
 )
 NOT_RESTARTING = (
-    "not restarting: ImportError at train.py:3 before the process group existed "
+    "not restarting: rank 1 on node 0 (h): "
+    "ImportError at train.py:3 before the process group existed "
     "(a restart would fail the same way)"
 )
 GROUP = GroupOutcome("failed", [RankOutcome(0, 0, 0, status="failed", returncode=1)])

@@ -188,7 +188,12 @@ def decide_next(
     if result.address_in_use and port_retries < PORT_RETRIES:
         return ReplacePort(otherwise=count)
     if failure is not None and failure.kind == "deterministic":
-        why = f"not restarting: {failure.why} (a restart would fail the same way)"
+        # Named by rank and node: the other nodes print this as the job's closing reason.
+        record = result.record
+        why = (
+            f"not restarting: rank {record.rank} on node {record.group_rank} ({record.node}): "
+            f"{failure.why} (a restart would fail the same way)"
+        )
         return End(RunOutcome("failed", group, message=why, failure=kind), close_job=why)
     if result.record.consequence and membership_changing:
         # Peers went away because the job is re-forming (a node restarted or left);
