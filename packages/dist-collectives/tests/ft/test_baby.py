@@ -73,6 +73,8 @@ def _baby_hang_worker() -> bool:
         # kills the child at the deadline and records why.
         assert pg.errored() is None or isinstance(pg.errored(), TimeoutError)
     dist.barrier()
+    # The new quorum's child starts a fresh interpreter too: a generous bound again.
+    pg.set_timeout(timedelta(seconds=60))
     pg.configure(_store_addr("baby-hang/1"), rank, world)
     t = torch.ones(1)
     pg.allreduce(t, dist.ReduceOp.SUM).wait()
