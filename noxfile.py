@@ -424,8 +424,13 @@ def other_torch(session: nox.Session, version: str) -> None:
     session.log(f"{free_gib:.1f} GiB free on the disk of {ROOT}; this venv takes about 5 GiB")
     _install_packages(session, PACKAGES, extras="[test]", torch_spec=OTHER_TORCH_SPECS[version])
     session.run("python", "-m", "dist_core")  # its report names the torch it runs on
-    test_dirs = [str(PACKAGES_DIR / package / "tests") for package in PACKAGES]
-    _pytest(session, *test_dirs, str(ROOT / "tests-integration"))
+    # The longest tests first (tests-integration's take 30-60 s each, dist-collectives'
+    # replica groups 50): pytest-xdist hands tests out in this order, and a long test
+    # handed out last leaves the other workers idle at the end.
+    order = ["dist-collectives", "dist-launch", "dist-workspace", "dist-core"]
+    packages = sorted(PACKAGES, key=lambda name: order.index(name) if name in order else 0)
+    test_dirs = [str(PACKAGES_DIR / package / "tests") for package in packages]
+    _pytest(session, str(ROOT / "tests-integration"), *test_dirs)
 
 
 @nox.session
