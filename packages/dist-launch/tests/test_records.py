@@ -26,10 +26,13 @@ pytestmark = [pytest.mark.processes, pytest.mark.timeout(240)]
 
 # One rank (gloo, world size 1): three all_reduces on the world, a broadcast on a group
 # of its own, then the records file a worker writes when the launcher asks.
+# gloo marks a collective completed in the recorder from its own thread, just after the
+# caller's wait returned: the probe reads again (bounded) until the records caught up.
 PROBE = """\
-import sys
+import sys, time
 import torch
 import torch.distributed as dist
+from dist_launch.diagnostics.flight_records import parse_rank_records
 from dist_launch.in_worker.records import collect
 
 dist.init_process_group("gloo", init_method=sys.argv[1], rank=0, world_size=1)
@@ -38,7 +41,16 @@ for _ in range(3):
     dist.all_reduce(value)
 solo = dist.new_group([0])
 dist.broadcast(value, src=0, group=solo)
-sys.stdout.buffer.write(collect(0, {"id": 1, "kind": "hang"}))
+deadline = time.monotonic() + 10
+while True:
+    records = collect(0, {"id": 1, "kind": "hang"})
+    groups = parse_rank_records(records, 0, "probe").groups.values()
+    if time.monotonic() > deadline or all(
+        group.last_completed == group.last_enqueued for group in groups
+    ):
+        break
+    time.sleep(0.01)
+sys.stdout.buffer.write(records)
 """
 
 
