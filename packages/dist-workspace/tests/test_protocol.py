@@ -115,15 +115,6 @@ def test_a_frame_that_is_not_ours_or_too_large_names_the_rank() -> None:
             protocol.decode_head(raw, 3)
 
 
-def test_a_late_head_is_answered_with_its_calls_error() -> None:
-    failures = {4: "WorkspaceError: rank(s) [2] never wrote their value"}
-    assert protocol.stale_verdict(4, failures) == {"ok": False, "error": failures[4]}
-    assert protocol.stale_verdict(3, failures) == {
-        "ok": False,
-        "error": "the receiver had given up on call 3",
-    }
-
-
 def test_opening_is_decided_by_the_receiver_naming_who_never_came() -> None:
     version = protocol.WIRE_VERSION
     came = {0: {"version": version}, 1: {"version": version}}

@@ -26,8 +26,8 @@ Receiver:
 3. Decides from the heads (:func:`dist_workspace.protocol.decide_receipt`), then reads
    every record: from its frame, mapping the segment, or reading the file.
 4. Sends every sender the verdict: success, or the error that every sender raises
-   too, so no rank is left waiting. A sender's frame of a call that failed here (it
-   came late) is answered with that call's error and never taken for a later call's.
+   too, so no rank is left waiting; a sender that comes late finds the error of the
+   call it came to. Its frame of that call is dropped, never taken for a later one.
 
 No call uses the process group or its store, except the first, which opens the link;
 ``group`` decides who may take part. A segment is never reused across calls: the
@@ -121,14 +121,6 @@ class Exchange:
         if self.state.link is None:
             self.state.link = link.open_link(self.store, self.job, self.call, self.state, host_id())
         return self.state.link
-
-    def answer_stale(self, peer: int, frame: link.Frame) -> None:
-        """A frame of an earlier call came: a late sender's head gets that call's error."""
-        if frame.kind != protocol.HEAD or self.state.link is None:
-            return  # a verdict this rank stopped waiting for
-        verdict = protocol.stale_verdict(frame.seq, self.state.failures)
-        deadline = time.monotonic() + protocol.VERDICT_MARGIN_SECONDS
-        self.state.link.send(peer, link.Frame(protocol.VERDICT, frame.seq, verdict), (), deadline)
 
 
 def _check_ranks(given: Any, rank: int, group_ranks: list[int], what: str) -> list[int]:
@@ -241,7 +233,7 @@ def _await_verdict(exchange: Exchange, deadline: float) -> None:
     call = exchange.call
     got = (
         exchange.open()
-        .receive([call.receiver], protocol.VERDICT, exchange.seq, deadline, exchange.answer_stale)
+        .receive([call.receiver], protocol.VERDICT, exchange.seq, deadline)
         .get(call.receiver)
     )
     if isinstance(got, link.Closed):
@@ -265,9 +257,7 @@ def receive(exchange: Exchange, own_value: Callable[[], Values]) -> list[Values]
         own = own_value()
         own_tensor = own[1].get("tensor")
         deadline = time.monotonic() + call.timeout
-        frames = the_link.receive(
-            call.senders, protocol.HEAD, exchange.seq, deadline, exchange.answer_stale
-        )
+        frames = the_link.receive(call.senders, protocol.HEAD, exchange.seq, deadline)
         came: dict[int, link.Frame] = {}
         for sender, frame in frames.items():
             if isinstance(frame, link.Closed):
@@ -287,10 +277,9 @@ def receive(exchange: Exchange, own_value: Callable[[], Values]) -> list[Values]
             raise WorkspaceError(failure)
         values = [own if r == call.rank else _read(exchange, r, came[r]) for r in call.ranks]
     except BaseException as error:
-        text = _error_text(error)
-        exchange.state.remember_failure(exchange.seq, text)
         if the_link is not None:
-            _send_verdicts(exchange, the_link, {"ok": False, "error": text}, closed)
+            failed = {"ok": False, "error": _error_text(error)}
+            _send_verdicts(exchange, the_link, failed, closed)
         raise
     finally:
         if exchange.directory is not None:
@@ -328,10 +317,10 @@ def _values(buffer: Any, size: int, sender: int, where: str) -> Values:
 def _send_verdicts(
     exchange: Exchange, the_link: link.Link, verdict: dict[str, Any], closed: set[int]
 ) -> None:
-    """Sends the verdict to every sender whose connection lives.
+    """Sends the verdict to every sender whose connection lives, late ones included.
 
-    A sender that failed to write does not wait for it: it reads it as an earlier
-    call's verdict at its next call, and drops it.
+    A sender that comes late reads the verdict of the call it came to at once; one that
+    failed to write does not wait for it, and drops it at its next call.
     """
     frame = link.Frame(protocol.VERDICT, exchange.seq, verdict)
     deadline = time.monotonic() + protocol.VERDICT_MARGIN_SECONDS

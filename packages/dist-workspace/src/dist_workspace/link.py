@@ -19,7 +19,8 @@ receiver, the receiver's verdict back. The first call with a list opens it:
 
 No call uses the store after that: a call costs one frame each way. Every wait ends
 at its deadline and leaves the link as it was; a frame of an earlier call (a late
-sender's) goes to ``on_stale`` and never counts for a later one; a connection that
+sender's head, a verdict nobody waited for) is dropped, never counted for a later
+one; a connection that
 ends (a rank exited) is reported at once, in the words launchers look for
 (``Connection closed by peer``), and every later call that needs it fails at once.
 Not a gloo group: its send/recv cost 40 times a socket's, and a gloo wait that times
@@ -37,7 +38,7 @@ import secrets
 import select
 import socket
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any, Protocol
 
@@ -50,7 +51,6 @@ from dist_workspace.jobid import short_tag
 logger = logging.getLogger(__name__)
 
 _IOV_MAX = 512  # buffers per sendmsg; Linux allows 1024
-_FAILURES_KEPT = 64  # failed calls a receiver remembers for senders that come late
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,13 +83,12 @@ class Link(Protocol):
         kind: int,
         seq: int,
         deadline: float,
-        on_stale: Callable[[int, Frame], None],
     ) -> dict[int, Frame | Closed]:
         """The frames of ``kind`` and ``seq`` from ``peers`` that came by ``deadline``.
 
         Returns as soon as every peer sent one or any connection closed; a peer that
-        did neither by the deadline is absent. Frames of earlier calls go to
-        ``on_stale`` and the wait goes on.
+        did neither by the deadline is absent. Frames of earlier calls are dropped and
+        the wait goes on.
         """
         ...
 
@@ -154,7 +153,6 @@ class SocketLink:
         kind: int,
         seq: int,
         deadline: float,
-        on_stale: Callable[[int, Frame], None],
     ) -> dict[int, Frame | Closed]:
         """See :meth:`Link.receive`."""
         got: dict[int, Frame | Closed] = {}
@@ -172,7 +170,7 @@ class SocketLink:
                 break
             for fd, _ in poller.poll(max(1, int(left * 1000))):
                 peer = waiting[fd]
-                outcome = self._next_frame(peer, kind, seq, deadline, on_stale)
+                outcome = self._next_frame(peer, kind, seq, deadline)
                 if outcome is None:
                     continue  # a stale frame; wait on
                 got[peer] = outcome
@@ -188,7 +186,6 @@ class SocketLink:
         kind: int,
         seq: int,
         deadline: float,
-        on_stale: Callable[[int, Frame], None],
     ) -> Frame | Closed | None:
         """Reads ``peer``'s next frame: the one awaited, None for a stale one, or Closed."""
         sock = self._peers[peer]
@@ -207,8 +204,8 @@ class SocketLink:
         except WorkspaceError as error:  # not a frame of this protocol
             return self._drop(peer, str(error))
         frame = Frame(got_kind, got_seq, head, body)
-        if got_seq < seq:
-            on_stale(peer, frame)
+        if got_seq < seq:  # the receiver of that call answered it when it gave up
+            logger.debug("dropped rank %s's frame of call %s in call %s", peer, got_seq, seq)
             return None
         if (got_kind, got_seq) != (kind, seq):
             return self._drop(peer, protocol.out_of_order(peer, got_kind, got_seq, kind, seq))
@@ -222,24 +219,17 @@ class SocketLink:
 
 @dataclasses.dataclass
 class LinkState:
-    """One list of ranks in this process: its call count, its link, its failed calls."""
+    """One list of ranks in this process: its call count and its link."""
 
     attempt: int = 0  # openings that failed before; names the store keys of the next
     seq: int = 0  # the next call's number
     link: Link | None = None  # a SocketLink once opened
-    failures: dict[int, str] = dataclasses.field(default_factory=dict)  # seq -> error
 
     def next_seq(self) -> int:
         """The number of the call that starts now."""
         seq = self.seq
         self.seq += 1
         return seq
-
-    def remember_failure(self, seq: int, error: str) -> None:
-        """A receiver keeps a failed call's error for its senders that come late."""
-        self.failures[seq] = error
-        while len(self.failures) > _FAILURES_KEPT:
-            del self.failures[min(self.failures)]
 
 
 # (pid, job id, the ranks sorted) -> state; a forked child starts its own

@@ -216,12 +216,6 @@ def out_of_order(peer: int, kind: int, seq: int, awaited_kind: int, awaited_seq:
     )
 
 
-def stale_verdict(seq: int, failures: Mapping[int, str]) -> dict[str, Any]:
-    """The verdict for a sender's head of an earlier call: that call's error."""
-    error = failures.get(seq, f"the receiver had given up on call {seq}")
-    return {"ok": False, "error": error}
-
-
 # ---------------------------------------------------------------- opening the link
 
 
