@@ -12,7 +12,6 @@ from shm_inspection import own_segments
 
 from dist_workspace import WorkspaceError, exchange, protocol
 from dist_workspace.link import Closed, Frame, LinkState
-from dist_workspace.own_value import own_tensor
 
 HEAD, VERDICT = protocol.HEAD, protocol.VERDICT
 
@@ -83,9 +82,7 @@ def _receive(
 ) -> list[torch.Tensor]:
     state.link = FakeLink(arrivals)
     rank = ranks[0]
-    got = exchange.receive(
-        _call(rank, ranks, state), lambda: (None, {"tensor": own_tensor(value, "own")})
-    )
+    got = exchange.receive(_call(rank, ranks, state), {"tensor": value}, None)
     return [weights["tensor"] for _, weights in got]
 
 
@@ -166,7 +163,7 @@ def test_a_closed_sender_is_named_in_the_peer_words_and_the_others_get_the_verdi
     arrivals = {1: [_send(1, ranks, torch.ones(2), {"ok": True})]}
     state.link = FakeLink(arrivals, closed={2: Closed("Connection closed by peer")})
     with pytest.raises(WorkspaceError) as failed:
-        exchange.receive(_call(0, ranks, state), lambda: (None, {"tensor": torch.ones(2)}))
+        exchange.receive(_call(0, ranks, state), {"tensor": torch.ones(2)}, None)
     assert "rank(s) [2] never wrote their value: its connection to this receiver was lost " in (
         str(failed.value)
     )
@@ -234,6 +231,6 @@ def test_records_above_the_limit_go_to_the_calls_directory(tmp_path: Path) -> No
         "one-process-job",
         tmp_path,
     )
-    configs = exchange.receive(receiver, lambda: ({"big": torch.ones(1)}, {}))
+    configs = exchange.receive(receiver, {}, {"big": torch.ones(1)})
     assert torch.equal(configs[1][0]["big"], big)
     assert list(tmp_path.iterdir()) == []  # the receiver removed the call's directory

@@ -20,7 +20,8 @@ Sender:
 
 Receiver:
 
-1. Copies its own value (:mod:`dist_workspace.own_value`).
+1. Lays its own value out as a record in fresh memory and reads it as a peer's
+   (:func:`own_values`).
 2. Waits for every sender's frame at once: a connection that closes (a sender
    exited) fails the call at once; a sender that never came is named at the timeout.
 3. Decides from the heads (:func:`dist_workspace.protocol.decide_receipt`), then reads
@@ -48,10 +49,11 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import mmap
 import os
 import socket
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +64,6 @@ from dist_workspace import link, protocol, shm
 from dist_workspace.call_directory import CallDirectory
 from dist_workspace.errors import WorkspaceError
 from dist_workspace.jobid import current_job_id, short_tag
-from dist_workspace.own_value import own_config, own_tensor
 from dist_workspace.reader import assemble, parse_header, view_entries
 from dist_workspace.writer import prepare_record, record_buffers
 
@@ -70,6 +71,8 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_SECONDS = 300.0
 Values = tuple[Any, dict[str, torch.Tensor]]  # (config, weights) of one rank
+_POPULATE_FROM_BYTES = 1 << 20  # below, a buffer comes from torch's allocator
+_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux's, in Python's mmap from 3.10
 
 
 def _timeout_seconds(timeout: float | None) -> float:
@@ -172,6 +175,27 @@ def _start(
     return Exchange(call, state.next_seq(), state, job, path, getter())
 
 
+def _gather(
+    kind: str,
+    weights: dict[str, torch.Tensor],
+    config: Any,
+    ranks: Any,
+    group: Any,
+    workspace_path: Any,
+    timeout: float | None,
+) -> list[Values]:
+    """Every rank's values on the receiver, in ``ranks`` order; ``[]`` on a sender."""
+    exchange = _start(kind, ranks, group, workspace_path, timeout)
+    if exchange is None:
+        from dist_core.ranks import get_rank  # noqa: PLC0415
+
+        return [own_values(weights, config, get_rank(), "")]
+    if exchange.call.rank != exchange.call.receiver:
+        send(exchange, weights, config)
+        return []
+    return receive(exchange, weights, config)
+
+
 def _error_text(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
@@ -247,14 +271,14 @@ def _await_verdict(exchange: Exchange, deadline: float) -> None:
 # ---------------------------------------------------------------- receiver
 
 
-def receive(exchange: Exchange, own_value: Callable[[], Values]) -> list[Values]:
-    """Every rank's values in ``ranks`` order, this rank's from ``own_value``."""
+def receive(exchange: Exchange, weights: dict[str, torch.Tensor], config: Any) -> list[Values]:
+    """Every rank's values in ``ranks`` order, this rank's from ``weights`` and ``config``."""
     call = exchange.call
     the_link: link.Link | None = None
     closed: set[int] = set()
     try:
         the_link = exchange.open()
-        own = own_value()
+        own = own_values(weights, config, call.rank, exchange.job)
         own_tensor = own[1].get("tensor")
         deadline = time.monotonic() + call.timeout
         frames = the_link.receive(call.senders, protocol.HEAD, exchange.seq, deadline)
@@ -331,19 +355,46 @@ def _send_verdicts(
                 logger.debug("no verdict sent to rank %s: %s", sender, gone.why)
 
 
+def host_buffer(nbytes: int) -> torch.Tensor:
+    """A fresh, writable 1-D uint8 CPU tensor of ``nbytes`` bytes, its pages allocated.
+
+    From 1 MiB on it is a private anonymous mapping whose pages ``MAP_POPULATE``
+    allocates in the ``mmap`` call (cheaper than faulting them in as a copy writes
+    them); the tensor holds the mapping, unmapped with the last tensor on it.
+
+    Raises:
+        MemoryError: The system cannot map ``nbytes`` bytes.
+    """
+    if nbytes < _POPULATE_FROM_BYTES or not _MAP_POPULATE:
+        return torch.empty(nbytes, dtype=torch.uint8)
+    try:
+        mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_POPULATE)
+    except OSError as error:
+        raise MemoryError(f"cannot map {nbytes} bytes for a CPU copy: {error}") from None
+    return torch.frombuffer(mapping, dtype=torch.uint8)
+
+
+def own_values(weights: dict[str, torch.Tensor], config: Any, rank: int, job: str) -> Values:
+    """This rank's values as a peer's record gives them back, made the same way.
+
+    Its record is copied into fresh memory and read as a peer's: on CPU, tuples as
+    lists, tensors that shared a storage still sharing one, aliasing nothing of the
+    caller's.
+
+    Raises:
+        TypeError: A config that is not JSON or a tensor a record cannot hold (named).
+    """
+    record = prepare_record(weights, config, rank=rank, job=job, checksums=False)
+    buffer = host_buffer(record.total_size).numpy()
+    at = 0
+    for part in record_buffers(record):
+        data = memoryview(part).cast("B")
+        buffer[at : at + len(data)] = data
+        at += len(data)
+    return _values(buffer, at, rank, f"rank {rank}'s own value")
+
+
 # ---------------------------------------------------------------- public API
-
-
-def _own_tensor(tensor: Any, rank: int | None) -> torch.Tensor:
-    """This rank's tensor as the receiver gets peers' ones: on CPU, a copy."""
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"get_tensors_parallel needs a torch.Tensor, got {type(tensor).__name__}")
-    return own_tensor(tensor, f"rank {rank}'s own tensor")
-
-
-def _own_config(config: Any, rank: int | None) -> Any:
-    """This rank's config as the receiver gets peers' ones: a copy, tensors on CPU."""
-    return own_config(config, f"rank {rank}'s own config")
 
 
 @contextlib.contextmanager
@@ -379,16 +430,8 @@ def get_tensors_parallel(
         WorkspaceError: The caller is not in ``ranks``; a rank failed, timed out, or
             sent a tensor of another shape or dtype (the ranks and shapes are named).
     """
-    exchange = _start("get_tensors_parallel", ranks, group, None, timeout)
-    if exchange is None:
-        yield [_own_tensor(tensor, None)]
-        return
-    rank = exchange.call.rank
-    if rank != exchange.call.receiver:
-        send(exchange, {"tensor": tensor}, None)
-        yield []
-        return
-    received = receive(exchange, lambda: (None, {"tensor": _own_tensor(tensor, rank)}))
+    kind = "get_tensors_parallel"
+    received = _gather(kind, {"tensor": tensor}, None, ranks, group, None, timeout)
     yield [weights["tensor"] for _, weights in received]
 
 
@@ -427,14 +470,5 @@ def get_configs_parallel(
         TypeError: This rank's config is not JSON (naming the key path).
         WorkspaceError: The caller is not in ``ranks``; a rank failed or timed out.
     """
-    exchange = _start("get_configs_parallel", ranks, group, workspace_path, timeout)
-    if exchange is None:
-        yield [_own_config(config, None)]
-        return
-    rank = exchange.call.rank
-    if rank != exchange.call.receiver:
-        send(exchange, {}, config)
-        yield []
-        return
-    received = receive(exchange, lambda: (_own_config(config, rank), {}))
+    received = _gather("get_configs_parallel", {}, config, ranks, group, workspace_path, timeout)
     yield [value for value, _ in received]
