@@ -43,8 +43,7 @@ def link_handshake(value: Any, ranks: list[int]) -> Iterator[list[Any]]:
     call = protocol.Call("link handshake", rank, tuple(ranks), 60.0)
     job = current_job_id() + "/bench"  # a link of its own, beside the calls' one
     state = link.state_for(job, ranks)
-    getter = dist.distributed_c10d._get_default_store
-    ongoing = exchange.Exchange(call, state.next_seq(), state, job, None, getter())
+    ongoing = exchange.Exchange(call, state.next_seq(), state, job, None)
     the_link = ongoing.open()
     deadline = time.monotonic() + 60
     if rank == ranks[0]:

@@ -77,15 +77,15 @@ def test_shapes_and_dtypes_that_differ_name_every_rank() -> None:
 
 def test_a_sender_raises_the_receivers_error_naming_it() -> None:
     sender = protocol.Call("get_configs_parallel", 2, (0, 1, 2), 30.0)
-    assert protocol.verdict_error(sender, {"ok": True}, 40.0) is None
-    assert protocol.verdict_error(sender, {"ok": False, "error": "WorkspaceError: x"}, 40.0) == (
+    assert protocol.verdict_error(sender, {"ok": True}) is None
+    assert protocol.verdict_error(sender, {"ok": False, "error": "WorkspaceError: x"}) == (
         "rank 2: get_configs_parallel failed on receiver rank 0: WorkspaceError: x"
     )
 
 
 def test_a_silent_receiver_is_named_with_the_wait() -> None:
     sender = protocol.Call("get_configs_parallel", 2, (0, 1, 2), 30.0)
-    assert protocol.verdict_error(sender, None, 40.0) == (
+    assert protocol.verdict_error(sender, None) == (
         "rank 2: get_configs_parallel timed out after 40 s waiting for receiver rank 0 to "
         "read the values (did rank 0 call get_configs_parallel with ranks=[0, 1, 2]?)"
     )

@@ -288,7 +288,7 @@ def _store_wait(store: Any, keys: list[str], deadline: float) -> list[str]:
     return keys
 
 
-def open_link(store: Any, job: str, call: protocol.Call, state: LinkState, host: str) -> SocketLink:
+def open_link(store: Any, job: str, call: protocol.Call, state: LinkState) -> SocketLink:
     """Opens the link between ``call.ranks`` (see the module's docstring).
 
     Raises:
@@ -300,7 +300,7 @@ def open_link(store: Any, job: str, call: protocol.Call, state: LinkState, host:
     prefix += f"/{state.attempt}"
     family, address = _listen_address(store)
     token = secrets.token_hex(16)
-    mine: dict[str, Any] = {"version": protocol.WIRE_VERSION, "host": host, "token": token}
+    mine: dict[str, Any] = {"version": protocol.WIRE_VERSION, "token": token}
     listener = socket.socket(family, socket.SOCK_STREAM)
     try:
         listener.bind((address, 0))
@@ -335,9 +335,8 @@ def _agree(store: Any, prefix: str, call: protocol.Call, ranks: list[int]) -> di
             raise WorkspaceError(decided)
     else:
         patience = call.timeout + protocol.VERDICT_MARGIN_SECONDS
-        if not _store_wait(store, [verdict_key], began + patience):
-            raise WorkspaceError(protocol.receiver_timed_out(call, patience))
-        failure = protocol.verdict_error(call, json.loads(store.get(verdict_key)), patience)
+        got = _store_wait(store, [verdict_key], began + patience)
+        failure = protocol.verdict_error(call, json.loads(store.get(verdict_key)) if got else None)
         if failure is not None:
             raise WorkspaceError(failure)
     raws = store.multi_get(list(keys.values()))

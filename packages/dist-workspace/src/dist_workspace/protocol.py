@@ -128,27 +128,23 @@ def decide_receipt(
 # ---------------------------------------------------------------- sender
 
 
-def receiver_failed(call: Call, error: object) -> str:
-    """The receiver's verdict said the call failed."""
-    return f"rank {call.rank}: {call.kind} failed on receiver rank {call.receiver}: {error}"
+def verdict_error(call: Call, verdict: Mapping[str, Any] | None) -> str | None:
+    """What a sender raises for the verdict it got, or None on success.
 
-
-def receiver_timed_out(call: Call, patience: float) -> str:
-    """No verdict came in ``patience`` seconds."""
+    ``verdict`` is None when none came in the sender's wait: the receiver's timeout
+    and :data:`VERDICT_MARGIN_SECONDS`.
+    """
     receiver = call.receiver
-    return (
-        f"rank {call.rank}: {call.kind} timed out after {patience:g} s waiting for receiver "
-        f"rank {receiver} to read the values (did rank {receiver} call {call.kind} with "
-        f"ranks={list(call.ranks)}?)"
-    )
-
-
-def verdict_error(call: Call, verdict: Mapping[str, Any] | None, patience: float) -> str | None:
-    """What a sender raises for the verdict it got (None: it timed out), or None on success."""
     if verdict is None:
-        return receiver_timed_out(call, patience)
+        return (
+            f"rank {call.rank}: {call.kind} timed out after "
+            f"{call.timeout + VERDICT_MARGIN_SECONDS:g} s waiting for receiver rank {receiver} "
+            f"to read the values (did rank {receiver} call {call.kind} with "
+            f"ranks={list(call.ranks)}?)"
+        )
     if not verdict.get("ok"):
-        return receiver_failed(call, verdict.get("error"))
+        error = verdict.get("error")
+        return f"rank {call.rank}: {call.kind} failed on receiver rank {receiver}: {error}"
     return None
 
 
