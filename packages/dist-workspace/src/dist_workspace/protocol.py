@@ -41,14 +41,9 @@ class Call:
 # ---------------------------------------------------------------- the one rule
 
 LINK_MAX_BYTES = 8 << 20
-"""Records up to this size travel in the sender's frame on the link.
-
-Larger ones go into a shared-memory segment (one host) or a file of the call's
-directory (``workspace_path``), which every sender writes at once and the receiver
-maps or reads. Measured with ``benchmarks/workspace.py --link-sweep`` on the
-development VM (4 ranks, the receiver reading every byte): a call through the link
-took 0.55-0.74 of one through segments from 64 KiB to 8 MiB, and as long at 16 MiB.
-"""
+"""Records up to this size travel in the sender's frame on the link; larger ones go
+into a segment or a file, which every sender writes at once. Where the link stopped
+being faster than segments (``benchmarks/workspace.py --link-sweep``)."""
 
 
 def route(size: int, workspace_path: object) -> str:
