@@ -54,6 +54,16 @@ def test_segment_is_private_exclusive_and_reader_does_not_unlink() -> None:
     assert not segment.path.exists()
 
 
+def test_every_creation_removes_segments_whose_creator_is_gone() -> None:
+    """Not only a process's first: a creator whose start time differs is gone (pid reused)."""
+    uid, pid = os.getuid(), os.getpid()
+    for seq in range(2):
+        dead = shm_directory() / f"dist-workspace.{uid}.abc.def.{seq}.r1.{pid}.1.{'0' * 32}"
+        dead.touch(mode=0o600)
+        create_segment(64, job="abc", group="def", seq=seq, rank=0).unlink()
+        assert not dead.exists(), seq
+
+
 _CHILD = textwrap.dedent(
     """
     import os, sys
