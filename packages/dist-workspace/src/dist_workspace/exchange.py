@@ -31,7 +31,6 @@ import functools
 import logging
 import mmap
 import os
-import socket
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -53,17 +52,6 @@ DEFAULT_TIMEOUT_SECONDS = 300.0
 Values = tuple[Any, dict[str, torch.Tensor]]  # (config, weights) of one rank
 _POPULATE_FROM_BYTES = 1 << 20  # below, a buffer comes from torch's allocator
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux's, in Python's mmap from 3.10
-
-
-@functools.cache  # neither the host's name nor its boot changes while a process runs
-def host_id() -> str:
-    """This host's name and boot: ranks with the same one share memory."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as handle:
-            boot = handle.read().strip()
-    except OSError:
-        boot = ""
-    return f"{socket.gethostname()}/{boot}"
 
 
 @dataclasses.dataclass
@@ -178,7 +166,11 @@ def send(exchange: Exchange, weights: dict[str, torch.Tensor], config: Any) -> N
                 weights, config, rank=call.rank, job=exchange.job, checksums=False
             )
             route = protocol.route(record.total_size, exchange.workspace_path)
-            head: dict[str, Any] = {"ok": True, "ranks": list(call.ranks), "host": host_id()}
+            head: dict[str, Any] = {
+                "ok": True,
+                "ranks": list(call.ranks),
+                "host": exchange.state.host,
+            }
             head.update(route=route, size=record.total_size)
             tensor = weights.get("tensor")
             if tensor is not None:
@@ -244,7 +236,7 @@ def receive(exchange: Exchange, weights: dict[str, torch.Tensor], config: Any) -
         failure = protocol.decide_receipt(
             call,
             {sender: frame.head for sender, frame in came.items()},
-            host=host_id(),
+            host=exchange.state.host,
             one_host=exchange.workspace_path is None,
             own_shape=None if tensor is None else (list(tensor.shape), str(tensor.dtype)),
         )

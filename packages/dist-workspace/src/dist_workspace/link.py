@@ -221,13 +221,25 @@ class SocketLink:
             self._drop(peer, "the link was closed")
 
 
+def host_id() -> str:
+    """This host's name and boot: ranks with the same one share memory."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as handle:
+            boot = handle.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
 @dataclasses.dataclass
 class LinkState:
-    """One list of ranks in this process: its call count and its link."""
+    """One list of ranks in this process: its call count, its link, this host."""
 
     attempt: int = 0  # openings that failed before; names the store keys of the next
     seq: int = 0  # the next call's number
     link: Link | None = None  # a SocketLink once opened
+    # Read once: neither the host's name nor its boot changes while a process runs.
+    host: str = dataclasses.field(default_factory=host_id)
 
     def next_seq(self) -> int:
         """The number of the call that starts now."""

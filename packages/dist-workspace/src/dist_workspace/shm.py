@@ -33,7 +33,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from dist_workspace.errors import WorkspaceError
-from dist_workspace.jobid import own_start_time, process_start_time
+from dist_workspace.jobid import process_start_time
 from dist_workspace.writer import PreparedRecord, write_record
 
 logger = logging.getLogger(__name__)
@@ -164,9 +164,10 @@ def create_segment(size: int, *, job: str, group: str, seq: int, rank: int) -> S
     remove_dead_segments(directory)
     if size > free_bytes(directory):
         raise too_small(rank, size, directory)
+    pid = os.getpid()  # read per segment: a few reads of /proc beside megabytes of data
     name = (
-        f"{SEGMENT_PREFIX}.{os.getuid()}.{job}.{group}.{seq}.r{rank}.{os.getpid()}."
-        f"{own_start_time() or 0}.{secrets.token_hex(16)}"
+        f"{SEGMENT_PREFIX}.{os.getuid()}.{job}.{group}.{seq}.r{rank}.{pid}."
+        f"{process_start_time(pid) or 0}.{secrets.token_hex(16)}"
     )
     flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     path = directory / name
