@@ -83,7 +83,8 @@ class Exchange:
         """The link between the call's ranks, opened by the first call that needs it."""
         if self.state.link is None:
             store = dist.distributed_c10d._get_default_store()
-            self.state.link = link.open_link(store, self.job, self.call, self.state)
+            name = f"{self.names['job']}/{self.names['group']}"
+            self.state.link = link.open_link(store, name, self.call, self.state)
         return self.state.link
 
 

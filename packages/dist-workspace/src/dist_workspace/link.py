@@ -43,7 +43,6 @@ import torch
 
 from dist_workspace import protocol
 from dist_workspace.errors import WorkspaceError
-from dist_workspace.jobid import short_tag
 
 logger = logging.getLogger(__name__)
 
@@ -304,16 +303,17 @@ def _store_wait(store: Any, keys: list[str], deadline: float) -> list[str]:
     return keys
 
 
-def open_link(store: Any, job: str, call: protocol.Call, state: LinkState) -> SocketLink:
+def open_link(store: Any, name: str, call: protocol.Call, state: LinkState) -> SocketLink:
     """Opens the link between ``call.ranks`` (see the module's docstring).
+
+    ``name`` (the job's and the ranks' tags) and ``state.attempt`` prefix its store keys.
 
     Raises:
         WorkspaceError: A rank never came, runs another wire version, or could not
             connect; the next call tries again.
     """
     ranks = sorted(call.ranks)
-    prefix = f"dist_workspace/link/{short_tag(job)}/{short_tag(','.join(map(str, ranks)), 16)}"
-    prefix += f"/{state.attempt}"
+    prefix = f"dist_workspace/link/{name}/{state.attempt}"
     family, address = _listen_address(store)
     token = secrets.token_hex(16)
     mine: dict[str, Any] = {"version": protocol.WIRE_VERSION, "token": token}

@@ -59,13 +59,9 @@ def free_bytes(directory: Path) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class SegmentName:
-    """The parts of a segment's name."""
+    """What a segment's name says of its owner and creator (the rest only names it)."""
 
     uid: int
-    job: str
-    group: str
-    seq: int
-    rank: int
     pid: int
     start: int
 
@@ -75,15 +71,7 @@ class SegmentName:
         match = _NAME.match(name)
         if match is None:
             return None
-        return cls(
-            uid=int(match["uid"]),
-            job=match["job"],
-            group=match["group"],
-            seq=int(match["seq"]),
-            rank=int(match["rank"]),
-            pid=int(match["pid"]),
-            start=int(match["start"]),
-        )
+        return cls(uid=int(match["uid"]), pid=int(match["pid"]), start=int(match["start"]))
 
     def creator_alive(self) -> bool:
         """True unless the process that created the segment is proven gone.
