@@ -1,4 +1,5 @@
-"""The link's connections in one process: socket pairs stand for two ranks."""
+"""The link in one process: socket pairs stand for two ranks, an in-process store for the
+opening."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from dist_workspace import protocol
-from dist_workspace.link import Closed, Frame, SocketLink
+from dist_workspace import WorkspaceError, protocol
+from dist_workspace.link import Closed, Frame, LinkState, SocketLink, open_link
 
 HEAD, VERDICT = protocol.HEAD, protocol.VERDICT
 
@@ -106,3 +107,30 @@ def test_a_rank_of_another_wire_version_is_named(pair: tuple[SocketLink, SocketL
     one._peers[0].sendall(raw)
     got = zero.receive([1], HEAD, 0, _soon())[1]
     assert isinstance(got, Closed) and "rank 1 speaks dist-workspace wire version 4" in got.why
+
+
+def test_a_failed_opening_names_who_never_came_to_every_rank_and_the_next_tries_anew() -> None:
+    """The opening's agreement in one process, over an in-process store (no sockets meet)."""
+    store = torch.distributed.HashStore()
+    ranks = (0, 1, 2)
+    receiver_state = LinkState()
+    with pytest.raises(WorkspaceError) as receiver_error:
+        open_link(
+            store, "job/ranks", protocol.Call("get_tensors_parallel", 0, ranks, 0.2), receiver_state
+        )
+    assert "rank(s) [1, 2] never wrote their value (ranks [] did)" in str(receiver_error.value)
+    # Rank 1 comes late to the same opening: it reads the receiver's verdict at once.
+    late_state = LinkState()
+    began = time.monotonic()
+    with pytest.raises(WorkspaceError) as late_error:
+        open_link(
+            store, "job/ranks", protocol.Call("get_tensors_parallel", 1, ranks, 60.0), late_state
+        )
+    assert time.monotonic() - began < 30
+    assert str(late_error.value).startswith(
+        "rank 1: get_tensors_parallel failed on receiver rank 0: get_tensors_parallel: receiver "
+        "rank 0 timed out after 0.2 s: rank(s) [1, 2] never wrote"
+    )
+    # Both try the next opening under keys of their own.
+    assert receiver_state.attempt == late_state.attempt == 1
+    assert receiver_state.link is late_state.link is None
