@@ -64,6 +64,7 @@ nox.options.error_on_missing_interpreters = True
 nox.options.sessions = [
     "tests",
     "integration",
+    "cluster",
     "torch(2.15)",
     "torch(2.11)",
     "lint",
@@ -234,24 +235,38 @@ def _check_provenance(session: nox.Session) -> None:
     session.run("python", "-c", _PROVENANCE_CHECK, str(PACKAGES_DIR), silent=False)
 
 
+def _cpu_seconds() -> float:
+    """CPU time the machine has spent busy (user, system, interrupts) since it booted.
+
+    Read from ``/proc/stat``, so that it counts every process a session started, those
+    its commands never waited for included (a multiprocessing fork server and the ranks
+    it forked, which a child-usage count misses); on a machine running nothing else it
+    is the session's own. Elsewhere, the CPU time of the commands nox waited for.
+    """
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+    except OSError:
+        usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return usage.ru_utime + usage.ru_stime
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(v) for v in fields[:8])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
 def _timed(function: Callable[..., None]) -> Callable[..., None]:
-    """Records the session's wall and CPU time (its commands' user + system) for ``summary``."""
+    """Records the session's wall and CPU time (:func:`_cpu_seconds`) for ``summary``."""
 
     @functools.wraps(function)
     def session_body(session: nox.Session, *args: Any, **kwargs: Any) -> None:
-        started = time.monotonic()
-        used = resource.getrusage(resource.RUSAGE_CHILDREN)
+        started, used = time.monotonic(), _cpu_seconds()
         status = "failed"
         try:
             function(session, *args, **kwargs)
             status = "success"
         finally:
-            ended = resource.getrusage(resource.RUSAGE_CHILDREN)
-            cpu = (ended.ru_utime - used.ru_utime) + (ended.ru_stime - used.ru_stime)
             record = {
                 "session": session.name,
                 "wall": round(time.monotonic() - started, 1),
-                "cpu": round(cpu, 1),
+                "cpu": round(_cpu_seconds() - used, 1),
                 "status": status,
             }
             _TIMINGS.mkdir(parents=True, exist_ok=True)
@@ -265,7 +280,11 @@ def _file_name(session_name: str) -> str:
 
 
 def _pytest(
-    session: nox.Session, *args: str, dist: str = "worksteal", env: dict[str, str] | None = None
+    session: nox.Session,
+    *args: str,
+    dist: str = "worksteal",
+    env: dict[str, str] | None = None,
+    workers: str = TEST_WORKERS,
 ) -> None:
     """Runs pytest with the run's workers, keeping its per-test times for ``summary``.
 
@@ -278,7 +297,7 @@ def _pytest(
     session.run(
         "pytest",
         "-n",
-        TEST_WORKERS,
+        workers,
         "--dist",
         dist,
         f"--junitxml={junit}",
@@ -286,8 +305,20 @@ def _pytest(
         f"junit_suite_name={session.name}",
         *args,
         *session.posargs,
-        env={"PYTHONDONTWRITEBYTECODE": "1", **(env or {})},
+        env={"PYTHONDONTWRITEBYTECODE": "1", **_shared_torch_site(), **(env or {})},
     )
+
+
+def _shared_torch_site() -> dict[str, str]:
+    """``DIST_TEST_TORCH_SITE``: the site-packages of the ``TORCH_SPEC`` template, if made.
+
+    tests-integration's install test makes a venv of its own with that torch; it links
+    this one instead of unpacking it again.
+    """
+    template = ROOT / ".nox" / "_torch" / TORCH_SPEC.replace("==", "-")
+    if not (template / "complete").exists():
+        return {}
+    return {"DIST_TEST_TORCH_SITE": str(_site_packages(template))}
 
 
 @nox.session
@@ -336,6 +367,46 @@ def integration(session: nox.Session) -> None:
     _install_packages(session, PACKAGES, extras="")
     session.install("pytest>=8", "pytest-timeout>=2", "pytest-xdist>=3")
     _pytest(session, str(ROOT / "tests-integration"))
+
+
+# What the real-launcher session installs (Debian), and the programs it needs from them.
+CLUSTER_APT_PACKAGES = ("slurm-wlm", "munge", "openmpi-bin")
+CLUSTER_PROGRAMS = ("munged", "slurmctld", "slurmd", "srun", "sbatch", "scancel", "mpirun")
+
+
+@nox.session
+@_timed
+def cluster(session: nox.Session) -> None:
+    """Real srun, sbatch, scancel and mpirun against a one-host SLURM cluster.
+
+    tests-cluster/ brings the cluster up itself (munged, slurmctld and slurmd as child
+    processes, stopped on every exit path). Needs root: the Debian packages are
+    installed with apt-get when a program is missing. Without root it is skipped, except
+    in CI (``CI`` set), where it fails. Runs once, on ``TORCH_SPEC``.
+    """
+    if os.geteuid() != 0:
+        reason = "needs root (apt-get, and slurmd runs jobs as any user)"
+        if os.environ.get("CI"):
+            session.error(f"nox -s cluster {reason}: CI must run the real launchers")
+        session.skip(reason)
+    path = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])
+    if any(shutil.which(program, path=path) is None for program in CLUSTER_PROGRAMS):
+        apt_env = {"DEBIAN_FRONTEND": "noninteractive"}
+        session.run("apt-get", "update", external=True, env=apt_env)
+        session.run(
+            "apt-get",
+            "install",
+            "-y",
+            "--no-install-recommends",
+            *CLUSTER_APT_PACKAGES,
+            external=True,
+            env=apt_env,
+        )
+    _install_packages(session, ["dist-core", "dist-launch"])
+    session.install("pytest>=8", "pytest-timeout>=2", "pytest-xdist>=3")
+    # Each xdist worker brings up a cluster of its own (three daemons): two are enough
+    # to keep the waiting tests side by side.
+    _pytest(session, str(ROOT / "tests-cluster"), workers="2")
 
 
 @nox.session(name="torch")
@@ -588,9 +659,9 @@ def bench(session: nox.Session) -> None:
 def summary(session: nox.Session) -> None:
     """Where this run's time went: each session's wall and CPU time, the slowest tests.
 
-    The last default session, so that CI's output ends with it. CPU time is the user and
-    system time of the session's commands: far below twice the wall time on 2 cores
-    means the session mostly waited.
+    The last default session, so that CI's output ends with it. CPU time is the time the
+    machine spent busy during the session (:func:`_cpu_seconds`): far below twice the
+    wall time on 2 cores means the session mostly waited.
     """
     records = [json.loads(path.read_text()) for path in sorted(_TIMINGS.glob("*.json"))]
     if not records:
@@ -610,9 +681,11 @@ def summary(session: nox.Session) -> None:
         for suite in ElementTree.parse(junit).iter("testsuite"):
             owner = suite.get("name", junit.stem)
             for case in suite.iter("testcase"):
-                # JUnit's classname is the test file's path with dots: show it as pytest does.
-                path = case.get("classname", "").replace(".", "/")
-                name = f"{path}.py::{case.get('name', '')}"
+                # JUnit's classname is the test file's path with dots, then its class if
+                # any: show it as pytest does.
+                parts = case.get("classname", "").split(".")
+                test_class = [parts.pop()] if parts and parts[-1].startswith("Test") else []
+                name = "::".join(["/".join(parts) + ".py", *test_class, case.get("name", "")])
                 tests.append((float(case.get("time") or 0.0), owner, name))
     tests.sort(reverse=True)
     lines.append("10 slowest tests:")

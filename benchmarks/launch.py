@@ -28,8 +28,19 @@ Hangs (benchmarks/_lib/hang.py):
   first all_reduce, beside torchrun, which waits for the job's gloo timeout (60 s here);
 - ``hang-cost``: the time per step with hang detection off and ``auto``.
 
+Diagnosis (benchmarks/_lib/diagnose.py):
+
+- ``verdict``: 4 ranks, one passing another process group: a hang's onset to the verdict
+  naming it, the records' collection, and torch's own analyser (fr_trace) on the same
+  ranks' dumps;
+- ``recorder-cost``: the time per ~50 ms step with torch's flight recorder, hang
+  detection and the slow-rank report, as ratios to none of them;
+- ``slow-rank``: the reported lag of a rank late by 100, 200 and 400 ms, and a balanced
+  run that must name no rank.
+
 Run: ``python benchmarks/launch.py [--ranks 2 4 8] [--repeat N] [--only PART ...]``
-(``nox -s bench``); the parts are start, crash, netns, rdzv, restart, hang, hang-cost.
+(``nox -s bench``); the parts are start, crash, netns, rdzv, restart, hang, hang-cost,
+verdict, recorder-cost, slow-rank.
 The measurements also go to ``docs/_data/bench/launch.json`` (``--json``), which the docs draw as a
 figure; a run of some parts updates only their keys there.
 """
@@ -69,7 +80,10 @@ dist.barrier()
 """
 
 
-PARTS = ("start", "crash", "netns", "rdzv", "restart", "hang", "hang-cost")
+PARTS = (
+    "start", "crash", "netns", "rdzv", "restart", "hang", "hang-cost",
+    "verdict", "recorder-cost", "slow-rank",
+)  # fmt: skip
 
 
 def _default_rdzv_limit() -> int:
@@ -181,7 +195,7 @@ def main() -> None:
         help="skip rendezvous points with more agents than this "
         "(default: what half the available memory holds at ~120 MiB each)",
     )
-    from _lib import hang, multinode
+    from _lib import diagnose, hang, multinode
     from _lib.results import add_json_argument, write_results
 
     add_json_argument(parser, "launch")
@@ -217,6 +231,12 @@ def main() -> None:
             results.update(hang.hang_part(Path(scratch), env))
         if "hang-cost" in args.only:
             results.update(hang.cost_part(Path(scratch), env))
+        if "verdict" in args.only:
+            results.update(diagnose.verdict_part(Path(scratch), env))
+        if "recorder-cost" in args.only:
+            results.update(diagnose.recorder_cost_part(Path(scratch), env))
+        if "slow-rank" in args.only:
+            results.update(diagnose.slow_rank_part(Path(scratch), env))
     if args.json != "-" and set(args.only) != set(PARTS) and Path(args.json).exists():
         # Some parts only: keep the others' last measurements for the docs' figures.
         kept = json.loads(Path(args.json).read_text())

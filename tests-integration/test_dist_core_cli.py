@@ -32,6 +32,7 @@ def _run(env_overrides: dict[str, str]) -> subprocess.CompletedProcess[str]:
 def test_reports_slurm_environment_and_installed_packages() -> None:
     completed = _run(
         {
+            "SLURM_STEP_ID": "0",
             "SLURM_PROCID": "5",
             "SLURM_NTASKS": "8",
             "SLURM_NODEID": "1",

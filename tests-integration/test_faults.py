@@ -108,9 +108,9 @@ def test_rank_killed_between_exchanges_is_reported_first_at_once(
     # The exchange's own timeout is an hour, the launch's 120 s.
     returncode, output = _launch_three("shm_exchange_killed.py", str(victim), env=env)
     # The peers raise at once (their connection to the dead rank closed), maybe before
-    # the launcher sees the death; still the dead rank is the root cause, and its
-    # signal the launcher's exit status.
-    assert returncode == 128 + signal.SIGKILL, output
+    # the launcher sees the death; still the dead rank is the root cause, and a rank
+    # killed by a signal makes the launcher's exit code INFRASTRUCTURE (137).
+    assert returncode == 137, output
     assert f"rank {victim} (local rank {victim}, node 0) failed first with signal SIGKILL" in (
         output
     ), output

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +23,14 @@ def test_dist_workspace_alone_inspects_the_demo_export(demo_run: Any, tmp_path: 
     venv = tmp_path / "export-tool"
     assert _run([sys.executable, "-m", "venv", str(venv)]).returncode == 0
     python = str(venv / "bin" / "python")
-    # torch first, pinned to the build on this machine's disk (see noxfile.py).
+    # torch first, pinned to the build on this machine's disk (see noxfile.py). Where the
+    # nox run has that build installed already (DIST_TEST_TORCH_SITE, its template's
+    # site-packages), a .pth file makes it this venv's too: pip finds it installed, as
+    # it would after installing it, without unpacking it a second time.
+    shared = os.environ.get("DIST_TEST_TORCH_SITE")
+    if shared:
+        [site] = venv.glob("lib/python*/site-packages")
+        (site / "shared_torch.pth").write_text(shared + "\n")
     installed = _run([python, "-m", "pip", "install", "-q", "torch==2.13.0"])
     assert installed.returncode == 0, installed.stderr
     installed = _run(

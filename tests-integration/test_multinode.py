@@ -9,6 +9,7 @@ wait, bounded, for a line from any node (``Job.wait_for``).
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 import signal
@@ -384,6 +385,8 @@ def test_srun_environment_without_node_flags(
             "SLURM_STEP_NODELIST": nodelist,
             "SLURM_STEP_NUM_NODES": "2",
             "SLURMD_NODENAME": host.name,
+            "SLURM_STEP_ID": "0",
+            "SLURM_STEPID": "0",
             "SLURM_PROCID": str(node_id),
             "SLURM_LOCALID": "0",
             "SLURM_NTASKS": "2",
@@ -447,26 +450,30 @@ def test_restart_budget_is_job_wide(kind: str, failing: str, two_hosts: tuple[Ho
 
 
 def test_hang_on_one_node_names_the_node_and_rank(
-    two_hosts: tuple[Host, Host], dist_launch_job: Job
+    two_hosts: tuple[Host, Host], dist_launch_job: Job, tmp_path: Path
 ) -> None:
     """Rank 3 waits for ever after its first step; every other rank blocks in the next.
 
-    No node's ranks make progress, so both nodes find the hang; the node holding rank 3
-    names itself and rank 3 as the odd one, and both end with the hang's exit status.
+    No node's ranks make progress, so both nodes find the hang (the first raises the
+    alarm on the job board for the other); both collect their ranks' flight records
+    before either stops a worker, exchange them, and give the same verdict over the
+    four ranks: rank 3 never entered the all_reduce the others wait in. Both end with
+    the hang's exit status, and the node holding rank 3 names itself and rank 3.
     """
     first, _ = two_hosts
     job = dist_launch_job
-    flags = [*c10d_flags(first, "2", 2), "--hang-timeout", "8"]
+    flags = [*c10d_flags(first, "2", 2), "--hang-timeout", "8", "--grace-period", "1"]
     for host in two_hosts:
-        job.start(host, flags, {"HANG_RANK": "3", "MAX_STEPS": "1000", "FINISH_FILE": "/none"})
+        log_dir = ["--log-dir", str(tmp_path / host.name), "--run-id", "hang"]
+        job.start(
+            host,
+            [*flags, *log_dir],
+            {"HANG_RANK": "3", "MAX_STEPS": "1000", "FINISH_FILE": "/none"},
+        )
     codes = job.wait_exits()
     (stuck,) = [e for e in job.events("start") if e.rank == 3]
     node = next(n for n in job.nodes if n.host.name == stuck.host)
-    # The node that found the hang exits 75. The other node may see its own rank's
-    # collective break (the hung node's ranks were stopped) before it reads the close,
-    # as on torch 2.11: it then exits 1, its report still naming the hang first.
-    assert node.process.returncode == 75, job.outputs()
-    assert all(code in (1, 75) for code in codes), job.outputs()
+    assert codes == [75, 75], job.outputs()
     for other in job.nodes:
         assert f"first failure: rank 3 on node {stuck.group_rank}" in other.output or (
             other is node
@@ -479,3 +486,19 @@ def test_hang_on_one_node_names_the_node_and_rank(
         r"rank 3 is elsewhere: elastic_steps\.py:\d+ in <module>",
         node.output,
     ), job.outputs()
+    verdicts = []
+    for each in job.nodes:
+        assert re.search(
+            r"dist-launch: hang: rank 3 never entered all_reduce #\d+ on the default group; "
+            r"ranks 0-2 wait in it; rank 3 is at elastic_steps\.py:\d+ in <module>",
+            each.output,
+        ), job.outputs()
+        (path,) = (tmp_path / each.host.name).glob("hang/attempt_0/hang.json")
+        hang = json.loads(path.read_text())
+        assert sorted(hang["ranks"]) == ["0", "1", "2", "3"], hang
+        assert (hang["waiting"], hang["behind"], hang["unknown"]) == ([0, 1, 2], [3], [])
+        assert {hang["ranks"][r]["host"] for r in ("0", "1", "2", "3")} == {
+            n.host.name for n in job.nodes
+        }
+        verdicts.append(hang["collective"])
+    assert verdicts[0] == verdicts[1] and verdicts[0]["op"] == "all_reduce", verdicts

@@ -48,10 +48,13 @@ if attempt == 0:
 STEPS = """\
 import sys, time, torch, torch.distributed as dist
 dist.init_process_group("gloo")
-a = torch.randn(256, 256) / 16
+# argv: steps, matmuls per step (default 8), matrix size (default 256)
+matmuls = int(sys.argv[2]) if len(sys.argv) > 2 else 8
+size = int(sys.argv[3]) if len(sys.argv) > 3 else 256
+a = torch.randn(size, size) / (size ** 0.5)
 def step():
     b = a
-    for _ in range(8):
+    for _ in range(matmuls):
         b = torch.tanh(b @ a)
     t = b.sum().reshape(1)
     dist.all_reduce(t)
@@ -131,6 +134,29 @@ def hang_part(scratch: Path, env: dict[str, str], ranks: int = 4) -> dict[str, o
     }
 
 
+def best_step_times(
+    commands: dict[str, list[str]], envs: dict[str, dict[str, str]], repeat: int
+) -> tuple[dict[str, float], dict[str, float]]:
+    """The best wall and main-thread CPU seconds per step of each command (STEPS' output).
+
+    The commands run interleaved, ``repeat`` rounds, so that a busy spell hits them all.
+    """
+    best: dict[str, float] = {}
+    best_cpu: dict[str, float] = {}
+    for _ in range(repeat):
+        for name, argv in commands.items():
+            status, lines = _timed_lines(argv, envs[name])
+            output = "".join(line for _, line in lines)
+            if status != 0:
+                raise LaunchFailed(f"{argv} failed:\n{output[-2000:]}")
+            rows = [line.split()[-2:] for _, line in lines if "step_s rank=" in line]
+            wall = max(float(row[0]) for row in rows)
+            cpu = max(float(row[1]) for row in rows)
+            best[name] = min(best.get(name, wall), wall)
+            best_cpu[name] = min(best_cpu.get(name, cpu), cpu)
+    return best, best_cpu
+
+
 def cost_part(scratch: Path, env: dict[str, str], steps: int = 300) -> dict[str, object]:
     """The time per step with hang detection off and auto."""
     print(f"\nhang detector's cost, 2 ranks, {steps} steps of eight 256x256 matmuls and an "
@@ -138,21 +164,12 @@ def cost_part(scratch: Path, env: dict[str, str], steps: int = 300) -> dict[str,
     script = scratch / "steps.py"
     script.write_text(STEPS)
     settings = ("off", "auto")
-    best: dict[str, float] = {}
-    best_cpu: dict[str, float] = {}
-    for _ in range(REPEAT):
-        for setting in settings:  # interleaved, so that a busy spell hits all of them
-            argv = [*launcher("dist-launch"), "-n", "2", "--hang-timeout", setting,
-                    str(script), str(steps)]  # fmt: skip
-            status, lines = _timed_lines(argv, env)
-            output = "".join(line for _, line in lines)
-            if status != 0:
-                raise LaunchFailed(f"{argv} failed:\n{output[-2000:]}")
-            rows = [line.split()[-2:] for _, line in lines if "step_s rank=" in line]
-            wall = max(float(row[0]) for row in rows)
-            cpu = max(float(row[1]) for row in rows)
-            best[setting] = min(best.get(setting, wall), wall)
-            best_cpu[setting] = min(best_cpu.get(setting, cpu), cpu)
+    best, best_cpu = best_step_times(
+        {s: [*launcher("dist-launch"), "-n", "2", "--hang-timeout", s, str(script), str(steps)]
+         for s in settings},
+        {s: env for s in settings},
+        REPEAT,
+    )  # fmt: skip
     cost = {s: round(100 * (best[s] / best["off"] - 1), 2) for s in settings[1:]}
     cost_cpu = {s: round(100 * (best_cpu[s] / best_cpu["off"] - 1), 2) for s in settings[1:]}
     for name, values, percent in (("wall", best, cost), ("main thread CPU", best_cpu, cost_cpu)):

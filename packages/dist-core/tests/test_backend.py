@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 import dist_core
 from dist_core import DistEnvError
-from dist_core.backend import choose_backend
+from dist_core.backend import choose_backend, env_rendezvous_variables
 from dist_core.devices import accelerator_device_count, accelerator_type, cuda_device_count
 from dist_core.testing import run_ranks
 
@@ -161,6 +161,42 @@ def test_single_process_init_and_destroy(monkeypatch: pytest.MonkeyPatch) -> Non
         finally:
             dist_core.destroy_dist()
         assert not dist_core.is_initialized()
+
+
+def test_env_rendezvous_variables_fill_only_what_the_launcher_left_out() -> None:
+    env = dist_core.DistEnv(rank=1, world_size=2, master_addr="node-07", master_port=12345)
+    assert env_rendezvous_variables(env, {}) == {
+        "MASTER_ADDR": "node-07",
+        "MASTER_PORT": "12345",
+    }
+    assert env_rendezvous_variables(env, {"MASTER_ADDR": "other"}) == {"MASTER_PORT": "12345"}
+    assert env_rendezvous_variables(env, {"MASTER_ADDR": "a", "MASTER_PORT": "1"}) == {}
+
+
+def test_srun_task_without_master_addr_forms_its_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    # What srun -n1 gives a task: no MASTER_ADDR, which torch's env:// needs (issue 32, bug 1).
+    _clear_rank_variables(monkeypatch)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "INIT_METHOD"):
+        monkeypatch.delenv(name, raising=False)
+    slurm = {
+        "SLURM_JOB_ID": "77",
+        "SLURM_STEP_ID": "0",
+        "SLURM_PROCID": "0",
+        "SLURM_LOCALID": "0",
+        "SLURM_NODEID": "0",
+        "SLURM_NTASKS": "1",
+        "SLURM_JOB_NODELIST": "localhost",
+        # The derived port could be taken on a shared machine; the address is the point.
+        "MASTER_PORT": str(dist_core.get_unused_port()),
+    }
+    for name, value in slurm.items():
+        monkeypatch.setenv(name, value)
+    dist_core.init_process_group_from_backend(backend="gloo")
+    try:
+        assert dist_core.get_world_size() == 1
+        assert os.environ["MASTER_ADDR"] == "localhost"
+    finally:
+        dist_core.destroy_dist()
 
 
 def _clear_rank_variables(monkeypatch: pytest.MonkeyPatch) -> None:

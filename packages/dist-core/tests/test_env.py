@@ -6,6 +6,7 @@ import pytest
 
 import dist_core
 from dist_core import DistEnv, DistEnvError
+from dist_core.openmpi import openmpi_master_port
 from dist_core.slurm import expand_hostlist, parse_tasks_per_node
 
 TORCHRUN = {
@@ -17,7 +18,10 @@ TORCHRUN = {
     "MASTER_ADDR": "node0",
     "MASTER_PORT": "29400",
 }
+# Every task of a job step has a step id; a batch script has none.
+STEP = {"SLURM_STEP_ID": "0"}
 SLURM = {
+    **STEP,
     "SLURM_PROCID": "6",
     "SLURM_LOCALID": "2",
     "SLURM_NODEID": "1",
@@ -32,6 +36,25 @@ OPENMPI = {
     "OMPI_COMM_WORLD_LOCAL_RANK": "3",
     "OMPI_COMM_WORLD_LOCAL_SIZE": "4",
 }
+
+
+def test_two_mpirun_jobs_on_one_host_get_different_ports() -> None:
+    # OMPI_MCA_ess_base_jobid as Open MPI 4.1 set it for three mpirun jobs here.
+    ports = {
+        DistEnv.from_environ({**OPENMPI, "OMPI_MCA_ess_base_jobid": jobid}).master_port
+        for jobid in ("1029636097", "1048969217", "1048444929")
+    }
+    assert len(ports) == 3 and all(12000 <= port < 32000 for port in ports)
+    namespaced = {**OPENMPI, "PMIX_NAMESPACE": "prterun-vm-4242@1"}
+    assert DistEnv.from_environ(namespaced).master_port == openmpi_master_port(namespaced)
+    assert openmpi_master_port({**namespaced, "PMIX_NAMESPACE": "prterun-vm-4243@1"}) != (
+        openmpi_master_port(namespaced)
+    )
+    given = {**OPENMPI, "OMPI_MCA_ess_base_jobid": "1029636097", "MASTER_PORT": "2345"}
+    assert DistEnv.from_environ(given).master_port == 2345
+    assert DistEnv.from_environ(OPENMPI).master_port == 29500  # nothing to derive it from
+    with pytest.raises(DistEnvError, match="OMPI_MCA_ess_base_jobid=x"):
+        DistEnv.from_environ({**OPENMPI, "OMPI_MCA_ess_base_jobid": "x"})
 
 
 def test_nothing_set_is_rank_zero_of_one() -> None:
@@ -54,6 +77,15 @@ def test_torchrun_node_rank_and_defaults() -> None:
     assert (env.local_rank, env.node_rank) == (1, 1)
     env = DistEnv.from_environ({"RANK": "3", "WORLD_SIZE": "4", "NODE_RANK": "7"})
     assert env.node_rank == 7
+
+
+def test_a_batch_script_is_not_a_task_of_the_job() -> None:
+    # SLURM 22.05 gives the batch script of `sbatch --ntasks=4` these, and no step id.
+    batch = {k: v for k, v in SLURM.items() if k != "SLURM_STEP_ID"}
+    batch.update({"SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0"})
+    env = DistEnv.from_environ(batch)
+    assert (env.rank, env.world_size, env.source) == (0, 1, "default")
+    assert DistEnv.from_environ({**batch, "SLURM_STEPID": "3"}).source == "slurm"
 
 
 def test_composer_single_variable_world_of_one() -> None:
@@ -120,7 +152,8 @@ def test_openmpi_multi_node_needs_master() -> None:
         ((TORCHRUN, SLURM, OPENMPI), "torchrun"),
         ((TORCHRUN, SLURM), "torchrun"),
         ((TORCHRUN, OPENMPI), "torchrun"),
-        ((SLURM, OPENMPI), "slurm"),
+        # mpirun inside a SLURM step: every rank has the step's SLURM_PROCID.
+        ((SLURM, OPENMPI), "openmpi"),
     ],
 )
 def test_precedence_when_several_sources_are_set(
@@ -166,14 +199,15 @@ def test_master_variables_alone_do_not_make_a_torchrun_job() -> None:
         ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "http"}, "MASTER_PORT=http"),
         ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "70000"}, "MASTER_PORT=70000"),
         ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "two words"}, "MASTER_ADDR=two words"),
-        ({"SLURM_PROCID": "4", "SLURM_NTASKS": "4"}, "SLURM_PROCID=4 with SLURM_NTASKS=4"),
-        ({"SLURM_PROCID": "a", "SLURM_NTASKS": "4"}, "SLURM_PROCID=a"),
+        ({**STEP, "SLURM_PROCID": "4", "SLURM_NTASKS": "4"}, "SLURM_PROCID=4 with SLURM_NTASKS=4"),
+        ({**STEP, "SLURM_PROCID": "a", "SLURM_NTASKS": "4"}, "SLURM_PROCID=a"),
         (
-            {"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_TASKS_PER_NODE": "4(y2)"},
+            {**STEP, "SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_TASKS_PER_NODE": "4(y2)"},
             "SLURM_TASKS_PER_NODE=4(y2)",
         ),
         (
             {
+                **STEP,
                 "SLURM_PROCID": "0",
                 "SLURM_NTASKS": "4",
                 "SLURM_NODEID": "3",
@@ -182,12 +216,16 @@ def test_master_variables_alone_do_not_make_a_torchrun_job() -> None:
             "SLURM_NODEID=3 with SLURM_TASKS_PER_NODE=2(x2)",
         ),
         (
-            {"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_JOB_NODELIST": "gpu[01-"},
+            {**STEP, "SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_JOB_NODELIST": "gpu[01-"},
             "SLURM_JOB_NODELIST=gpu[01-",
         ),
-        ({"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_JOB_ID": "j1"}, "SLURM_JOB_ID=j1"),
+        (
+            {**STEP, "SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_JOB_ID": "j1"},
+            "SLURM_JOB_ID=j1",
+        ),
         (
             {
+                **STEP,
                 "SLURM_PROCID": "0",
                 "SLURM_NTASKS": "4",
                 "SLURM_LOCALID": "9",
@@ -273,7 +311,24 @@ def test_parse_tasks_per_node(value: str, counts: list[int]) -> None:
 
 
 @pytest.mark.parametrize("job_id", [0, 4242, 19999, 20000, 987654321])
-def test_slurm_master_port_stays_below_the_ephemeral_range(job_id: int) -> None:
-    port = dist_core.slurm_master_port(job_id)
+@pytest.mark.parametrize("step_id", [None, 0, 1, 7, 4294967294])
+def test_slurm_master_port_stays_below_the_ephemeral_range(
+    job_id: int, step_id: int | None
+) -> None:
+    port = dist_core.slurm_master_port(job_id, step_id)
     assert 12000 <= port < 32768
-    assert port == dist_core.slurm_master_port(job_id + 20000)
+    assert port == dist_core.slurm_master_port(job_id + 20000, step_id)
+
+
+def test_steps_of_one_job_never_share_a_master_port() -> None:
+    # Concurrent steps of one allocation (srun --exact ... &) each host a store.
+    ports = {dist_core.slurm_master_port(4242, step) for step in range(20000)}
+    assert len(ports) == 20000
+    assert dist_core.slurm_master_port(4242, 0) == dist_core.slurm_master_port(4242)
+
+
+def test_a_steps_master_port_names_its_step() -> None:
+    env = DistEnv.from_environ({**SLURM, "SLURM_STEP_ID": "2"})
+    assert env.master_port == dist_core.slurm_master_port(4242, 2)
+    with pytest.raises(DistEnvError, match="SLURM_STEP_ID=x"):
+        DistEnv.from_environ({**SLURM, "SLURM_STEP_ID": "x"})

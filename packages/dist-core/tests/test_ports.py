@@ -26,6 +26,9 @@ sys.stdin.readline()  # hold the reservation until every caller has answered
 def test_port_is_bindable_right_away() -> None:
     port = dist_core.get_unused_port()
     with socket.socket() as server:
+        # As torch's TCPStore binds: a port another test left in TIME_WAIT is free for
+        # the store (port_is_free says so), but not for a bind without SO_REUSEADDR.
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         server.bind(("127.0.0.1", port))
         server.listen()
     release_port(port)

@@ -7,6 +7,7 @@ armed.
 
 from __future__ import annotations
 
+import logging
 import os
 import select
 import signal
@@ -20,7 +21,14 @@ from pathlib import Path
 import pytest
 
 from dist_core.rank_files import ErrorRecord, RankFiles
-from dist_core.supervisor import PopenWorker, RankOutcome, Supervisor, pick_root_cause
+from dist_core.supervisor import (
+    SIGNAL_RACE_SECONDS,
+    PopenWorker,
+    RankOutcome,
+    Supervisor,
+    catches_signal,
+    pick_root_cause,
+)
 
 WORKER = textwrap.dedent(
     """
@@ -49,6 +57,22 @@ WORKER = textwrap.dedent(
             os._exit(130)
         signal.signal(signal.SIGINT, note)
         parked_in_python()
+    elif mode in ("checkpoint", "checkpoint-grandchild"):
+        # Notes each SIGTERM and SIGUSR1; after the first SIGTERM, a 1 s "checkpoint".
+        got = Path(run_dir, f"rank{rank}.got")
+        def note(signum, frame):
+            with got.open("a") as file:
+                file.write(signal.Signals(signum).name + "\\n")
+        signal.signal(signal.SIGTERM, note)
+        signal.signal(signal.SIGUSR1, note)
+        if mode == "checkpoint-grandchild":
+            child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+            print(child.pid, flush=True)
+        print("ready", flush=True)
+        while "SIGTERM" not in (got.read_text() if got.exists() else ""):
+            time.sleep(0.01)
+        time.sleep(1.0)
+        sys.exit(0)
     elif mode == "fail":
         try:
             raise ValueError(f"rank {rank} failed on purpose")
@@ -224,6 +248,117 @@ def test_a_closed_supervisor_takes_no_worker(workers: Workers) -> None:
         other.add(worker)
 
 
+def _got(workers: Workers, rank: int) -> list[str]:
+    path = workers.run_dir / f"rank{rank}.got"
+    return path.read_text().split() if path.exists() else []
+
+
+@pytest.mark.processes
+def test_a_stop_signal_that_reached_every_rank_is_not_sent_again(workers: Workers) -> None:
+    # As scancel does: every process of the job gets SIGTERM, the caller too.
+    with Supervisor(grace_period=30.0) as supervisor:
+        started = [workers.start(rank, "checkpoint", supervisor) for rank in range(2)]
+        assert [read_line(worker) for worker in started] == ["ready", "ready"]
+        assert supervisor.notify(signal.SIGUSR1) == [0, 1]  # a notification: nothing stops
+        for worker in started:
+            os.kill(worker.popen.pid, signal.SIGTERM)
+        supervisor.interrupt(signal.SIGTERM, take_stacks=False, delivered=True)
+        supervisor.interrupt(signal.SIGTERM)  # SLURM's second copy at a time limit
+        outcome = supervisor.run()
+    assert (outcome.status, outcome.signum) == ("interrupted", signal.SIGTERM)
+    # Each finished its checkpoint and exited 0 within the grace period.
+    assert [(rank.status, rank.returncode) for rank in outcome.ranks] == [("succeeded", 0)] * 2
+    assert [_got(workers, rank) for rank in range(2)] == [["SIGUSR1", "SIGTERM"]] * 2
+
+
+@pytest.mark.processes
+def test_a_stop_reaches_the_rank_alone_and_what_it_left_dies_with_the_block(
+    workers: Workers, alive: Callable[[int], bool]
+) -> None:
+    with Supervisor(grace_period=30.0) as supervisor:
+        worker = workers.start(0, "checkpoint-grandchild", supervisor)
+        grandchild = int(read_line(worker))
+        assert read_line(worker) == "ready"
+        supervisor.interrupt(signal.SIGTERM, take_stacks=False)
+        outcome = supervisor.run()
+        # The rank ended on its own after its checkpoint; its child got no SIGTERM.
+        assert outcome.ranks[0].returncode == 0
+        assert alive(grandchild)
+    deadline = time.monotonic() + 30
+    while alive(grandchild) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive(grandchild), "the rank's process group was not swept"
+
+
+def fake_group(tmp_path: Path, ranks: int) -> tuple[list[FakeWorker], Supervisor]:
+    """``ranks`` fake workers in a supervisor with a long grace period."""
+    fakes = [FakeWorker(rank) for rank in range(ranks)]
+    files = {rank: RankFiles.for_rank(tmp_path, rank) for rank in range(ranks)}
+    return fakes, Supervisor(fakes, files, grace_period=60.0)
+
+
+def test_a_rank_the_schedulers_signal_reached_first_was_stopped_not_failed(
+    tmp_path: Path,
+) -> None:
+    fakes, group = fake_group(tmp_path, 2)
+    with group as supervisor:
+        fakes[0].code = -signal.SIGTERM  # no handler: dead before our copy arrived
+        supervisor.advance()
+        assert not supervisor.finished and supervisor.outcomes[1].stop_signal is None
+        supervisor.interrupt(signal.SIGTERM, take_stacks=False, delivered=True)
+        supervisor.advance()
+        fakes[1].code = -signal.SIGTERM
+        supervisor.advance()
+        outcome = supervisor.outcome()
+    assert (outcome.status, outcome.root_cause) == ("interrupted", None)
+    assert [rank.status for rank in outcome.ranks] == ["stopped", "stopped"]
+
+
+def test_a_rank_killed_by_sigterm_alone_is_still_a_failure_after_a_moment(
+    tmp_path: Path,
+) -> None:
+    fakes, group = fake_group(tmp_path, 2)
+    with group as supervisor:
+        fakes[0].code = -signal.SIGTERM
+        supervisor.advance(time.monotonic())
+        assert supervisor.outcomes[1].stop_signal is None  # waits for the caller's copy
+        supervisor.advance(time.monotonic() + SIGNAL_RACE_SECONDS)
+        assert supervisor.outcomes[1].stop_signal == signal.SIGTERM  # none came: failed
+        fakes[1].code = -signal.SIGTERM
+        supervisor.advance()
+        outcome = supervisor.outcome()
+    assert outcome.status == "failed" and outcome.root_cause is outcome.ranks[0]
+
+
+def test_only_a_second_sigint_cuts_the_grace_period(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    fakes, group = fake_group(tmp_path, 1)
+    with group as supervisor:
+        supervisor.interrupt(signal.SIGTERM, take_stacks=False)
+        supervisor.advance()
+        with caplog.at_level(logging.INFO, logger="dist_core.supervisor"):
+            supervisor.interrupt(signal.SIGTERM)
+            supervisor.interrupt(signal.SIGHUP)
+            supervisor.advance()
+            assert "grace period over" not in caplog.text
+            assert "SIGTERM again: still within the grace period" in caplog.text
+            supervisor.interrupt(signal.SIGINT)
+            supervisor.advance()
+            assert "grace period over: SIGKILL" in caplog.text
+        fakes[0].code = -signal.SIGKILL
+        supervisor.advance()
+
+
+def test_catches_signal_reads_sigcgt() -> None:
+    status = "Name:\tpython3\nSigBlk:\t0000000000000000\nSigCgt:\t0000000180004202\n"
+    # 0x4202: bits 1, 9, 14 -> SIGINT (2), SIGUSR1 (10), SIGTERM (15).
+    assert catches_signal(status, signal.SIGTERM) and catches_signal(status, signal.SIGINT)
+    assert catches_signal(status, signal.SIGUSR1)
+    assert not catches_signal(status, signal.SIGHUP)
+    assert not catches_signal("Name:\tx\n", signal.SIGTERM)
+
+
 def _failed(rank: int, when: float, text: str) -> RankOutcome:
     record = ErrorRecord(rank, when, "RuntimeError", text, text, 1)
     return RankOutcome(rank, rank, 0, status="failed", returncode=1, record=record)
@@ -236,3 +371,72 @@ def test_root_cause_prefers_the_first_failure_that_is_not_a_peer_vanishing() -> 
     assert pick_root_cause([peer, real, later]) is real
     assert pick_root_cause([peer]) is peer
     assert pick_root_cause([RankOutcome(0, 0, 0, status="succeeded", returncode=0)]) is None
+
+
+class FakeWorker:
+    """A worker whose exit the test decides: no process (the fast lane)."""
+
+    own_process_group = False
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.local_rank = rank
+        self.node_rank = 0
+        self.code: int | None = None
+        self.signals: list[int] = []
+
+    @property
+    def pid(self) -> int | None:
+        return None  # nothing to signal: the supervisor skips it
+
+    def returncode(self) -> int | None:
+        return self.code
+
+    def exit_fd(self) -> int | None:
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+def test_advance_steps_the_group_without_waiting(tmp_path: Path) -> None:
+    fakes = [FakeWorker(0), FakeWorker(1)]
+    files = {rank: RankFiles.for_rank(tmp_path, rank) for rank in range(2)}
+    with Supervisor(fakes, files, grace_period=1.0) as supervisor:
+        timer_calls: list[float] = []
+        supervisor.add_timer(lambda now: timer_calls.append(now) or now + 7.0)
+        started = time.monotonic()
+        wake_at = supervisor.advance()
+        assert not supervisor.finished
+        # Workers without an exit descriptor are polled, sooner than the timer asks.
+        assert wake_at is not None and started < wake_at < started + 1.0
+        assert len(timer_calls) == 1
+        with pytest.raises(RuntimeError, match="has not finished"):
+            supervisor.outcome()
+        fakes[0].code = 0
+        supervisor.advance()
+        assert not supervisor.finished
+        fakes[1].code = 0
+        assert supervisor.advance() is None
+        assert supervisor.finished
+        outcome = supervisor.outcome()
+        assert time.monotonic() - started < 1.0  # nothing waited
+    assert outcome.status == "succeeded"
+    assert [rank.status for rank in outcome.ranks] == ["succeeded", "succeeded"]
+    assert supervisor.run() is outcome  # run() after the end returns the same outcome
+
+
+def test_advance_reports_a_failure_and_an_interrupt_without_stacks(tmp_path: Path) -> None:
+    fakes = [FakeWorker(0), FakeWorker(1)]
+    files = {rank: RankFiles.for_rank(tmp_path, rank) for rank in range(2)}
+    with Supervisor(fakes, files, grace_period=60.0) as supervisor:
+        supervisor.interrupt(signal.SIGTERM, take_stacks=False)
+        supervisor.advance()
+        assert [rank.stop_signal for rank in supervisor.outcomes] == [signal.SIGTERM] * 2
+        fakes[0].code = -signal.SIGTERM
+        fakes[1].code = 3
+        supervisor.advance()
+        outcome = supervisor.outcome()
+    assert (outcome.status, outcome.signum) == ("interrupted", signal.SIGTERM)
+    assert [rank.status for rank in outcome.ranks] == ["stopped", "stopped"]
+    assert all(rank.live_stack == "" for rank in outcome.ranks)

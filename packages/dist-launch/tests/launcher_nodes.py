@@ -15,9 +15,14 @@ LAUNCH = [sys.executable, "-m", "dist_launch"]
 
 
 def run_nodes(
-    argvs: list[list[str]], cwd: Path, timeout: float
+    argvs: list[list[str]],
+    cwd: Path,
+    timeout: float,
+    envs: list[dict[str, str]] | None = None,
 ) -> tuple[list[subprocess.Popen[str]], list[tuple[str, str]]]:
     """Starts ``dist_launch`` once per argument list; waits for all.
+
+    ``envs``, when given, holds each launcher's environment (by default this process's).
 
     Returns:
         The launchers (for their return codes) and, in the same order, each one's
@@ -28,9 +33,14 @@ def run_nodes(
     """
     nodes = [
         subprocess.Popen(
-            [*LAUNCH, *argv], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            [*LAUNCH, *argv],
+            cwd=cwd,
+            env=None if envs is None else envs[index],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
-        for argv in argvs
+        for index, argv in enumerate(argvs)
     ]
     try:
         return nodes, [node.communicate(timeout=timeout) for node in nodes]

@@ -4,40 +4,28 @@ from __future__ import annotations
 
 import os
 import re
-import select
 import signal
 import socket
 import subprocess
 import textwrap
 import time
 from pathlib import Path
-from typing import IO
 
 import pytest
 from launcher_nodes import LAUNCH, run_nodes
+from launcher_scripts import (
+    TORCHRUN_SCRIPT,
+    WAITING_SCRIPT,
+    read_ready_pids,
+    read_until,
+    write_script,
+)
 from launcher_signals import default_signal_handling
 
 from dist_core.ports import get_unused_port
 
 pytestmark = [pytest.mark.processes, pytest.mark.timeout(240)]
 
-
-TORCHRUN_SCRIPT = """\
-import os
-import torch
-import torch.distributed as dist
-
-dist.init_process_group("gloo")  # env://, as under torchrun
-value = torch.tensor([float(dist.get_rank())])
-dist.all_reduce(value)
-names = ["RANK", "LOCAL_RANK", "GROUP_RANK", "NODE_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
-         "ROLE_RANK", "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-         "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS",
-         "OMP_NUM_THREADS"]
-print("env", " ".join(f"{name}={os.environ.get(name, '<unset>')}" for name in names))
-print("sum", int(value.item()), "world", dist.get_world_size(), "argv", os.sys.argv[1:])
-dist.destroy_process_group()
-"""
 
 # Rank BAD fails in the way named by argv[1]; the other ranks block in a barrier.
 FAILING_SCRIPT = """\
@@ -60,17 +48,6 @@ if dist.get_rank() == bad:
 dist.barrier()
 """
 
-# Each rank prints its pid, then waits (bounded) for the file named by argv[1].
-WAITING_SCRIPT = """\
-import os, sys, time
-
-print("ready", os.getpid(), flush=True)
-deadline = time.monotonic() + 120
-while not os.path.exists(sys.argv[1]) and time.monotonic() < deadline:
-    time.sleep(0.05)
-print("done", flush=True)
-"""
-
 
 # Each rank prints its pid and blocks opening the FIFO argv[1] on the same line: wherever
 # a stack dump finds it after "ready", its innermost Python frame is that one line.
@@ -80,55 +57,14 @@ print("ready", os.getpid(), flush=True); open(sys.argv[1]).read(); print("done",
 """
 
 
-def _script(tmp_path: Path, name: str, text: str) -> str:
-    path = tmp_path / name
-    path.write_text(text)
-    return str(path)
-
-
 def _launch(*args: str, cwd: Path, timeout: float = 150) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [*LAUNCH, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, check=False
     )
 
 
-def _read_ready_pids(
-    process: subprocess.Popen[bytes], count: int, timeout: float = 90
-) -> list[int]:
-    """Reads the launcher's stdout until ``count`` ranks said ``ready PID``."""
-    assert process.stdout is not None
-    fd = process.stdout.fileno()
-    seen = b""
-    deadline = time.monotonic() + timeout
-    while True:
-        pids = [int(pid) for pid in re.findall(rb"\[rank\d+\]: ready (\d+)\n", seen)]
-        if len(pids) >= count:
-            return pids
-        remaining = deadline - time.monotonic()
-        assert remaining > 0, f"ranks did not start in time; output so far:\n{seen!r}"
-        ready, _, _ = select.select([fd], [], [], remaining)
-        if ready:
-            chunk = os.read(fd, 65536)
-            assert chunk, f"launcher ended early (status {process.wait()}): {seen!r}"
-            seen += chunk
-
-
-def _read_until(stream: IO[bytes] | None, text: bytes, count: int = 1) -> bytes:
-    """Reads ``stream`` until ``text`` appeared ``count`` times (bounded); what was read."""
-    assert stream is not None
-    seen = b""
-    deadline = time.monotonic() + 60
-    while seen.count(text) < count:
-        assert time.monotonic() < deadline, seen
-        if select.select([stream], [], [], 1.0)[0]:
-            chunk = os.read(stream.fileno(), 65536)
-            assert chunk, seen
-            seen += chunk
-    return seen
-
-
 def _wait_for_output(process: subprocess.Popen[bytes], text: bytes, count: int) -> None:
-    _read_until(process.stdout, text, count)
+    read_until(process.stdout, text, count)
 
 
 def _alive(pid: int) -> bool:
@@ -151,7 +87,7 @@ def _wait_until_gone(pids: list[int], timeout: float = 20) -> list[int]:
 
 
 def test_unmodified_torchrun_script_runs(tmp_path: Path) -> None:
-    script = _script(tmp_path, "train.py", TORCHRUN_SCRIPT)
+    script = write_script(tmp_path, "train.py", TORCHRUN_SCRIPT)
     logs = tmp_path / "logs"
     result = _launch(
         "-n", "2", "--log-dir", str(logs), "--run-id", "r1", script, "--lr", "0.1", cwd=tmp_path
@@ -198,17 +134,18 @@ def test_module_target_and_python_dash_m(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("mode", "status", "shown"),
     [
+        # The launcher's code is the class (dist_launch.ExitCode), the report the rank's.
         ("raise", 1, "RuntimeError: deliberate failure on rank 1"),
-        ("exit", 3, "SystemExit: 3"),
-        ("_exit", 7, "exit code 7"),
-        ("sigkill", 128 + signal.SIGKILL, "signal SIGKILL"),
-        ("segfault", 128 + signal.SIGSEGV, "string_at"),
+        ("exit", 1, "SystemExit: 3"),
+        ("_exit", 1, "exit code 7"),
+        ("sigkill", 137, "signal SIGKILL"),
+        ("segfault", 137, "string_at"),
     ],
 )
 def test_failing_rank_stops_the_others_and_comes_first(
     tmp_path: Path, mode: str, status: int, shown: str
 ) -> None:
-    script = _script(tmp_path, "fail.py", FAILING_SCRIPT)
+    script = write_script(tmp_path, "fail.py", FAILING_SCRIPT)
     result = _launch("-n", "3", "--grace-period", "2", script, mode, "1", cwd=tmp_path)
     assert result.returncode == status, result.stderr
     report = result.stderr[result.stderr.index("dist-launch: rank") :]
@@ -221,14 +158,14 @@ def test_failing_rank_stops_the_others_and_comes_first(
 def test_root_cause_through_the_cli(tmp_path: Path) -> None:
     """Rank 2 fails; the others fail after it, because of it. (The library test repeats
     this ten times; both go through the same supervisor.)"""
-    script = _script(tmp_path, "fail.py", FAILING_SCRIPT)
+    script = write_script(tmp_path, "fail.py", FAILING_SCRIPT)
     result = _launch("-n", "3", script, "raise", "2", cwd=tmp_path)
     assert "dist-launch: rank 2 (local rank 2, node 0) failed first" in result.stderr
 
 
 @pytest.mark.parametrize("method", ["forkserver", "spawn"])
 def test_no_worker_outlives_a_sigkilled_launcher(tmp_path: Path, method: str) -> None:
-    script = _script(tmp_path, "wait.py", WAITING_SCRIPT)
+    script = write_script(tmp_path, "wait.py", WAITING_SCRIPT)
     launcher = subprocess.Popen(
         [*LAUNCH, "-n", "2", "--start-method", method, script, str(tmp_path / "never")],
         cwd=tmp_path,
@@ -236,7 +173,7 @@ def test_no_worker_outlives_a_sigkilled_launcher(tmp_path: Path, method: str) ->
         stderr=subprocess.DEVNULL,
     )
     try:
-        pids = _read_ready_pids(launcher, 2)
+        pids = read_ready_pids(launcher, 2)
         launcher.kill()
         launcher.wait(30)
         assert _wait_until_gone(pids) == [], "workers survived the launcher's SIGKILL"
@@ -247,7 +184,7 @@ def test_no_worker_outlives_a_sigkilled_launcher(tmp_path: Path, method: str) ->
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_signal_stops_every_rank_and_says_where_each_was(tmp_path: Path, signum: int) -> None:
-    script = _script(tmp_path, "wait.py", WAITING_SCRIPT)
+    script = write_script(tmp_path, "wait.py", WAITING_SCRIPT)
     launcher = subprocess.Popen(
         [*LAUNCH, "-n", "2", script, str(tmp_path / "never")],
         cwd=tmp_path,
@@ -256,7 +193,7 @@ def test_signal_stops_every_rank_and_says_where_each_was(tmp_path: Path, signum:
         preexec_fn=default_signal_handling,
     )
     try:
-        pids = _read_ready_pids(launcher, 2)
+        pids = read_ready_pids(launcher, 2)
         launcher.send_signal(signum)
         _, raw_stderr = launcher.communicate(timeout=60)
         stderr = raw_stderr.decode()
@@ -286,7 +223,7 @@ def test_signal_stops_every_rank_and_says_where_each_was(tmp_path: Path, signum:
 
 def test_ignored_sighup_stays_ignored(tmp_path: Path) -> None:
     """As under nohup: SIGHUP ignored at start is ignored by the launcher and the ranks."""
-    script = _script(tmp_path, "wait.py", WAITING_SCRIPT)
+    script = write_script(tmp_path, "wait.py", WAITING_SCRIPT)
     go = tmp_path / "go"
     launcher = subprocess.Popen(
         [*LAUNCH, "-n", "2", "--start-method", "spawn", script, str(go)],
@@ -296,7 +233,7 @@ def test_ignored_sighup_stays_ignored(tmp_path: Path) -> None:
         preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN),
     )
     try:
-        pids = _read_ready_pids(launcher, 2)
+        pids = read_ready_pids(launcher, 2)
         for pid in [launcher.pid, *pids]:
             os.kill(pid, signal.SIGHUP)
         go.touch()
@@ -309,7 +246,7 @@ def test_ignored_sighup_stays_ignored(tmp_path: Path) -> None:
 
 
 def test_two_launchers_form_one_group(tmp_path: Path) -> None:
-    script = _script(tmp_path, "train.py", TORCHRUN_SCRIPT)
+    script = write_script(tmp_path, "train.py", TORCHRUN_SCRIPT)
     port = get_unused_port()
     common = ["-n", "2", "--nnodes", "2", "--master-port", str(port)]
     argvs = [[*common, "--node-rank", str(node), script] for node in (0, 1)]
@@ -321,7 +258,7 @@ def test_two_launchers_form_one_group(tmp_path: Path) -> None:
 
 
 def test_max_restarts_succeeds_on_the_second_attempt(tmp_path: Path) -> None:
-    script = _script(
+    script = write_script(
         tmp_path,
         "flaky.py",
         textwrap.dedent(
@@ -344,7 +281,7 @@ def test_max_restarts_succeeds_on_the_second_attempt(tmp_path: Path) -> None:
 
 
 def test_timeout_shows_where_each_rank_was(tmp_path: Path) -> None:
-    script = _script(
+    script = write_script(
         tmp_path,
         "stuck.py",
         textwrap.dedent(
@@ -386,7 +323,7 @@ def test_timeout_shows_where_each_rank_was(tmp_path: Path) -> None:
 
 
 def test_taken_explicit_port_is_named(tmp_path: Path) -> None:
-    script = _script(tmp_path, "train.py", TORCHRUN_SCRIPT)
+    script = write_script(tmp_path, "train.py", TORCHRUN_SCRIPT)
     with socket.socket() as holder:
         holder.bind(("", 0))
         holder.listen()
@@ -405,7 +342,7 @@ def test_taken_explicit_port_is_named(tmp_path: Path) -> None:
     ],
 )
 def test_bad_flags_are_named(tmp_path: Path, args: list[str], named: str) -> None:
-    script = _script(tmp_path, "train.py", TORCHRUN_SCRIPT)
+    script = write_script(tmp_path, "train.py", TORCHRUN_SCRIPT)
     result = _launch(*args, script, cwd=tmp_path)
     assert result.returncode == 2
     assert named in result.stderr
@@ -418,7 +355,7 @@ def test_missing_script_is_named(tmp_path: Path) -> None:
 
 
 def test_stopping_a_rank_reaches_the_processes_it_started(tmp_path: Path) -> None:
-    script = _script(
+    script = write_script(
         tmp_path,
         "parent.py",
         textwrap.dedent(
@@ -458,7 +395,7 @@ def test_stopping_a_rank_reaches_the_processes_it_started(tmp_path: Path) -> Non
 
 
 def test_rank_ignoring_sigterm_is_killed_after_the_grace_period(tmp_path: Path) -> None:
-    script = _script(
+    script = write_script(
         tmp_path,
         "stubborn.py",
         textwrap.dedent(
@@ -494,7 +431,7 @@ def test_rank_ignoring_sigterm_is_killed_after_the_grace_period(tmp_path: Path) 
 
 
 def test_second_sigint_does_not_wait_for_the_grace_period(tmp_path: Path) -> None:
-    script = _script(
+    script = write_script(
         tmp_path,
         "stubborn.py",
         textwrap.dedent(
@@ -517,7 +454,7 @@ def test_second_sigint_does_not_wait_for_the_grace_period(tmp_path: Path) -> Non
         preexec_fn=default_signal_handling,
     )
     try:
-        pids = _read_ready_pids(launcher, 2)
+        pids = read_ready_pids(launcher, 2)
         launcher.send_signal(signal.SIGINT)
         _wait_for_output(launcher, b"got SIGINT", 2)
         launcher.send_signal(signal.SIGINT)
@@ -534,7 +471,7 @@ def test_auto_port_found_taken_is_replaced(tmp_path: Path) -> None:
     """Rank 0 reports torch's EADDRINUSE error once (as when another program took the
     port between the launcher's choice and rank 0's bind): the launcher picks another
     port and starts again, without spending a restart."""
-    script = _script(
+    script = write_script(
         tmp_path,
         "port.py",
         textwrap.dedent(
@@ -561,7 +498,7 @@ def test_auto_port_found_taken_is_replaced(tmp_path: Path) -> None:
 
 
 def test_explicit_port_is_never_replaced(tmp_path: Path) -> None:
-    script = _script(
+    script = write_script(
         tmp_path,
         "port.py",
         'import os\nif os.environ["RANK"] == "0":\n    raise RuntimeError("EADDRINUSE")\n',
@@ -576,7 +513,7 @@ def test_explicit_port_is_never_replaced(tmp_path: Path) -> None:
 
 def _hung_launcher(tmp_path: Path, ranks: int) -> tuple[subprocess.Popen[bytes], Path]:
     """``ranks`` ranks of HUNG_SCRIPT, each blocked opening the FIFO it returns."""
-    script = _script(tmp_path, "hung.py", HUNG_SCRIPT)
+    script = write_script(tmp_path, "hung.py", HUNG_SCRIPT)
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
     launcher = subprocess.Popen(
@@ -592,9 +529,9 @@ def _hung_launcher(tmp_path: Path, ranks: int) -> tuple[subprocess.Popen[bytes],
 def test_sigquit_dumps_grouped_stacks_and_stops_nothing(tmp_path: Path) -> None:
     launcher, fifo = _hung_launcher(tmp_path, 3)
     try:
-        pids = _read_ready_pids(launcher, 3)
+        pids = read_ready_pids(launcher, 3)
         launcher.send_signal(signal.SIGQUIT)
-        seen = _read_until(launcher.stderr, b"hung.py")
+        seen = read_until(launcher.stderr, b"hung.py")
         assert all(_alive(pid) for pid in pids), "SIGQUIT stopped a rank"
         # Releases every rank blocked in open(): a writer appears, then closes.
         os.close(os.open(fifo, os.O_WRONLY))
@@ -612,7 +549,7 @@ def test_sigquit_dumps_grouped_stacks_and_stops_nothing(tmp_path: Path) -> None:
 def test_ctrl_c_on_a_hung_job_shows_where_every_rank_was(tmp_path: Path) -> None:
     launcher, _ = _hung_launcher(tmp_path, 2)
     try:
-        _read_ready_pids(launcher, 2)
+        read_ready_pids(launcher, 2)
         launcher.send_signal(signal.SIGINT)
         _, raw = launcher.communicate(timeout=60)
         stderr = raw.decode()
@@ -625,7 +562,7 @@ def test_ctrl_c_on_a_hung_job_shows_where_every_rank_was(tmp_path: Path) -> None
 
 
 def test_a_partial_line_is_shown_before_the_line_ends(tmp_path: Path) -> None:
-    script = _script(
+    script = write_script(
         tmp_path,
         "partial.py",
         "import os, sys, time\nsys.stdout.write('loading...'); sys.stdout.flush()\n"

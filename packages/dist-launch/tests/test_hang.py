@@ -6,13 +6,14 @@ import json
 import os
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 from launcher_nodes import LAUNCH, run_nodes
 
 pytestmark = pytest.mark.timeout(240)
 
-# The launcher's exit status after a hang with no restart left (run_outcome.HANG_EXIT_STATUS).
+# The launcher's exit status after a hang with no restart left (ExitCode.HUNG).
 HUNG = 75
 # Short enough for a quick test, long enough for a loaded machine's start-up.
 TIMEOUT = "8"
@@ -115,6 +116,11 @@ def _launch(
     )
 
 
+def _verdict(stderr: str) -> str:
+    """The hang report's first line: the verdict, before the stacks."""
+    return next(line for line in stderr.splitlines() if line.startswith("dist-launch: hang"))
+
+
 def _summary(stderr: str) -> str:
     """The one-line summary under the first hang report."""
     lines = stderr.splitlines()
@@ -140,6 +146,32 @@ def test_a_rank_sleeping_for_ever_is_named_and_the_exit_status_says_hung(tmp_pat
     error = json.loads((log_dir / "r" / "attempt_0" / "1" / "error.json").read_text())
     assert "rank 1 is elsewhere" in error["message"]["message"]
     assert "load_next_batch" in error["message"]["extraInfo"]["py_callstack"]
+    # The flight records say which collective the others wait in, and who never came.
+    assert _verdict(result.stderr) == (
+        "dist-launch: hang: rank 1 never entered all_reduce #2 on the default group; "
+        "ranks 0, 2 wait in it; rank 1 is at train.py:6 in load_next_batch"
+    ), result.stderr
+    hang = json.loads((log_dir / "r" / "attempt_0" / "hang.json").read_text())
+    assert hang["collective"] == {
+        "group": "default", "backend": "gloo", "seq": 2, "op": "all_reduce",
+        "sizes": [[1]], "members": [0, 1, 2],
+    }  # fmt: skip
+    assert (hang["waiting"], hang["behind"], hang["unknown"]) == ([0, 2], [1], [])
+    assert hang["source"] == "flight recorder"
+    assert sorted(hang["ranks"]) == ["0", "1", "2"]
+    sleeper = hang["ranks"]["1"]
+    assert sleeper["stack"][0].endswith("train.py:6 in load_next_batch"), sleeper["stack"]
+    assert sleeper["groups"]["default"] == {
+        "backend": "gloo",
+        "last_enqueued": 1,
+        "last_completed": 1,
+    }
+    assert hang["ranks"]["0"]["groups"]["default"]["pending"] == {
+        "seq": 2,
+        "op": "all_reduce",
+        "sizes": [[1]],
+    }
+    assert f"dist-launch: hang details in {log_dir}/r/attempt_0/hang.json" in result.stderr
 
 
 @pytest.mark.processes
@@ -152,10 +184,20 @@ def test_a_hang_restarts_the_group_within_max_restarts(tmp_path: Path) -> None:
 
 
 @pytest.mark.processes
-def test_pet_hang_timeout_is_read(tmp_path: Path) -> None:
-    result = _launch(tmp_path, SLEEPER, "-n", "2", env={"PET_HANG_TIMEOUT": TIMEOUT})
+def test_pet_hang_timeout_is_read_and_without_records_the_stacks_decide(tmp_path: Path) -> None:
+    result = _launch(
+        tmp_path,
+        SLEEPER,
+        "-n", "2", "--grace-period", "1",
+        env={"PET_HANG_TIMEOUT": TIMEOUT, "TORCH_FR_BUFFER_SIZE": "0"},
+    )  # fmt: skip
     assert result.returncode == HUNG, result.stderr
     assert f"(--hang-timeout {TIMEOUT})" in result.stderr
+    # The user's 0 is kept: the verdict falls back to the stacks and says why.
+    assert (
+        "dist-launch: hang: no flight records (TORCH_FR_BUFFER_SIZE=0 turns torch's flight "
+        "recorder off on ranks 0-1); from the stacks: rank 1 is at train.py:6 in load_next_batch"
+    ) in result.stderr.splitlines(), result.stderr
 
 
 @pytest.mark.processes
@@ -167,14 +209,103 @@ def test_a_rank_in_another_collective_is_named(tmp_path: Path) -> None:
     ), result.stderr
 
 
+def _hung_with_records(
+    tmp_path: Path, script: str, nproc: str
+) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
+    """Launches a script that hangs, with a log directory; the run and its hang.json."""
+    log_dir = tmp_path / "logs"
+    result = _launch(
+        tmp_path,
+        script,
+        "-n", nproc, "--hang-timeout", TIMEOUT, "--grace-period", "1",
+        "--log-dir", str(log_dir), "--run-id", "h",
+    )  # fmt: skip
+    assert result.returncode == HUNG, result.stderr
+    return result, json.loads((log_dir / "h" / "attempt_0" / "hang.json").read_text())
+
+
+# Every rank at the same line; rank 2 passes the wrong process group.
+WRONG_GROUP = """\
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+pair = dist.new_group([1, 2])
+value = torch.ones(4)
+for _ in range(5):
+    dist.all_reduce(value)
+print("warm", flush=True)
+group = pair if dist.get_rank() == 2 else None
+dist.all_reduce(value, group=group)
+"""
+
+
+@pytest.mark.processes
+def test_a_rank_passing_another_group_is_named_behind(tmp_path: Path) -> None:
+    result, hang = _hung_with_records(tmp_path, WRONG_GROUP, "4")
+    assert _verdict(result.stderr) == (
+        "dist-launch: hang: rank 2 never entered all_reduce #6 on the default group; "
+        "ranks 0-1, 3 wait in it; rank 2 waits in all_reduce #1 on group 1"
+    ), result.stderr
+    # The stacks alone cannot tell: every rank is at the same line.
+    assert _summary(result.stderr) == "ranks 0-3 wait in all_reduce at train.py:11"
+    assert {key: hang["collective"][key] for key in ("group", "seq", "op")} == {
+        "group": "default", "seq": 6, "op": "all_reduce"
+    }  # fmt: skip
+    assert (hang["waiting"], hang["behind"]) == ([0, 1, 3], [2])
+    (pair,) = [group for group in hang["groups"] if group["group"] != "default"]
+    assert (pair["members"], pair["waiting"], pair["behind"]) == ([1, 2], [2], [1])
+
+
+# Rank 1 never comes; rank 2 runs the collective with another size than ranks 0 and 3.
+DESYNC = """\
+import time
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+dist.all_reduce(torch.ones(4))
+print("warm", flush=True)
+rank = dist.get_rank()
+if rank == 1:
+    time.sleep(100_000)
+dist.all_reduce(torch.ones(8 if rank == 2 else 4))
+"""
+
+
+@pytest.mark.processes
+def test_a_desync_is_reported(tmp_path: Path) -> None:
+    result, hang = _hung_with_records(tmp_path, DESYNC, "4")
+    assert (
+        "dist-launch: hang: desync on the default group at #2: "
+        "ranks 0, 3 run all_reduce [4], rank 2 runs all_reduce [8]"
+    ) in result.stderr.splitlines(), result.stderr
+    assert hang["behind"] == [1]
+    assert hang["desync"] == [
+        {
+            "group": "default",
+            "seq": 2,
+            "ops": {"0": "all_reduce [4]", "2": "all_reduce [8]", "3": "all_reduce [4]"},
+        }
+    ]
+
+
 @pytest.mark.processes
 def test_an_evaluation_pass_longer_than_the_timeout_is_not_a_hang(tmp_path: Path) -> None:
     # Steps of 0.5 s, the evaluation 5 s: a detector watching the step rate alone
     # would call the evaluation hung at 4 s.
-    result = _launch(tmp_path, EVALUATION, "-n", "2", "--hang-timeout", "4", script_args=("0.5",))
+    log_dir = tmp_path / "logs"
+    result = _launch(
+        tmp_path,
+        EVALUATION,
+        "-n", "2", "--hang-timeout", "4", "--log-dir", str(log_dir), "--run-id", "e",
+        script_args=("0.5",),
+    )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert "dist-launch: hang" not in result.stderr
     assert result.stdout.count("finished") == 2
+    assert (log_dir / "e" / "attempt_0").is_dir()
+    assert not list(log_dir.rglob("hang.*"))
 
 
 @pytest.mark.processes

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import sysconfig
 
+from dist_launch.diagnostics.flight_records import GroupRecords, Op, RankRecords
 from dist_launch.diagnostics.hang_report import HangReport, describe_place, summarize_stacks
 from dist_launch.diagnostics.stacks import main_thread_frames
+from dist_launch.diagnostics.verdict import decide_verdict
 
 LIB = sysconfig.get_paths()["purelib"]
 ALL_REDUCE = f"""\
@@ -69,3 +71,39 @@ def test_the_report_shows_reason_summary_and_stacks() -> None:
     )
     assert "ranks 0-1: same stack" in text
     assert "progress.py" not in text
+
+
+def _records(enq: int, comp: int) -> RankRecords:
+    ops = {enq: Op("all_reduce", ((4,),), ("Float",), 1)}
+    group = GroupRecords("0", "default_pg", "gloo", enq, comp, ops)
+    return RankRecords(0, "2.13.0", {group.key: group})
+
+
+def test_the_verdict_comes_first_and_the_rest_is_as_before() -> None:
+    stacks = {rank: ALL_REDUCE.format(tid=rank) for rank in range(3)}
+    records = {
+        rank: RankRecords(rank, "2.13.0", _records(enq, 1).groups)
+        for rank, enq in ((0, 2), (1, 1), (2, 2))
+    }
+    verdict = decide_verdict(records, job_ranks=range(3), stacks=stacks)
+    without = HangReport("no rank made progress for 3 s", "n1 (node 0)", stacks).format()
+    text = HangReport("no rank made progress for 3 s", "n1 (node 0)", stacks, verdict).format()
+    assert text.splitlines()[0] == (
+        "dist-launch: hang: rank 1 never entered all_reduce #2 on the default group; "
+        "ranks 0, 2 wait in it; rank 1 waits in all_reduce at train.py:88"
+    )
+    assert text.splitlines()[1:] == without.splitlines()  # the stacks' report, unchanged
+
+
+def test_the_fallback_says_why_there_are_no_records() -> None:
+    stacks = {0: ALL_REDUCE.format(tid=0), 1: LOADER.format(tid=1), 2: ALL_REDUCE.format(tid=2)}
+    missing = {
+        r: RankRecords(r, None, {}, missing="torch.distributed is not initialised")
+        for r in range(3)
+    }
+    verdict = decide_verdict(missing, job_ranks=range(3), stacks=stacks)
+    text = HangReport("why", "n1 (node 0)", stacks, verdict).format()
+    assert text.splitlines()[0] == (
+        "dist-launch: hang: no flight records (torch.distributed is not initialised on "
+        "ranks 0-2); from the stacks: rank 1 is at loader.py:41 in next_batch"
+    )

@@ -21,16 +21,18 @@ ALLOWED: dict[str, set[str]] = {
     "diagnostics": set(),
     "plan": {"output"},
     "rendezvous": {"plan", "diagnostics"},
-    "watch": {"plan", "rendezvous", "in_worker"},
+    "watch": {"plan", "rendezvous", "diagnostics", "in_worker"},
     # The launcher's side of the workers names in_worker's modules and variables.
     "workers": {"plan", "rendezvous", "output", "in_worker"},
     "agent": {"plan", "rendezvous", "watch", "workers", "diagnostics", "output", "in_worker"},
     "cli": {"agent", "plan", "workers", "output"},
     "library": {"diagnostics"},
 }
-# Modules of the package itself: its names, its exception, and deprecated aliases.
-TOP_LEVEL = {"__init__", "__main__", "errors", "guards", "records", "supervisor"}
-SHARED = {"errors"}  # any subpackage may raise the package's exception
+# Modules of the package itself: its names, its exception, its exit codes, and
+# deprecated aliases.
+TOP_LEVEL = {"__init__", "__main__", "errors", "exit_codes", "guards", "records", "supervisor"}
+# Any subpackage may raise the package's exception and name its exit codes.
+SHARED = {"errors", "exit_codes"}
 
 
 def _modules() -> list[Path]:

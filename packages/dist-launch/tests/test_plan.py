@@ -11,6 +11,8 @@ from dist_launch.cli import build_parser
 from dist_launch.plan.build import build_plan
 from dist_launch.plan.launch_plan import LaunchPlan, UsageError, describe_sources
 from dist_launch.plan.slurm import slurm_port
+from dist_launch.rendezvous.protocol import Assignment
+from dist_launch.workers.environment import worker_environment
 
 
 def plan_of(argv: list[str], environ: dict[str, str] | None = None) -> LaunchPlan:
@@ -111,6 +113,37 @@ def test_bad_or_unsupported_values_are_named(script: str, argv: list[str], names
         plan_of([*argv, script])
 
 
+def test_signals_to_forward_from_flag_or_pet(script: str) -> None:
+    assert plan_of([script]).signals_to_forward == ()
+    plan = plan_of(["--signals-to-forward", "USR1,SIGUSR2", script])
+    assert plan.signals_to_forward == (signal.SIGUSR1, signal.SIGUSR2)
+    assert plan_of(["--signals_to_forward", "usr1", script]).signals_to_forward == (signal.SIGUSR1,)
+    pet = plan_of([script], {"PET_SIGNALS_TO_FORWARD": "SIGUSR1"})
+    assert pet.signals_to_forward == (signal.SIGUSR1,)
+    # Forwarding SIGTERM means taking it out of the handled ones.
+    plan = plan_of(["--signals-to-handle", "INT", "--signals-to-forward", "TERM", script])
+    assert (plan.signals_to_handle, plan.signals_to_forward) == (
+        (signal.SIGINT,),
+        (signal.SIGTERM,),
+    )
+
+
+@pytest.mark.parametrize(
+    ("value", "names"),
+    [
+        ("SIGTERM", "SIGTERM is also in --signals-to-handle"),
+        ("USR1,QUIT", "SIGQUIT cannot be forwarded"),
+        ("KILL", "SIGKILL cannot be forwarded"),
+        ("CHLD", "SIGCHLD cannot be forwarded"),
+        ("WINCH", "SIGWINCH cannot be forwarded"),
+        ("USR9", "--signals-to-forward: 'USR9' is not a signal name"),
+    ],
+)
+def test_signals_that_cannot_be_forwarded_are_named(script: str, value: str, names: str) -> None:
+    with pytest.raises(UsageError, match=names):
+        plan_of(["--signals-to-forward", value, script])
+
+
 def test_gpu_count_on_a_host_without_that_device(script: str) -> None:
     import torch
 
@@ -191,6 +224,16 @@ def test_two_jobs_on_one_node_get_different_ports() -> None:
     assert slurm_port("1001") != slurm_port("1002")
 
 
+def test_two_steps_of_one_allocation_get_different_ports(script: str) -> None:
+    ports = {plan_of([script], {**SRUN, "SLURM_STEP_ID": str(s)}).master_port for s in range(8)}
+    assert len(ports) == 8
+
+
+def test_a_malformed_step_id_is_named(script: str) -> None:
+    with pytest.raises(UsageError, match="SLURM_STEP_ID='x'"):
+        plan_of([script], {**SRUN, "SLURM_STEP_ID": "x"})
+
+
 def test_flags_and_pet_win_over_slurm(script: str) -> None:
     plan = plan_of(["--nnodes", "1", "--node-rank", "0", script], {**SRUN, "PET_MASTER_PORT": "1"})
     assert (plan.nnodes, plan.node_rank, plan.master_port) == (1, 0, 1)
@@ -209,6 +252,30 @@ def test_srun_with_a_task_per_gpu_is_refused(script: str) -> None:
 def test_a_batch_script_is_not_srun(script: str) -> None:
     batch = {k: v for k, v in SRUN.items() if k not in ("SLURM_STEP_ID", "SLURM_PROCID")}
     assert plan_of([script], batch).nnodes == 1
+
+
+def test_a_batch_script_of_several_tasks_runs_this_node_alone(
+    script: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # SLURM gives `sbatch --ntasks=4 -N3`'s batch script SLURM_PROCID=0 but no step id.
+    batch = {k: v for k, v in SRUN.items() if k != "SLURM_STEP_ID"}
+    batch.update({"SLURM_PROCID": "0", "SLURM_NODEID": "0", "SLURM_NTASKS": "4"})
+    plan = plan_of(["-n", "2", script], batch)
+    assert (plan.nnodes, plan.node_rank, plan.sources["nnodes"]) == (1, 0, "default")
+    assert "srun --ntasks-per-node=1 dist-launch" in caplog.text
+
+
+def test_a_requeued_jobs_restart_count_is_where_the_workers_count_from(script: str) -> None:
+    assert plan_of([script], SRUN).restart_base == 0
+    plan = plan_of([script], {**SRUN, "SLURM_RESTART_COUNT": "2"})
+    assert (plan.restart_base, plan.sources["restart_base"]) == (2, "SLURM_RESTART_COUNT")
+    assert "restarts so far=2 (SLURM_RESTART_COUNT)" in describe_sources(plan)
+    assert plan_of([script], {"SLURM_RESTART_COUNT": "2"}).restart_base == 0  # not in a job
+    with pytest.raises(UsageError, match="SLURM_RESTART_COUNT='x'"):
+        plan_of([script], {**SRUN, "SLURM_RESTART_COUNT": "x"})
+    # The workers count this launcher's own restarts on top.
+    round_ = Assignment(0, 1, 0, 1, "h", 1, restart_count=1)
+    assert worker_environment(plan, round_, {})["TORCHELASTIC_RESTART_COUNT"] == "3"
 
 
 def test_shutdown_timeout_is_the_grace_period(script: str) -> None:
@@ -233,9 +300,44 @@ def test_log_line_prefix_template_from_flag_pet_or_torchelastic(script: str) -> 
     assert rendered == b"node7: "
 
 
-def test_srun_master_port_is_the_one_dist_core_derives(script: str) -> None:
+@pytest.mark.parametrize("step", ["0", "3", "4294967294"])
+def test_srun_master_port_is_the_one_dist_core_derives(script: str, step: str) -> None:
     # One rule for both packages: a worker's DistEnv and its launcher agree.
     from dist_core import DistEnv
 
-    plan = plan_of(["-n", "4", script], SRUN)
-    assert plan.master_port == DistEnv.from_environ(SRUN).master_port
+    environ = {**SRUN, "SLURM_STEP_ID": step}
+    plan = plan_of(["-n", "4", script], environ)
+    assert plan.master_port == DistEnv.from_environ(environ).master_port
+
+
+@pytest.mark.parametrize(
+    ("argv", "environ", "window"),
+    [
+        ([], {}, 60.0),
+        (["--slow-ranks", "5"], {}, 5.0),
+        (["--slow_ranks", "2.5"], {}, 2.5),
+        (["--slow-ranks", "off"], {}, None),
+        ([], {"PET_SLOW_RANKS": "off"}, None),
+        ([], {"PET_SLOW_RANKS": "30"}, 30.0),
+        (["--slow-ranks", "10"], {"PET_SLOW_RANKS": "off"}, 10.0),
+    ],
+)
+def test_slow_ranks_window(
+    script: str, argv: list[str], environ: dict[str, str], window: float | None
+) -> None:
+    assert plan_of([*argv, script], environ).slow_ranks == window
+
+
+@pytest.mark.parametrize(
+    ("argv", "environ", "message"),
+    [
+        (["--slow-ranks", "0.5"], {}, r"--slow-ranks='0.5': the window must be at least 1 s"),
+        (["--slow-ranks", "x"], {}, r"--slow-ranks='x': expected a number of seconds or 'off'"),
+        ([], {"PET_SLOW_RANKS": "soon"}, r"--slow-ranks \(from PET_SLOW_RANKS\)='soon'"),
+    ],
+)
+def test_bad_slow_ranks_window_is_named(
+    script: str, argv: list[str], environ: dict[str, str], message: str
+) -> None:
+    with pytest.raises(UsageError, match=message):
+        plan_of([*argv, script], environ)

@@ -11,7 +11,14 @@ import pytest
 
 import dist_launch
 
-PUBLIC = ["LaunchError", "__version__", "init_and_run", "launch_subprocesses", "report_progress"]
+PUBLIC = [
+    "ExitCode",
+    "LaunchError",
+    "__version__",
+    "init_and_run",
+    "launch_subprocesses",
+    "report_progress",
+]
 
 
 def test_all_is_kept() -> None:
@@ -23,6 +30,7 @@ def test_all_is_kept() -> None:
 
 def test_public_names_are_what_the_docs_say() -> None:
     assert issubclass(dist_launch.LaunchError, RuntimeError)
+    assert dist_launch.ExitCode.PREEMPTED == 143 and dist_launch.ExitCode.HUNG == 75
     assert isinstance(dist_launch.__version__, str)
     for name in ("init_and_run", "launch_subprocesses", "report_progress"):
         assert callable(getattr(dist_launch, name)), name

@@ -86,6 +86,8 @@ def test_log_dir_layout_and_torch_error_file(tmp_path: Path) -> None:
     assert "err 1" in (rank_dir / "stderr.log").read_text()
     assert (logs / "exp1" / "attempt_0" / "0" / "stdout.log").read_text() == "out 0\n"
     assert not (logs / "exp1" / "attempt_0" / "0" / "error.json").exists()
+    assert not list(logs.rglob("hang.*"))  # a crash is not a hang
+    assert not (logs / "exp1" / "slow_ranks.jsonl").exists()
 
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 

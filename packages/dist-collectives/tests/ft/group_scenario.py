@@ -135,3 +135,38 @@ def first_divergence(reports: dict[tuple[str, int], Any], groups: list[str], ran
         if len({entry["digest"] for entry in entries.values()}) > 1:
             return f"first differs after step {step}: {entries}"
     return "no committed step differs (the divergence is in a step some groups did not log)"
+
+
+def check_scenario(result: ScenarioResult) -> None:
+    """Asserts what the scenario must show, whoever started the groups.
+
+    The step the victim died in is discarded everywhere, the others go on without its
+    group, the restarted group rejoins, and every group's shards end identical.
+    """
+    reports, killed, groups = result.reports, result.killed, result.groups
+    survivors = [(g, r) for g in groups if g != result.victim for r in range(GROUP_SIZE)]
+    for key in survivors:
+        log = reports[key]["log"]
+        at_kill = [
+            e for e in log if e["quorum_id"] == killed["quorum_id"] and e["step"] == killed["step"]
+        ]
+        assert at_kill, f"{key} never ran the step the victim died in: {log}"
+        assert not at_kill[-1]["committed"], f"{key} committed a step with a dead group"
+        assert at_kill[-1]["error"], f"{key} saw no error"
+        after = log[log.index(at_kill[-1]) + 1 :]
+        assert any(e["committed"] and e["members"] == GROUPS - 1 for e in after), (
+            f"{key} never committed a step with {GROUPS - 1} groups: {after}"
+        )
+        assert any(e["committed"] and e["members"] == GROUPS for e in after), (
+            f"{key} never trained with the restarted group: {after}"
+        )
+    for entry in (e for report in reports.values() for e in report["log"] if e["committed"]):
+        assert entry["error"] is None, f"a step was committed despite an error: {entry}"
+    steps = {key: report["step"] for key, report in reports.items()}
+    assert len(set(steps.values())) == 1, f"ranks stopped at different steps: {steps}"
+    # On every torch: a failed step's exchanges never write into a tensor the caller
+    # sees afterwards (the steps' generations own their buffers; test_late_write.py).
+    divergent = divergent_shards(result)
+    assert not divergent, f"shards differ between groups: {divergent}"
+    shards = {reports[groups[0], rank]["digest"] for rank in range(GROUP_SIZE)}
+    assert len(shards) == GROUP_SIZE, "the ranks of a group must hold different shards"

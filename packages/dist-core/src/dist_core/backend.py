@@ -285,6 +285,27 @@ def _check_devices_for(backend: str, env: DistEnv, choice: BackendChoice) -> Non
     )
 
 
+def env_rendezvous_variables(env: DistEnv, environ: Mapping[str, str]) -> dict[str, str]:
+    """What torch's ``env://`` needs and ``environ`` lacks: the master's address and port.
+
+    ``srun`` and ``mpirun`` set no ``MASTER_ADDR`` or ``MASTER_PORT``; :class:`DistEnv`
+    derives them (the first host of the job's node list, a port derived from the job),
+    and torch's ``env://`` reads them from the environment. Only the missing ones are
+    returned: a value the launcher or the user set is never replaced. ``RANK`` and
+    ``WORLD_SIZE`` are not, either: they are passed to torch directly, and writing
+    them would make the torchrun variables this process's source from then on.
+
+    Args:
+        env: This process's environment, read from ``environ``.
+        environ: The variables as they are (reads ``MASTER_ADDR`` and ``MASTER_PORT``).
+
+    Returns:
+        The variables to add; empty when both are set.
+    """
+    wanted = {"MASTER_ADDR": env.master_addr, "MASTER_PORT": str(env.master_port)}
+    return {name: value for name, value in wanted.items() if not environ.get(name, "").strip()}
+
+
 def init_process_group_from_backend(
     backend: str | None = None, timeout: timedelta | None = None
 ) -> None:
@@ -298,6 +319,12 @@ def init_process_group_from_backend(
     checks the sum equals the world size. Without a backend named anywhere, the backend
     is :func:`default_backend` for ``LOCAL_WORLD_SIZE`` ranks, and rank 0 logs one line
     when ranks share devices and gloo was chosen for that.
+
+    With the ``env://`` init method, ``MASTER_ADDR`` and ``MASTER_PORT`` are written to
+    ``os.environ`` when the launcher set none (``srun``, ``mpirun``): the values
+    :class:`DistEnv` derived (:func:`env_rendezvous_variables`), so that torch's
+    ``env://`` and everything else that reads them (a fault-tolerance manager's store)
+    agree with it.
 
     Args:
         backend: The backend; :func:`get_distributed_backend` when None.
@@ -326,6 +353,8 @@ def init_process_group_from_backend(
             logger.info("%s", choice.fallback_message())
     _check_devices_for(chosen, env, choice)
     init_method = get_init_method()
+    if init_method.startswith("env://"):
+        os.environ.update(env_rendezvous_variables(env, os.environ))
     logger.log(
         INFOALL,
         "initializing rank %d/%d with %s via %s",

@@ -6,22 +6,35 @@ order, and the first one present wins:
 1. **torchrun / Composer / dist-launch** when any of ``RANK``, ``WORLD_SIZE`` or
    ``LOCAL_RANK`` is set. A torchrun started by ``srun`` therefore describes its own
    workers, not the SLURM task that started it.
-2. **SLURM** when ``SLURM_PROCID`` is set.
-3. **Open MPI** when ``OMPI_COMM_WORLD_RANK`` is set.
+2. **Open MPI** when ``OMPI_COMM_WORLD_RANK`` is set. Only ``mpirun`` (and the daemons
+   it starts) sets it, so it describes the innermost launcher: an ``mpirun`` inside a
+   SLURM step or batch script gives every rank the step's ``SLURM_PROCID`` (all the
+   same), and its own ranks are the ones that count.
+3. **SLURM** inside a job step, when ``SLURM_PROCID`` and ``SLURM_STEP_ID`` (or
+   ``SLURM_STEPID``) are set. A batch script has ``SLURM_PROCID=0`` and the job's
+   ``SLURM_NTASKS`` too, but no step id: a program run there directly is not one of
+   the job's tasks, and falls through to the default (one rank, as
+   ``torchrun --standalone`` would be there).
 4. **Single rank**: rank 0 of 1 on ``127.0.0.1:29500``, as Composer does.
+
+The innermost launcher wins: torchrun over Open MPI over a SLURM step.
 
 ``MASTER_ADDR`` and ``MASTER_PORT`` are honoured by every source when set.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
 from dist_core.errors import DistEnvError
+from dist_core.openmpi import openmpi_master_port
 from dist_core.slurm import expand_hostlist, parse_tasks_per_node, slurm_master_port
+
+logger = logging.getLogger(__name__)
 
 EnvSource = Literal["torchrun", "slurm", "openmpi", "default"]
 
@@ -69,6 +82,16 @@ def _read_master_addr(environ: Mapping[str, str], default: str) -> str:
     if raw.strip() == "" or any(char.isspace() for char in raw.strip()):
         raise DistEnvError(f"MASTER_ADDR={raw} is not a host name or address")
     return raw.strip()
+
+
+def in_slurm_step(environ: Mapping[str, str]) -> bool:
+    """True in a task of a SLURM job step (``srun``), not in the batch script itself.
+
+    Reads ``SLURM_PROCID`` and ``SLURM_STEP_ID`` (``SLURM_STEPID`` on older SLURM):
+    SLURM gives a batch script a ``SLURM_PROCID`` of 0 but no step id.
+    """
+    has_step = any(environ.get(name, "").strip() for name in ("SLURM_STEP_ID", "SLURM_STEPID"))
+    return has_step and bool(environ.get("SLURM_PROCID", "").strip())
 
 
 @dataclass(frozen=True)
@@ -137,12 +160,17 @@ class DistEnv:
 
         Reads the torchrun/Composer variables ``RANK``, ``LOCAL_RANK``, ``NODE_RANK``
         or ``GROUP_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and
-        ``MASTER_PORT``; else SLURM's ``SLURM_PROCID``, ``SLURM_LOCALID``,
-        ``SLURM_NODEID``, ``SLURM_NTASKS``, ``SLURM_NTASKS_PER_NODE`` or
-        ``SLURM_TASKS_PER_NODE``, ``SLURM_JOB_NODELIST`` (or ``SLURM_NODELIST``) and
-        ``SLURM_JOB_ID``; else Open MPI's ``OMPI_COMM_WORLD_RANK``,
-        ``OMPI_COMM_WORLD_SIZE``, ``OMPI_COMM_WORLD_LOCAL_RANK`` and
-        ``OMPI_COMM_WORLD_LOCAL_SIZE``. The module docstring gives the precedence.
+        ``MASTER_PORT``; else Open MPI's ``OMPI_COMM_WORLD_RANK``,
+        ``OMPI_COMM_WORLD_SIZE``, ``OMPI_COMM_WORLD_LOCAL_RANK``,
+        ``OMPI_COMM_WORLD_LOCAL_SIZE`` and, for the master port of a one-host job,
+        ``OMPI_MCA_ess_base_jobid`` or ``PMIX_NAMESPACE``
+        (:func:`~dist_core.openmpi.openmpi_master_port`); else, in a SLURM job step
+        (``SLURM_STEP_ID`` or ``SLURM_STEPID``), SLURM's ``SLURM_PROCID``,
+        ``SLURM_LOCALID``, ``SLURM_NODEID``, ``SLURM_NTASKS``,
+        ``SLURM_NTASKS_PER_NODE`` or ``SLURM_TASKS_PER_NODE``, ``SLURM_JOB_NODELIST``
+        (or ``SLURM_NODELIST``), ``SLURM_JOB_ID`` and the step id (the master port,
+        :func:`~dist_core.slurm.slurm_master_port`). The module docstring gives the
+        precedence.
 
         Args:
             environ: The variables to read; ``os.environ`` when None.
@@ -157,10 +185,10 @@ class DistEnv:
         env = os.environ if environ is None else environ
         if any(env.get(name, "").strip() for name in TORCHRUN_VARIABLES):
             return _from_torchrun(env)
-        if env.get("SLURM_PROCID", "").strip():
-            return _from_slurm(env)
         if env.get("OMPI_COMM_WORLD_RANK", "").strip():
             return _from_openmpi(env)
+        if in_slurm_step(env):
+            return _from_slurm(env)
         return cls(
             master_addr=_read_master_addr(env, DEFAULT_MASTER_ADDR),
             master_port=_read_port(env, "MASTER_PORT", DEFAULT_MASTER_PORT),
@@ -292,7 +320,8 @@ def _slurm_master_port(env: Mapping[str, str]) -> int:
     job_id = _read_optional_int(env, "SLURM_JOB_ID")
     if job_id is None:
         return DEFAULT_MASTER_PORT
-    return slurm_master_port(job_id)
+    step = "SLURM_STEP_ID" if env.get("SLURM_STEP_ID", "").strip() else "SLURM_STEPID"
+    return slurm_master_port(job_id, _read_optional_int(env, step))
 
 
 def _from_slurm(env: Mapping[str, str]) -> DistEnv:
@@ -344,6 +373,22 @@ def _from_openmpi(env: Mapping[str, str]) -> DistEnv:
         world_size=world_size,
         local_world_size=local_world_size,
         master_addr=_read_master_addr(env, DEFAULT_MASTER_ADDR),
-        master_port=_read_port(env, "MASTER_PORT", DEFAULT_MASTER_PORT),
+        master_port=_openmpi_master_port(env),
         source="openmpi",
     )
+
+
+def _openmpi_master_port(env: Mapping[str, str]) -> int:
+    if env.get("MASTER_PORT", "").strip():
+        return _read_port(env, "MASTER_PORT", DEFAULT_MASTER_PORT)
+    port = openmpi_master_port(env)
+    if port is None:
+        logger.info(
+            "no MASTER_PORT, %s or %s: master port %d (two such mpirun jobs on one "
+            "host collide; export MASTER_PORT)",
+            "OMPI_MCA_ess_base_jobid",
+            "PMIX_NAMESPACE",
+            DEFAULT_MASTER_PORT,
+        )
+        return DEFAULT_MASTER_PORT
+    return port

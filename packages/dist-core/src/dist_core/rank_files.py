@@ -6,8 +6,10 @@ its run's private directory (the worker writes them through
 
 ``rank{r}.error.json``
     Written by the worker itself when Python code fails (an exception, or
-    ``sys.exit`` with a non-zero status): the exception, its formatted traceback and
-    the wall-clock time *taken in the worker* at the moment of failure. The supervisor
+    ``sys.exit`` with a non-zero status): the exception, its formatted traceback,
+    the wall-clock time *taken in the worker* at the moment of failure, and whether
+    the worker had a default process group then (an error before it, such as an
+    ImportError, fails again on a restart). The supervisor
     picks the root cause by these timestamps, not by the order in which it noticed
     processes ending. The file is JSON, written atomically (temporary file, rename):
     a reader never sees half a record and never unpickles anything.
@@ -32,6 +34,7 @@ import json
 import logging
 import os
 import signal
+import sys
 import time
 import traceback
 from dataclasses import dataclass
@@ -80,6 +83,9 @@ class ErrorRecord:
     message: str
     traceback: str
     exitcode: int
+    # Whether torch.distributed's default group existed when the error was raised;
+    # None when the record does not say (torch's @record file, an older record).
+    in_process_group: bool | None = None
 
     @property
     def summary(self) -> str:
@@ -100,10 +106,26 @@ def exit_status_of(error: BaseException) -> int:
     return 1
 
 
+def process_group_exists() -> bool | None:
+    """Whether this process has torch.distributed's default group now (None: unknown).
+
+    Never imports torch: a process that has not imported ``torch.distributed`` has no
+    group.
+    """
+    distributed = sys.modules.get("torch.distributed")
+    if distributed is None:
+        return False
+    try:
+        return bool(distributed.is_available() and distributed.is_initialized())
+    except Exception:  # a half-imported or broken torch: do not hide the real error
+        return None
+
+
 def write_error_record(path: Path, rank: int, error: BaseException) -> ErrorRecord:
     """Records ``error`` (with its traceback and the current time) in ``path``.
 
-    Called inside the failing worker, so the timestamp is the worker's own.
+    Called inside the failing worker, so the timestamp is the worker's own, and
+    whether a process group existed is this process's (:func:`process_group_exists`).
     """
     timestamp = time.time()
     text = "".join(traceback.format_exception(error))
@@ -114,6 +136,7 @@ def write_error_record(path: Path, rank: int, error: BaseException) -> ErrorReco
         message=str(error),
         traceback=text,
         exitcode=exit_status_of(error),
+        in_process_group=process_group_exists(),
     )
     payload = {"version": RECORD_VERSION, **record.__dict__}
     partial = path.with_name(path.name + f".{os.getpid()}.partial")
@@ -130,6 +153,13 @@ def _field(data: dict[str, Any], name: str, kind: type, path: Path) -> Any:
     return value
 
 
+def _optional_bool(data: dict[str, Any], name: str, path: Path) -> bool | None:
+    value = data.get(name)
+    if value is not None and not isinstance(value, bool):
+        raise ValueError(f"{path}: field {name!r} should be a bool or null, found {value!r}")
+    return value
+
+
 def read_error_record(path: Path) -> ErrorRecord | None:
     """The record in ``path``; None when the worker wrote none or it is unreadable."""
     try:
@@ -143,6 +173,7 @@ def read_error_record(path: Path) -> ErrorRecord | None:
             message=_field(data, "message", str, path),
             traceback=_field(data, "traceback", str, path),
             exitcode=_field(data, "exitcode", int, path),
+            in_process_group=_optional_bool(data, "in_process_group", path),
         )
     except FileNotFoundError:
         return None

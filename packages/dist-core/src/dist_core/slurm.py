@@ -4,9 +4,9 @@ SLURM writes node lists such as ``gpu[01-04,07],cpu3`` and per-node task counts
 such as ``4(x2),2``; this module expands both. It reads no environment variable
 itself: callers pass the variable's name so that errors can name it.
 
-:func:`slurm_master_port` is the one rule every dist-* package uses for a job that
+:func:`slurm_master_port` is the one rule every dist-* package uses for a job step that
 names no master port (dist-core's :class:`~dist_core.DistEnv`, dist-launch under
-``srun``), so that every task of a job agrees on it without talking first.
+``srun``), so that every task of a step agrees on it without talking first.
 """
 
 from __future__ import annotations
@@ -20,6 +20,9 @@ from dist_core.errors import DistEnvError
 # port of every outgoing connection: a port in it may be taken by any client on the node.
 SLURM_PORT_BASE = 12000
 SLURM_PORT_SPAN = 20000
+# Each step moves the port by this much (about 0.618 x the span, the golden ratio's
+# stride): coprime with the span, so the steps of one job never share a port.
+SLURM_STEP_STRIDE = 12361
 
 _REPEAT = re.compile(r"^(\d+)(?:\(x(\d+)\))?$")
 _RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
@@ -136,18 +139,22 @@ def parse_tasks_per_node(value: str, variable: str = "SLURM_TASKS_PER_NODE") -> 
     return counts
 
 
-def slurm_master_port(job_id: int) -> int:
-    """The master port of a SLURM job that sets no ``MASTER_PORT``.
+def slurm_master_port(job_id: int, step_id: int | None = None) -> int:
+    """The master port of a SLURM job step that sets no ``MASTER_PORT``.
 
-    ``12000 + job_id % 20000``: every task of a job derives the same port, two jobs
-    sharing a node get different ones unless their ids differ by a multiple of 20000,
-    and every port lies below Linux's ephemeral range. Reads no variable: the caller
-    passes ``SLURM_JOB_ID``.
+    ``12000 + (job_id + 12361 * step_id) % 20000``: every task of a step derives the
+    same port; two steps of one job never share one (12361 is coprime with 20000), so
+    concurrent steps of an allocation do not collide; step 0 of two jobs differs unless
+    their ids differ by a multiple of 20000; and every port lies below Linux's
+    ephemeral range. ``step_id`` None (or 0) gives ``12000 + job_id % 20000``. Reads no
+    variable: the caller passes ``SLURM_JOB_ID`` and ``SLURM_STEP_ID``.
 
     Args:
         job_id: The job's id, ``SLURM_JOB_ID``.
+        step_id: The step's id, ``SLURM_STEP_ID``; None outside a step.
 
     Returns:
         A TCP port in ``[12000, 32000)``.
     """
-    return SLURM_PORT_BASE + job_id % SLURM_PORT_SPAN
+    offset = 0 if step_id is None else SLURM_STEP_STRIDE * step_id
+    return SLURM_PORT_BASE + (job_id + offset) % SLURM_PORT_SPAN

@@ -28,16 +28,26 @@ What happens when a rank fails (exits non-zero):
 2. Every live rank is asked for its Python stack (faulthandler on
    :data:`~dist_core.rank_files.STACK_DUMP_SIGNAL`), so the report shows where each
    one was, even in C code or a collective.
-3. Every live rank gets SIGTERM; those alive after the grace period get SIGKILL. The
-   supervisor never waits for a collective's own timeout.
+3. Every live rank gets SIGTERM, sent to its process alone (a rank stops what it
+   started itself); those alive after the grace period get SIGKILL, sent to their
+   whole process group. The supervisor never waits for a collective's own timeout.
 4. The root cause is the failed rank with the earliest failure time *recorded by the
    workers* (see :mod:`dist_core.rank_files`), preferring failures that are not merely
    a peer vanishing (:func:`dist_core.proc.is_peer_failure`).
 
 A signal the caller forwards with :meth:`Supervisor.interrupt` (SIGINT, SIGTERM) goes
 the same way: stacks first, so that a Ctrl-C on a hung job can say where every rank
-was, then the signal itself instead of SIGTERM. :meth:`Supervisor.request_stacks`
-asks for the stacks without stopping anything (a launcher's SIGQUIT).
+was, then the signal itself instead of SIGTERM, or nothing when the signal reached
+every rank already (a scheduler's stop: each rank's handler gets the whole grace
+period, uncut by a second copy). :meth:`Supervisor.request_stacks` asks for the stacks
+without stopping anything (a launcher's SIGQUIT), :meth:`Supervisor.notify` passes a
+signal on without stopping anything. When the supervisor closes, what is left of each
+rank's process group is killed.
+
+:meth:`Supervisor.run` waits on the supervisor's selector. A caller whose own event
+loop owns the selector drives the supervisor instead: :meth:`Supervisor.advance` is one
+turn of :meth:`~Supervisor.run`'s loop that never waits, and says by when it needs the
+next one; :attr:`~Supervisor.finished` and :meth:`~Supervisor.outcome` say how it ended.
 """
 
 from __future__ import annotations
@@ -52,6 +62,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
+from pathlib import Path
 from types import TracebackType
 from typing import Literal, Protocol
 
@@ -72,6 +83,11 @@ STACK_DUMP_SECONDS = 1.0
 KILL_WAIT_SECONDS = 10.0
 # How often workers without an exit descriptor are polled.
 _POLL_SECONDS = 0.05
+# Signals a scheduler sends every process of a job to stop it. A rank that died of one
+# before the caller's own copy arrived was stopped from outside, not failed: the
+# reaction to it waits this long for that copy (see Supervisor.interrupt).
+OUTSIDE_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+SIGNAL_RACE_SECONDS = 0.2
 
 RankStatus = Literal["running", "succeeded", "failed", "stopped"]
 GroupStatus = Literal["succeeded", "failed", "timed_out", "interrupted"]
@@ -244,6 +260,14 @@ class GroupOutcome:
         return pick_root_cause(self.ranks)
 
 
+def catches_signal(proc_status: str, signum: int) -> bool:
+    """Whether a process handles ``signum``, from its ``/proc/PID/status`` text (``SigCgt``)."""
+    for line in proc_status.splitlines():
+        if line.startswith("SigCgt:"):
+            return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    return False
+
+
 def pick_root_cause(ranks: Sequence[RankOutcome]) -> RankOutcome | None:
     """The failed rank that failed first, preferring failures not caused by a peer."""
     failed = [rank for rank in ranks if rank.status == "failed"]
@@ -293,7 +317,8 @@ class Supervisor:
         self.selector = selector if selector is not None else selectors.DefaultSelector()
         self.workers: list[Worker] = []
         self.outcomes: list[RankOutcome] = []
-        self._signals: list[int] = []
+        # (signum, take stacks first, delivered already)
+        self._signals: list[tuple[int, bool, bool]] = []
         self._exit_fds: dict[int, int] = {}
         self._timers: list[Callable[[float], float | None]] = []
         self._closed = False
@@ -305,6 +330,7 @@ class Supervisor:
         self._stop_at: float | None = None
         self._kill_at: float | None = None
         self._give_up_at: float | None = None
+        self._outcome: GroupOutcome | None = None
         for worker in workers:
             self.add(worker)
 
@@ -386,6 +412,7 @@ class Supervisor:
                 survivors = [self.workers[i].rank for i in self._live()]
                 if survivors:
                     logger.warning("rank(s) %s survived SIGKILL (stuck in the kernel?)", survivors)
+            self._sweep_process_groups()
         finally:
             for fd in self._exit_fds.values():
                 with contextlib.suppress(KeyError, ValueError, OSError):
@@ -399,13 +426,37 @@ class Supervisor:
             if self._owns_selector:
                 self.selector.close()
 
-    def interrupt(self, signum: int) -> None:
-        """Records a signal the caller received; :meth:`run` forwards it to every rank.
+    def interrupt(self, signum: int, *, take_stacks: bool = True, delivered: bool = False) -> None:
+        """Records a stop signal the caller received; :meth:`run` passes it on.
 
-        Before forwarding it, :meth:`run` asks every live rank for its stack (each
-        outcome's ``live_stack``). A second signal skips the rest of the grace period.
+        Before passing it on, :meth:`run` asks every live rank for its stack (each
+        outcome's ``live_stack``), unless ``take_stacks`` is False (a caller that took
+        them already, e.g. with :meth:`dump_stacks`). Each rank then gets the signal,
+        sent to the rank's process alone (what it started is its own to stop), and the
+        grace period starts; at its end what is left of each rank's process group gets
+        SIGKILL. With ``delivered``, the sender already signalled every rank (a
+        scheduler that signals every process of the job): nothing is sent again, so a
+        rank's handler is not cut short by a second copy; only the grace period starts.
+
+        A rank that died of this very signal just before (the scheduler's copy reached
+        it first) counts as stopped, not failed. A later SIGINT (a person pressing
+        Ctrl-C again) ends the grace period at once; a later SIGTERM or SIGHUP (SLURM
+        sends SIGTERM twice at a time limit) changes nothing.
         """
-        self._signals.append(signum)
+        self._signals.append((signum, take_stacks, delivered))
+
+    def notify(self, signum: int) -> list[int]:
+        """Sends ``signum`` to every live rank's process, stopping nothing.
+
+        For a signal the caller passes on as a notification (SLURM's
+        ``--signal=USR1@90``): no outcome changes and no grace period starts.
+
+        Returns:
+            The ranks it was sent to.
+        """
+        live = self._live()
+        self._signal(live, signum)
+        return [self.workers[index].rank for index in live]
 
     # -- observing ------------------------------------------------------------------
 
@@ -441,7 +492,14 @@ class Supervisor:
                 key.data()
 
     def _wait_quietly(self, until: float) -> None:
-        """:meth:`_wait` for cleanup, where the caller's selector may be closed already."""
+        """:meth:`_wait` for cleanup.
+
+        A selector the caller owns is the caller's loop's (and may be closed already):
+        cleanup runs none of its callbacks, it sleeps and polls instead.
+        """
+        if not self._owns_selector:
+            time.sleep(max(0.0, until - time.monotonic()))
+            return
         try:
             self._wait(until)
         except (OSError, ValueError, RuntimeError):
@@ -462,13 +520,33 @@ class Supervisor:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signum)
 
-    def _stop(self, signum: int) -> None:
+    def _stop(self, signum: int, *, send: bool = True) -> None:
+        """Stops every live rank with ``signum``.
+
+        SIGKILL goes to each rank's whole process group, any other signal to its process
+        alone (the rank stops what it started itself); with ``send`` False, it is only
+        recorded that the rank was told (the signal reached it already).
+        """
         live = self._live()
         for index in live:
             if self.outcomes[index].stop_signal is None:
                 self.outcomes[index].stop_signal = signum
                 self.outcomes[index].stopped_at = time.time()
-        self._signal(live, signum, group=True)
+        if send:
+            self._signal(live, signum, group=signum == signal.SIGKILL)
+
+    def _sweep_process_groups(self) -> None:
+        """SIGKILL to the process group of every rank that led one, ended or not.
+
+        What a rank started and left behind (a data loader's workers, a tool) dies with
+        it. A group outlives its leader while it has members, and Linux hands out no
+        pid still used as a group id, so the signal reaches only the rank's own.
+        """
+        for worker in self.workers:
+            pid = worker.pid
+            if worker.own_process_group and pid is not None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(pid, signal.SIGKILL)
 
     def request_stacks(self) -> dict[int, str]:
         """Asks every live rank for its Python stack, without stopping anything.
@@ -526,21 +604,84 @@ class Supervisor:
     def _take_signals(self) -> None:
         received = self._signals[:]
         self._signals.clear()
-        if not received:
-            return
-        if self._status != "interrupted":
-            first = received.pop(0)
-            if self._kill_at is None and self._live():
+        for signum, take_stacks, delivered in received:
+            if self._status == "interrupted":
+                self._again(signum)
+                continue
+            self._adopt_outside_stops(signum)
+            if take_stacks and self._kill_at is None and self._live():
                 self.dump_stacks()  # not yet stopping: say where each rank was
                 self._poll()
-            self._status, self._signum = "interrupted", first
-            logger.debug(
-                "forwarding %s to %d rank(s)", signal.Signals(first).name, len(self._live())
-            )
-            self._stop(first)
+            self._status, self._signum = "interrupted", signum
+            name = signal.Signals(signum).name
+            if delivered:
+                logger.debug("%s reached %d rank(s) already", name, len(self._live()))
+            else:
+                logger.debug("forwarding %s to %d rank(s)", name, len(self._live()))
+            self._stop(signum, send=not delivered)
             self._kill_at = time.monotonic() + self.grace_period
-        if received:
-            self._kill_at = time.monotonic()  # asked again: stop waiting for a clean exit
+            self._say_who_catches(signum)
+
+    def _again(self, signum: int) -> None:
+        """A stop signal after the first: a second Ctrl-C ends the grace period."""
+        name = signal.Signals(signum).name
+        if signum == signal.SIGINT:
+            logger.info("%s again: not waiting for the rest of the grace period", name)
+            self._kill_at = time.monotonic()
+        else:
+            logger.info("%s again: still within the grace period", name)
+
+    def _adopt_outside_stops(self, signum: int) -> None:
+        """Ranks that just died of ``signum`` without being told were stopped, not failed.
+
+        The scheduler signalled them and the caller; their copy arrived first.
+        """
+        if signum not in OUTSIDE_STOP_SIGNALS:
+            return
+        for outcome in self.outcomes:
+            if (
+                outcome.status == "failed"
+                and outcome.stop_signal is None
+                and outcome.returncode == -signum
+            ):
+                outcome.status = "stopped"
+                outcome.stop_signal = signum
+                outcome.stopped_at = outcome.ended_at
+        if self._status == "failed" and not any(o.status == "failed" for o in self.outcomes):
+            self._status, self._stop_at = None, None
+
+    def _say_who_catches(self, signum: int) -> None:
+        """Logs which live ranks handle ``signum`` (they get the grace period to end)."""
+        catching = []
+        for index in self._live():
+            pid = self.workers[index].pid
+            with contextlib.suppress(OSError):
+                if pid is not None and catches_signal(
+                    Path(f"/proc/{pid}/status").read_text(), signum
+                ):
+                    catching.append(self.workers[index].rank)
+        if catching:
+            logger.info(
+                "rank(s) %s catch %s: waiting up to %g s for them to end",
+                catching,
+                signal.Signals(signum).name,
+                self.grace_period,
+            )
+
+    @property
+    def finished(self) -> bool:
+        """True once every rank ended (or outlived SIGKILL's wait): :meth:`outcome` is ready."""
+        return self._outcome is not None
+
+    def outcome(self) -> GroupOutcome:
+        """The group's outcome, with each rank's record and stacks read.
+
+        Raises:
+            RuntimeError: The group has not finished (see :attr:`finished`).
+        """
+        if self._outcome is None:
+            raise RuntimeError("the group has not finished: call advance() or run() first")
+        return self._outcome
 
     def run(self) -> GroupOutcome:
         """Waits until every rank ended, stopping them all after a failure.
@@ -551,58 +692,94 @@ class Supervisor:
         Returns:
             The group's outcome, with each rank's record and stacks read.
         """
+        while not self.finished:
+            wake_at = self.advance()
+            if not self.finished:
+                self._wait(wake_at)
+        return self.outcome()
+
+    def advance(self, now: float | None = None) -> float | None:
+        """One turn of :meth:`run`'s loop, without waiting.
+
+        Reads which ranks ended, forwards the signals :meth:`interrupt` recorded,
+        stops the group after a failure or at the timeout, sends SIGKILL once the
+        grace period is over, and runs the :meth:`add_timer` timers. A caller whose
+        loop owns the selector calls it whenever the loop wakes (a worker's exit
+        descriptor is registered on the selector with no callback: it only wakes the
+        loop) and by the time it returns. Workers are all added before the first call.
+
+        Args:
+            now: The monotonic time; by default read here.
+
+        Returns:
+            The monotonic time by which it needs its next call, or None when only a
+            ready descriptor needs one (or the group has finished: :attr:`finished`).
+        """
+        if self._outcome is not None:
+            return None
         if self._deadline is None and self.timeout is not None:
             self._deadline = time.monotonic() + self.timeout
         deadline = self._deadline
-        while True:
-            self._poll()
-            self._take_signals()
-            now = time.monotonic()
-            if self._status is None and any(o.status == "failed" for o in self.outcomes):
-                self._status = "failed"
-                self._stop_at = now + self.report_window
-            if self._status is None and deadline is not None and now >= deadline:
-                self._status = "timed_out"
-                self._stop_at = now
-            if (
-                self._kill_at is None
-                and self._stop_at is not None
-                and (now >= self._stop_at or (deadline is not None and now >= deadline))
-                and self._live()
+        # Signals first: a rank that dies of the signal meanwhile counts as stopped.
+        self._take_signals()
+        self._poll()
+        now = time.monotonic() if now is None else now
+        failed = [o for o in self.outcomes if o.status == "failed"]
+        if self._status is None and failed:
+            self._status = "failed"
+            window = self.report_window
+            if all(
+                o.returncode is not None and -o.returncode in OUTSIDE_STOP_SIGNALS for o in failed
             ):
-                self.dump_stacks()
-                self._poll()
-                self._stop(signal.SIGTERM)
-                self._kill_at = time.monotonic() + self.grace_period
-            live = self._live()
-            if not live:
-                break
-            now = time.monotonic()
-            if self._kill_at is not None and now >= self._kill_at and self._give_up_at is None:
-                logger.info("grace period over: SIGKILL to %d rank(s)", len(live))
-                self._stop(signal.SIGKILL)
-                self._give_up_at = now + KILL_WAIT_SECONDS
-            if self._give_up_at is not None and now >= self._give_up_at:
-                break
-            wake_points = [
-                t
-                for t in (
-                    deadline if self._status is None else None,
-                    self._stop_at if self._kill_at is None else None,
-                    self._kill_at,
-                    self._give_up_at,
-                )
-                if t is not None and t > now
-            ]
-            for due in self._timers:
-                when = due(now)
-                if when is not None:
-                    wake_points.append(max(when, now))
-            # The exit of a worker without a descriptor is not watched: poll it now and then.
-            if len(self._exit_fds) < len(live):
-                wake_points.append(now + _POLL_SECONDS)
-            self._wait(min(wake_points) if wake_points else None)
-        outcome = GroupOutcome(
+                # Perhaps the scheduler's signal, whose copy to the caller is on its way.
+                window = max(window, SIGNAL_RACE_SECONDS)
+            self._stop_at = now + window
+        if self._status is None and deadline is not None and now >= deadline:
+            self._status = "timed_out"
+            self._stop_at = now
+        if (
+            self._kill_at is None
+            and self._stop_at is not None
+            and (now >= self._stop_at or (deadline is not None and now >= deadline))
+            and self._live()
+        ):
+            self.dump_stacks()
+            self._poll()
+            self._stop(signal.SIGTERM)
+            self._kill_at = time.monotonic() + self.grace_period
+        live = self._live()
+        if not live:
+            self._finish()
+            return None
+        now = time.monotonic()
+        if self._kill_at is not None and now >= self._kill_at and self._give_up_at is None:
+            logger.info("grace period over: SIGKILL to %d rank(s)", len(live))
+            self._stop(signal.SIGKILL)
+            self._give_up_at = now + KILL_WAIT_SECONDS
+        if self._give_up_at is not None and now >= self._give_up_at:
+            self._finish()
+            return None
+        wake_points = [
+            t
+            for t in (
+                deadline if self._status is None else None,
+                self._stop_at if self._kill_at is None else None,
+                self._kill_at,
+                self._give_up_at,
+            )
+            if t is not None and t > now
+        ]
+        for due in self._timers:
+            when = due(now)
+            if when is not None:
+                wake_points.append(max(when, now))
+        # The exit of a worker without a descriptor is not watched: poll it now and then.
+        if len(self._exit_fds) < len(live):
+            wake_points.append(now + _POLL_SECONDS)
+        return min(wake_points) if wake_points else None
+
+    def _finish(self) -> None:
+        self._outcome = GroupOutcome(
             status=self._status or "succeeded",
             ranks=self.outcomes,
             signum=self._signum,
@@ -610,7 +787,6 @@ class Supervisor:
             unkillable=[self.workers[i].rank for i in self._live()],
         )
         self._read_records()
-        return outcome
 
     def _read_records(self) -> None:
         for outcome in self.outcomes:

@@ -11,6 +11,7 @@ from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
 from dist_launch.errors import LaunchError
+from dist_launch.exit_codes import ExitCode
 from dist_launch.in_worker.beacon import report_progress
 
 if TYPE_CHECKING:
@@ -50,4 +51,11 @@ def __dir__() -> list[str]:
     return sorted({*globals(), *_LAZY, "__version__"})
 
 
-__all__ = ["LaunchError", "__version__", "init_and_run", "launch_subprocesses", "report_progress"]
+__all__ = [
+    "ExitCode",
+    "LaunchError",
+    "__version__",
+    "init_and_run",
+    "launch_subprocesses",
+    "report_progress",
+]

@@ -1,8 +1,10 @@
-"""The agent: rendezvous, one local worker group per round, restarts within a budget.
+"""The agent: rendezvous, one :class:`~dist_launch.agent.round.Round` at a time, restarts.
 
-One agent runs per node (one ``dist-launch`` process). Each round it joins the
-rendezvous (:mod:`dist_launch.rendezvous.protocol`), runs this node's workers
-(:class:`~dist_launch.agent.local_group.LocalGroup`) until they end, and then:
+One agent runs per node (one ``dist-launch`` process). It joins the rendezvous
+(:mod:`dist_launch.rendezvous.protocol`), runs one round of this node's workers
+(:class:`~dist_launch.agent.round.Round`, which returns one
+:class:`~dist_launch.agent.round.RoundResult`), asks the pure
+:func:`~dist_launch.agent.next_step.decide_next` what comes next, and carries it out:
 
 - all succeeded: waits for the other nodes (c10d: the exit barrier) and exits 0;
 - one failed: with c10d the failure is shared with every node and counted once for the
@@ -18,13 +20,19 @@ rendezvous (:mod:`dist_launch.rendezvous.protocol`), runs this node's workers
   (:mod:`dist_launch.diagnostics.hang_report`), and the hang counts against ``--max-restarts`` as
   a failure does; past the budget the run ends ``hung``;
 - a handled signal (``--signals-to-handle``) stops the workers with that signal and
-  closes the rendezvous; ``SIGQUIT`` prints every rank's stack and stops nothing.
+  closes the rendezvous: sent to each worker once, or not at all when it reached
+  every process of the job already (a scheduler's stop, seen by the
+  :class:`~dist_launch.workers.signal_witness.SignalWitness`), then the grace period
+  for checkpoints; ``--signals-to-forward`` signals are passed on to every worker the
+  same way, stopping nothing; ``SIGQUIT`` prints every rank's stack and stops nothing;
+  ``SIGWINCH`` resizes the workers' terminals.
 
 The agent works through the :class:`~dist_launch.rendezvous.protocol.Rendezvous` interface
 alone: which backend forms the rounds is decided once, by
 :func:`~dist_launch.rendezvous.factory.open_rendezvous`. Whatever ends the run becomes
 a :class:`~dist_launch.agent.run_outcome.RunOutcome`, printed and turned into the exit
-status in one place (:func:`~dist_launch.agent.run_outcome.report_run_outcome`).
+status in one place (:func:`~dist_launch.agent.run_outcome.report_run_outcome`). Every
+wait is served by the launcher's one :class:`~dist_launch.agent.event_loop.EventLoop`.
 
 The fork server is started once and kept warm across rounds, so a restart pays for the
 script's own start-up but not for a new ``import torch``.
@@ -32,62 +40,52 @@ script's own start-up but not for a new ``import torch``.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import re
-import selectors
 import signal
 import socket
 import sys
 import time
-from dataclasses import replace
+from pathlib import Path
+from typing import Any
 
-from dist_core.supervisor import GroupOutcome, Supervisor
-from dist_launch.agent.background_call import BackgroundCall
-from dist_launch.agent.local_group import LocalGroup
-from dist_launch.agent.run_outcome import HANG_EXIT_STATUS, RunOutcome, report_run_outcome
+from dist_launch.agent.event_loop import EventLoop, Pending
+from dist_launch.agent.next_step import (
+    Action,
+    CountFailure,
+    End,
+    ExitBarrier,
+    JobClosed,
+    Rejoin,
+    ReplacePort,
+    Restart,
+    decide_after_count,
+    decide_next,
+    needs_membership,
+)
+from dist_launch.agent.round import Round, RoundContext
+from dist_launch.agent.run_outcome import RunOutcome, error_file_fields, report_run_outcome
 from dist_launch.agent.signal_inbox import DUMP_SIGNAL, SignalInbox
-from dist_launch.diagnostics.hang_report import HangReport
-from dist_launch.output.log_layout import LogLayout
+from dist_launch.diagnostics.failure_class import Fingerprint
+from dist_launch.exit_codes import ExitCode
+from dist_launch.output.log_layout import LogLayout, write_torch_error_file
 from dist_launch.plan.launch_plan import LaunchPlan, describe_sources
 from dist_launch.rendezvous.factory import open_rendezvous
-from dist_launch.rendezvous.protocol import (
-    Assignment,
-    FailureRecord,
-    Rendezvous,
-    RendezvousUsageError,
-    RoundChange,
-)
+from dist_launch.rendezvous.protocol import Assignment, Rendezvous, RendezvousUsageError
 from dist_launch.watch.file_timer import FileTimerWatch, file_timer_requested
 from dist_launch.workers.environment import node_environment
 from dist_launch.workers.fork_server_client import ForkServerClient, start_fork_server
+from dist_launch.workers.signal_witness import SignalWitness
 
 logger = logging.getLogger(__name__)
 
 PROG = "dist-launch"
-# How many times an automatically chosen master port that turned out taken is replaced.
-PORT_RETRIES = 3
-_ADDRESS_IN_USE = re.compile(r"EADDRINUSE|address already in use", re.IGNORECASE)
-# The restart line, by whose budget --max-restarts is (see RestartScope).
-_RESTARTING = {
-    "node": "restarting the local worker group (restart %d of %d) after: %s",
-    "job": "restarting the job (restart %d of %d, job-wide) after: %s",
-}
+# The launcher's terminal was resized: the workers' pseudo-terminals follow.
+RESIZE_SIGNAL = signal.SIGWINCH
 
 
 def _say(message: str) -> None:
     print(f"{PROG}: {message}", file=sys.stderr, flush=True)
-
-
-def _address_in_use(outcome: GroupOutcome) -> bool:
-    """True when the root cause's traceback says its master port was taken."""
-    root = outcome.root_cause
-    return (
-        root is not None
-        and root.record is not None
-        and _ADDRESS_IN_USE.search(root.record.traceback) is not None
-    )
 
 
 class Agent:
@@ -97,121 +95,143 @@ class Agent:
         self,
         plan: LaunchPlan,
         *,
-        selector: selectors.BaseSelector | None = None,
+        loop: EventLoop | None = None,
         fork_server: ForkServerClient | None = None,
     ) -> None:
         self.plan = plan
-        self.selector = selector if selector is not None else selectors.DefaultSelector()
+        # The one loop of the launcher: the CLI makes it first, for the fork server.
+        self.loop = loop if loop is not None else EventLoop()
         # Started by the caller before it imported this module, when it could: the fork
         # server's import of torch is the longest step of a start.
         self._fork_server = fork_server
         self._rdzv: Rendezvous | None = None
         self.inbox: SignalInbox | None = None
-        self._supervisor: Supervisor | None = None
+        self._round: Round | None = None  # the round in progress
         self._interrupted: int | None = None  # the first stopping signal received
-        self._change: RoundChange | None = None  # why the rendezvous asked for a new round
-        self._change_read, self._change_write = os.pipe()
-        os.set_blocking(self._change_read, False)
         self._timers: FileTimerWatch | None = None  # torch elastic's timer server
-        self._longest_quiet = 0.0  # what --hang-timeout auto learned, over every round
+        self._witness: SignalWitness | None = None  # which signals reached the workers
+        self.layout: LogLayout | None = None
+        # torchrun's parent-facing error file: where this launcher reports its own end.
+        self._error_file = os.environ.get("TORCHELASTIC_ERROR_FILE") or None
 
-    # -- events ---------------------------------------------------------------------
-
-    def _received(self) -> int | None:
-        """The first stopping signal received (set by the signal callback)."""
-        return self._interrupted
-
-    def _rendezvous_change(self) -> RoundChange | None:
-        """Why the rendezvous asked for a new round (set by the watcher thread)."""
-        return self._change
-
-    def _set_supervisor(self, supervisor: Supervisor | None) -> None:
-        self._supervisor = supervisor
-        if supervisor is not None and self._interrupted is not None:
-            supervisor.interrupt(self._interrupted)
+    # -- signals ----------------------------------------------------------------------
 
     def _on_signal(self) -> None:
         assert self.inbox is not None
         for signum in self.inbox.take():
             if signum == DUMP_SIGNAL:
                 self._dump_stacks()
-                continue
-            if self._interrupted is None:
-                self._interrupted = signum
-            if self._supervisor is not None:
-                self._supervisor.interrupt(signum)
+            elif signum == RESIZE_SIGNAL:
+                if self._round is not None:
+                    self._round.resize()
+            elif signum in self.plan.signals_to_forward:
+                self._forward(signum)
+            else:
+                delivered = self._reached_the_workers(signum)
+                if self._interrupted is None:
+                    self._interrupted = signum
+                if self._round is not None:
+                    self._round.interrupt(signum, delivered=delivered)
+
+    def _reached_the_workers(self, signum: int) -> bool:
+        """Whether ``signum`` was sent to every process of the job, the workers included.
+
+        The witness, placed as a worker is, says so (waiting a moment for its copy).
+        """
+        if self._witness is None or not self._witness.saw(signum):
+            return False
+        logger.info(
+            "%s reached every process of the job, the workers too: not sent again",
+            signal.Signals(signum).name,
+        )
+        return True
+
+    def _forward(self, signum: int) -> None:
+        """A --signals-to-forward signal: every worker gets it once; nothing stops."""
+        if self._reached_the_workers(signum):
+            return
+        name = signal.Signals(signum).name
+        ranks = [] if self._round is None else self._round.notify(signum)
+        if ranks:
+            logger.info("passed %s on to rank(s) %s", name, ranks)
+        else:
+            logger.info("%s: no workers are running; not passed on", name)
+
+    def _received(self) -> int | None:
+        """The first stopping signal received (set by the signal callback, on the loop)."""
+        return self._interrupted
 
     def _dump_stacks(self) -> None:
-        supervisor = self._supervisor
-        if supervisor is None:
+        text = None if self._round is None else self._round.dump_stacks()
+        if text is None:
             _say("SIGQUIT: no workers are running")
-            return
-        from dist_launch.diagnostics.stacks import format_stack_dump  # noqa: PLC0415
+        else:
+            print(text, file=sys.stderr, flush=True)
 
-        supervisor.dump_stacks()
-        print(
-            format_stack_dump(supervisor.outcomes, "SIGQUIT; nothing stopped"),
-            file=sys.stderr,
-            flush=True,
-        )
+    def _wait_for(self, pending: Pending[Any]) -> bool:
+        """Serves signals until ``pending`` is done; False when interrupted first."""
+        self.loop.run_until(lambda: pending.done or self._interrupted is not None)
+        return pending.done
 
-    def _on_change(self, why: RoundChange) -> None:
-        """From the watcher thread: wake the main loop through a pipe."""
-        self._change = why
-        with contextlib.suppress(OSError):
-            os.write(self._change_write, b"x")
-
-    def _on_change_readable(self) -> None:
-        with contextlib.suppress(OSError):
-            os.read(self._change_read, 4096)
-        if self._supervisor is not None and self._change is not None:
-            self._supervisor.interrupt(signal.SIGTERM)
-
-    # -- the run --------------------------------------------------------------------
-
-    def _wait_for(self, background: BackgroundCall) -> bool:
-        """Serves signals until ``background`` finished; False when interrupted first."""
-        while not background.done:
-            if self._interrupted is not None:
-                return False
-            for key, _ in self.selector.select(None):
-                if callable(key.data):
-                    key.data()
-        return True
+    # -- the run ----------------------------------------------------------------------
 
     def run(self) -> int:
         """Runs the job, reports how it ended; returns the exit status."""
         plan = self.plan
         logger.info("%s", describe_sources(plan))
-        self.inbox = SignalInbox((*plan.signals_to_handle, DUMP_SIGNAL))
-        self.selector.register(self.inbox.read_fd, selectors.EVENT_READ, self._on_signal)
-        self.selector.register(self._change_read, selectors.EVENT_READ, self._on_change_readable)
+        handled = (*plan.signals_to_handle, *plan.signals_to_forward, DUMP_SIGNAL)
+        self.inbox = SignalInbox((*handled, RESIZE_SIGNAL))
+        self.loop.watch(self.inbox.read_fd, self._on_signal)
+        self._witness = SignalWitness(handled)
         node_env = node_environment(plan, os.environ)
-        self.layout: LogLayout | None = None
         if plan.routing.needs_files(range(plan.nproc)):
             self.layout = LogLayout.create(plan.log_dir, plan.run_id)
             logger.info("logs of this run: %s", self.layout.run_dir)
         try:
             # Reported before the cleanup below, which may wait for a silent store.
-            return report_run_outcome(self._run(node_env), PROG)
+            outcome = self._run(node_env)
+            code = report_run_outcome(outcome, PROG)
+            self._write_error_files(outcome, code)
+            return code
         finally:
+            if self._witness is not None:
+                self._witness.close()
             if self._timers is not None:
                 self._timers.close()
             if self._fork_server is not None:
                 self._fork_server.close()
             if self._rdzv is not None:
                 self._rdzv.close()
+            self.loop.unwatch(self.inbox.read_fd)
             self.inbox.close()
-            self.selector.close()
-            for fd in (self._change_read, self._change_write):
-                with contextlib.suppress(OSError):
-                    os.close(fd)
+            self.loop.close()
+
+    def _write_error_files(self, outcome: RunOutcome, code: ExitCode) -> None:
+        """The run's error.json (in torch's format, with the exit code and its class).
+
+        Written for every ending but success: in ``--log-dir``'s run directory, and to
+        ``TORCHELASTIC_ERROR_FILE`` when the launcher's own environment names one.
+        """
+        if code == ExitCode.SUCCESS:
+            return
+        paths = [] if self.layout is None else [self.layout.run_dir / "error.json"]
+        if self._error_file is not None:
+            paths.append(Path(self._error_file))
+        message, traceback, timestamp = error_file_fields(outcome)
+        extra = {"exit_code": int(code), "exit_class": code.name}
+        for path in paths:
+            try:
+                write_torch_error_file(
+                    path, message=message, traceback=traceback, timestamp=timestamp, extra=extra
+                )
+            except OSError as error:
+                logger.warning("could not write %s: %s", path, error)
 
     def _run(self, node_env: dict[str, str]) -> RunOutcome:
         plan = self.plan
         # Connecting may wait for the endpoint's node (torch's read_timeout): on a
         # thread, so that Ctrl-C is served meanwhile.
-        connecting = BackgroundCall(self.selector, lambda: open_rendezvous(plan))
+        connecting = self.loop.call_in_thread(lambda: open_rendezvous(plan), "rendezvous-connect")
         if not self._wait_for(connecting):
             return self._interrupted_outcome(None)
         error = connecting.error
@@ -219,7 +239,7 @@ class Agent:
             return RunOutcome("usage", message=str(error))
         if error is not None:
             return RunOutcome("rendezvous_failed", message=f"error: {error}")
-        rdzv: Rendezvous = connecting.result
+        rdzv = connecting.result
         self._rdzv = rdzv
         if file_timer_requested(os.environ):
             try:
@@ -231,22 +251,27 @@ class Agent:
                     f"FileTimerServer could not be started: {error}",
                 )
         if self._fork_server is None:
-            self._fork_server = start_fork_server(plan, self.selector)
-        return self._rounds(rdzv, node_env, self._fork_server)
+            self._fork_server = start_fork_server(plan, self.loop)
+        context = RoundContext(
+            node_env,
+            self._fork_server,
+            self.layout,
+            self._timers,
+            deadline=None if plan.timeout is None else time.monotonic() + plan.timeout,
+        )
+        return self._rounds(rdzv, context)
 
-    def _interrupted_outcome(
-        self, rdzv: Rendezvous | None, group: GroupOutcome | None = None
-    ) -> RunOutcome:
+    def _interrupted_outcome(self, rdzv: Rendezvous | None) -> RunOutcome:
         signum = self._interrupted
         assert signum is not None
         if rdzv is not None:
             name = signal.Signals(signum).name
             rdzv.close_job(f"node {socket.gethostname()} was interrupted by {name}")
-        return RunOutcome("interrupted", group, signum=signum)
+        return RunOutcome("interrupted", signum=signum)
 
     def _join(self, rdzv: Rendezvous) -> Assignment | RunOutcome:
         """The next round's assignment, or how the run ended."""
-        joining = BackgroundCall(self.selector, rdzv.next_round)
+        joining = self.loop.call_in_thread(rdzv.next_round, "rendezvous-join")
         if not self._wait_for(joining):
             return self._interrupted_outcome(rdzv)
         error = joining.error
@@ -263,153 +288,82 @@ class Agent:
         assignment: Assignment = joining.result
         return assignment
 
-    def _rounds(
-        self, rdzv: Rendezvous, node_env: dict[str, str], fork_server: ForkServerClient | None
-    ) -> RunOutcome:
+    def _rounds(self, rdzv: Rendezvous, context: RoundContext) -> RunOutcome:
+        """Joins and runs rounds until one's next step ends the run."""
         plan = self.plan
-        deadline = None if plan.timeout is None else time.monotonic() + plan.timeout
         port_retries = 0
         attempt = 0
+        learned_quiet = 0.0
+        previous_failure: Fingerprint | None = None
         while True:
-            if self._received() is not None:
+            if self._interrupted is not None:
                 return self._interrupted_outcome(rdzv)
             joined = self._join(rdzv)
             if isinstance(joined, RunOutcome):
                 return joined
-            assignment = joined
-            self._change = None
-            watch = rdzv.watch(plan.monitor_interval, self._on_change)
-            board = (
-                rdzv.progress_board(plan.hang_policy.look_period)
-                if plan.hang_policy.enabled
-                else None
-            )
-            group = LocalGroup(
+            self._round = Round(
                 plan,
-                assignment,
-                node_env,
-                self.selector,
-                fork_server,
-                self._set_supervisor,
-                self.layout,
-                self._timers,
-                self._longest_quiet,
-                board,
+                joined,
+                rdzv,
+                context,
+                self.loop,
+                attempt=attempt,
+                learned_quiet=learned_quiet,
+                previous_failure=previous_failure,
             )
-            remaining = None if deadline is None else max(0.01, deadline - time.monotonic())
+            received = self._received()
+            if received is not None:  # with the join's end, in the same turn of the loop
+                self._round.interrupt(received)
             try:
-                outcome = group.run(attempt, remaining)
-            except (OSError, RuntimeError) as error:
-                return RunOutcome(
-                    "start_failed", message=f"error: could not start the workers: {error}"
-                )
+                result = self._round.run()
             finally:
-                watch.stop()
-                if board is not None:
-                    board.stop()
-                group.cleanup()
-                self._longest_quiet = group.watch.quiet.longest_quiet
+                self._round = None
             attempt += 1
-            if outcome.status == "succeeded":
-                rdzv.exit_barrier()
-                return RunOutcome("succeeded", outcome)
-            if self._received() is not None:
-                return self._interrupted_outcome(rdzv, outcome)
-            if group.hang is not None:
-                ended = self._after_hang(rdzv, assignment, outcome, group.hang)
-                if ended is not None:
-                    return ended
-                continue
-            change = self._rendezvous_change()
-            if change is not None and outcome.status == "interrupted":
-                if change.kind == "closed":
-                    reason = rdzv.closing_reason() or "no reason given"
-                    return RunOutcome(
-                        "closed", message=f"the job was closed by another node: {reason}"
-                    )
-                if change.kind == "unreachable":
-                    return RunOutcome(
-                        "rendezvous_failed", message=f"error: {change}; this node stops"
-                    )
-                logger.info("%s: stopping this node's workers to re-form the job", change)
-                continue
-            if outcome.status == "timed_out":
-                outcome.timeout = plan.timeout  # the job's, not this round's remainder
-                rdzv.close_job(f"node {assignment.group_rank} timed out (--timeout)")
-                return RunOutcome("timed_out", outcome)
-            if port_retries < PORT_RETRIES and _address_in_use(outcome):
+            learned_quiet = result.learned_quiet
+            if result.failure is not None:
+                previous_failure = result.failure.fingerprint
+            action = decide_next(
+                result,
+                interrupted=self._received(),
+                port_retries=port_retries,
+                membership_changing=needs_membership(result) and rdzv.membership_changing(),
+                node_rank=joined.group_rank,
+                host=socket.gethostname(),
+                max_restarts=plan.max_restarts,
+            )
+            if isinstance(action, ReplacePort):
                 replaced = rdzv.replace_master_port()
                 if replaced is not None:
                     port_retries += 1
                     logger.warning("master port %d was taken meanwhile; retrying on %d", *replaced)
                     continue
-            ended = self._after_failure(rdzv, assignment, outcome)
+                action = action.otherwise
+            ended = self.carry_out(action, rdzv)
             if ended is not None:
                 return ended
 
-    def _after_failure(
-        self, rdzv: Rendezvous, assignment: Assignment, outcome: GroupOutcome
-    ) -> RunOutcome | None:
-        """Counts the failure against the budget; None to restart, else how the run ended."""
-        record = FailureRecord.of_round(outcome, assignment.group_rank)
-        if record.consequence and rdzv.membership_changing():
-            # Peers went away because the job is re-forming (a node restarted or
-            # left); the node that failed first counts the failure, if it was one.
-            logger.info(
-                "this node's ranks lost their peers while the job re-forms; "
-                "rejoining (not counted as a restart)"
-            )
+    def carry_out(self, action: Action, rdzv: Rendezvous) -> RunOutcome | None:
+        """Does what ``action`` says; returns how the run ended, or None for the next round."""
+        if isinstance(action, CountFailure):
+            try:
+                count: Any = rdzv.count_failure(action.record)
+            except Exception as error:
+                count = error
+            action = decide_after_count(count, action.final, self.plan.max_restarts)
+        if isinstance(action, End):
+            if action.close_job is not None:
+                rdzv.close_job(action.close_job)
+            return action.outcome
+        if isinstance(action, ExitBarrier):
+            rdzv.exit_barrier()
+            return action.outcome
+        if isinstance(action, JobClosed):
+            reason = rdzv.closing_reason() or "no reason given"
+            return RunOutcome("closed", message=f"the job was closed by another node: {reason}")
+        if isinstance(action, Restart):
+            logger.warning("%s", action.message)
             return None
-        return self._count(rdzv, record, RunOutcome("failed", outcome))
-
-    def _after_hang(
-        self, rdzv: Rendezvous, assignment: Assignment, outcome: GroupOutcome, hang: HangReport
-    ) -> RunOutcome | None:
-        """Counts a hang as a failure; None to restart (after its report), else the end."""
-        # The odd rank out, else this node's first rank: the record names a rank.
-        odd = hang.odd_rank
-        if odd is None:
-            odd = min(hang.stacks, default=assignment.base_rank)
-        record = FailureRecord(
-            node=socket.gethostname(),
-            group_rank=assignment.group_rank,
-            rank=odd,
-            timestamp=time.time(),
-            summary=f"hang: {hang.summary}",
-            # Every rank here waits in the same place: the rank they wait for, if any
-            # node can name it, is another node's.
-            consequence=hang.odd_rank is None,
-        )
-        print(hang.format(PROG), file=sys.stderr, flush=True)
-        final = RunOutcome(
-            "hung",
-            outcome,
-            message=f"the group hung and no restart is left (--max-restarts "
-            f"{self.plan.max_restarts}): exit status {HANG_EXIT_STATUS}",
-        )
-        return self._count(rdzv, record, final)
-
-    def _count(
-        self, rdzv: Rendezvous, record: FailureRecord, final: RunOutcome
-    ) -> RunOutcome | None:
-        """Counts ``record`` against the budget; None to restart, else ``final``."""
-        plan = self.plan
-        try:
-            count = rdzv.count_failure(record)
-        except Exception as error:
-            return replace(
-                final, message=f"the rendezvous store is unreachable ({error}); cannot restart"
-            )
-        if count.restarts <= plan.max_restarts:
-            logger.warning(
-                _RESTARTING[count.scope], count.restarts, plan.max_restarts, count.first_failure
-            )
+        if isinstance(action, Rejoin):
+            logger.info("%s", action.reason)
             return None
-        if count.scope == "node":
-            return final
-        why = (
-            f"restart budget spent ({plan.max_restarts} job-wide); "
-            f"first failure: {count.first_failure}"
-        )
-        rdzv.close_job(why)
-        return replace(final, message=why)
+        raise AssertionError(f"unexpected action {action!r}")  # ReplacePort: _rounds' own

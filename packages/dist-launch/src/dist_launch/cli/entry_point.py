@@ -34,15 +34,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _ended_early("usage", f"error: {error}")
     # The fork server first: its import of torch is the longest step of a start, and
     # it runs while this process imports the rest of the launcher.
-    import selectors  # noqa: PLC0415
-
+    from dist_launch.agent.event_loop import EventLoop  # noqa: PLC0415
     from dist_launch.workers.fork_server_client import start_fork_server  # noqa: PLC0415
 
-    selector = selectors.DefaultSelector()
+    loop = EventLoop()
     try:
-        fork_server = start_fork_server(plan, selector)
+        fork_server = start_fork_server(plan, loop)
     except OSError as error:
+        loop.close()
         return _ended_early("start_failed", f"error: could not start the fork server: {error}")
     from dist_launch.agent.agent import Agent  # noqa: PLC0415 - after the fork server started
 
-    return Agent(plan, selector=selector, fork_server=fork_server).run()
+    return Agent(plan, loop=loop, fork_server=fork_server).run()

@@ -15,8 +15,9 @@ import argparse
 from collections.abc import Sequence
 from typing import Any
 
+from dist_launch.exit_codes import ExitCode
 from dist_launch.plan.build import build_plan
-from dist_launch.plan.hang_policy import AUTO_FACTOR, AUTO_FLOOR_SECONDS, HANG_EXIT_STATUS
+from dist_launch.plan.hang_policy import AUTO_FACTOR, AUTO_FLOOR_SECONDS
 from dist_launch.plan.launch_plan import LaunchPlan
 
 PROG = "dist-launch"
@@ -215,6 +216,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SIG,...",
     )
     value(
+        "signals_to_forward",
+        "signals passed on to every worker without stopping anything, e.g. SIGUSR1 for "
+        "SLURM's --signal=USR1@90 (default none; not one of --signals-to-handle)",
+        metavar="SIG,...",
+    )
+    value(
         "shutdown_timeout",
         "seconds between SIGTERM and SIGKILL when stopping workers (the same as --grace-period)",
         metavar="SECONDS",
@@ -233,8 +240,10 @@ def build_parser() -> argparse.ArgumentParser:
     # dist-launch's own.
     value(
         "grace_period",
-        "seconds between SIGTERM and SIGKILL to the other ranks after a "
-        "failure (default 5, or TORCH_ELASTIC_SHUTDOWN_TIMEOUT)",
+        "seconds between SIGTERM and SIGKILL, after a failure or a stop from outside: "
+        "a rank that handles SIGTERM has this long to checkpoint (default 25, below "
+        "SLURM's KillWait and Kubernetes' terminationGracePeriodSeconds; or "
+        "TORCH_ELASTIC_SHUTDOWN_TIMEOUT)",
         metavar="SECONDS",
     )
     value("timeout", "stop the job after this long, showing where each rank was", metavar="SECONDS")
@@ -243,10 +252,17 @@ def build_parser() -> argparse.ArgumentParser:
         "a job none of whose ranks on a node makes progress (a new Python stack, output, "
         "dist_launch.report_progress()) for this long is hung: every rank's stack is "
         "shown, the odd ranks named, then the group restarts (--max-restarts) or the "
-        f"launcher exits with status {HANG_EXIT_STATUS}. auto (the default): "
+        f"launcher exits with status {int(ExitCode.HUNG)}. auto (the default): "
         f"{AUTO_FACTOR:g} x the longest quiet interval seen, at least "
         f"{AUTO_FLOOR_SECONDS:g} s; off: never",
         metavar="SECONDS|auto|off",
+    )
+    value(
+        "slow_ranks",
+        "every SECONDS (default 60), name the ranks that enter collectives consistently "
+        "late, from torch's flight recorder: a warning on the launcher's log and a line "
+        "in slow_ranks.jsonl in the log directory; off: no report",
+        metavar="SECONDS|off",
     )
     value(
         "run_id", "TORCHELASTIC_RUN_ID (default: --rdzv-id, else random on one node)", metavar="ID"

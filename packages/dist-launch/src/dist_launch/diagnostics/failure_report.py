@@ -8,9 +8,7 @@ from collections.abc import Sequence
 
 from dist_core.supervisor import GroupOutcome, RankOutcome
 from dist_launch.diagnostics.stacks import format_stacks, without_launcher_frames
-
-# Exit status of a group stopped by --timeout, as coreutils' timeout(1) uses.
-TIMEOUT_EXIT_STATUS = 124
+from dist_launch.exit_codes import ExitCode
 
 
 def describe_returncode(returncode: int | None) -> str:
@@ -37,7 +35,7 @@ def group_exit_status(outcome: GroupOutcome) -> int:
     if outcome.status == "interrupted" and outcome.signum is not None:
         return 128 + outcome.signum
     if outcome.status == "timed_out":
-        return TIMEOUT_EXIT_STATUS
+        return ExitCode.TIMEOUT
     root = outcome.root_cause
     if root is None or root.returncode is None or root.returncode == 0:
         return 1

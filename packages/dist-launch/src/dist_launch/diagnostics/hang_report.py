@@ -1,12 +1,16 @@
 """The report of a hung group: where the ranks wait, and which ranks are elsewhere.
 
-The stacks are every rank's faulthandler dump (the SIGQUIT machinery), grouped by
-place in the code (:func:`dist_launch.diagnostics.stacks.group_stacks`). The largest group is what
-most ranks do, usually wait in a collective; the ranks outside it are named as the odd
-ones, since the odd rank out is usually the cause::
+The report starts with the verdict of the ranks' flight records, when there is one
+(:mod:`dist_launch.diagnostics.verdict`): the collective the ranks wait in and the
+ranks that never entered it. Then the stacks: every rank's faulthandler dump (the
+SIGQUIT machinery), grouped by place in the code
+(:func:`dist_launch.diagnostics.stacks.group_stacks`). The largest group is what most
+ranks do, usually wait in a collective; the ranks outside it are named as the odd ones,
+since the odd rank out is usually the cause::
 
-    dist-launch: hang: no rank on node n1 made progress for 3 s (--hang-timeout 3)
-    ranks 0-2 wait in all_reduce at train.py:12; rank 3 is elsewhere: train.py:9 in <module>
+    dist-launch: hang: rank 3 never entered all_reduce #6 on the default group; ...
+    dist-launch: hang on node n1 (node 0): no rank on this node made progress for 3 s ...
+      ranks 0-2 wait in all_reduce at train.py:12; rank 3 is elsewhere: train.py:9 in <module>
 
 Pure: a test passes stacks as text.
 """
@@ -16,6 +20,7 @@ from __future__ import annotations
 import textwrap
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from dist_launch.diagnostics.stacks import (
     format_rank_ranges,
@@ -23,6 +28,9 @@ from dist_launch.diagnostics.stacks import (
     group_stacks,
     main_thread_frames,
 )
+
+if TYPE_CHECKING:
+    from dist_launch.diagnostics.verdict import HangVerdict
 
 
 def describe_place(stack: str) -> str:
@@ -97,12 +105,15 @@ class HangReport:
         reason: Why the group counts as hung (``no rank on node n1 made progress for
             3 s (--hang-timeout 3)``, or an expired torch elastic timer).
         node: This node's host name and node rank, as the report names it.
-        stacks: Each running rank's stack when the hang was found.
+        stacks: Each running rank's stack on this node when the hang was found.
+        verdict: What the ranks' flight records say (every node's ranks, with c10d);
+            None when none were collected.
     """
 
     reason: str
     node: str
     stacks: Mapping[int, str] = field(default_factory=dict)
+    verdict: HangVerdict | None = None
 
     @property
     def summary(self) -> str:
@@ -119,8 +130,13 @@ class HangReport:
         return min(ranks[0] for ranks, _ in groups if ranks is not main[0])
 
     def format(self, launcher: str = "dist-launch") -> str:
-        """The report: the reason, the one-line summary, then the grouped stacks."""
-        lines = [f"{launcher}: hang on node {self.node}: {self.reason}", f"  {self.summary}"]
+        """The report: the verdict, the reason, the one-line summary, the grouped stacks."""
+        lines = (
+            []
+            if self.verdict is None
+            else [f"{launcher}: hang: {line}" for line in self.verdict.lines()]
+        )
+        lines += [f"{launcher}: hang on node {self.node}: {self.reason}", f"  {self.summary}"]
         if self.stacks:
             lines.append("stacks:")
             lines.append(textwrap.indent(format_stacks(self.stacks), "  "))

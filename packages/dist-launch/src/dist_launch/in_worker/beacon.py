@@ -19,7 +19,12 @@ A rank blocked in a collective, a ``sleep``, a lock or a queue keeps one stack a
 counters stand still; a rank inside one long native call (a matmul, a checkpoint
 write) also stands still until the call returns, which is why the timeout must be
 longer than the longest such call, or the script calls :func:`report_progress`.
-Standard library only: a worker must not pay for anything at start-up.
+
+The same thread answers the launcher's requests for the rank's collective records
+(``DIST_LAUNCH_REQUESTS``, a FIFO: :mod:`dist_launch.in_worker.records`): it waits on
+the FIFO between two looks, so a request is answered at once, also while the main
+thread is blocked in a collective. It runs when either is asked for. Standard library
+only: a worker must not pay for anything at start-up.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import select
 import signal
 import sys
 import threading
@@ -39,6 +45,12 @@ from dist_launch.in_worker.progress_file import (
     PROGRESS_PERIOD_VARIABLE,
     bump_counter,
     map_progress_file,
+)
+from dist_launch.in_worker.records import (
+    MAX_REQUEST_BYTES,
+    REQUESTS_VARIABLE,
+    answer,
+    parse_requests,
 )
 
 # The shared counters of this worker; None outside dist-launch (report_progress is then
@@ -118,52 +130,82 @@ class _PythonRunning:
 _FAULT_SIGNALS = {signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE, signal.SIGILL, signal.SIGTRAP}
 
 
-def _sample_main_thread(shared: mmap.mmap, period: float, main_id: int) -> None:
+def _answer_requests(fd: int, requests: str, rank: int) -> None:
+    """Answers every request waiting in the FIFO; a failed answer is the launcher's to see."""
+    with contextlib.suppress(BlockingIOError):
+        data = os.read(fd, MAX_REQUEST_BYTES)
+        for request in parse_requests(data):
+            with contextlib.suppress(Exception):  # the launcher reads no answer: it says so
+                answer(requests, rank, request)
+
+
+def _run_beacon(
+    shared: mmap.mmap | None,
+    period: float,
+    main_id: int,
+    requests: tuple[int, str] | None,
+    rank: int,
+) -> None:
     last: int | None = None
-    running = _PythonRunning(main_id)
+    running = _PythonRunning(main_id) if shared is not None else None
     wake = threading.Event()  # never set: a wait that sleeps without a busy loop
     while True:
-        frame = sys._current_frames().get(main_id)
-        key = _stack_key(frame)
-        del frame  # hold no frame between looks: it would keep the frame's locals alive
-        if running.since_last_look() or key != last:
-            last = key
-            bump_counter(shared, 0)
-        wake.wait(period)
+        if shared is not None and running is not None:
+            frame = sys._current_frames().get(main_id)
+            key = _stack_key(frame)
+            del frame  # hold no frame between looks: it would keep the frame's locals alive
+            if running.since_last_look() or key != last:
+                last = key
+                bump_counter(shared, 0)
+        if requests is None:
+            wake.wait(period)
+            continue
+        fd, path = requests
+        ready, _, _ = select.select([fd], [], [], period if shared is not None else None)
+        if ready:
+            _answer_requests(fd, path, rank)
 
 
 def start_progress_beacon(environ: dict[str, str] | None = None) -> bool:
-    """Starts the stack sampler of this worker when the launcher asked for one.
+    """Starts this worker's beacon thread when the launcher asked for one.
 
-    Reads (and removes from the environment, so that grandchildren do not inherit it)
-    ``DIST_LAUNCH_PROGRESS_FILE`` and ``DIST_LAUNCH_PROGRESS_PERIOD``.
+    Reads (and removes from the environment, so that grandchildren do not inherit them)
+    ``DIST_LAUNCH_PROGRESS_FILE``, ``DIST_LAUNCH_PROGRESS_PERIOD`` and
+    ``DIST_LAUNCH_REQUESTS``; reads ``RANK``.
 
     Returns:
-        True when a sampler was started.
+        True when a beacon was started.
     """
     global _shared
     env = os.environ if environ is None else environ
     path = env.pop(PROGRESS_FILE_VARIABLE, None)
     period = float(env.pop(PROGRESS_PERIOD_VARIABLE, "0.5") or "0.5")
-    if not path:
+    requests_path = env.pop(REQUESTS_VARIABLE, None)
+    rank = int(env.get("RANK", "0") or "0")
+    if path:
+        with contextlib.suppress(OSError):
+            _shared = map_progress_file(path)
+    requests: tuple[int, str] | None = None
+    if requests_path:
+        with contextlib.suppress(OSError):
+            # Read and write: the FIFO always has a writer, so it never reads as ended.
+            flags = os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC
+            requests = (os.open(requests_path, flags), requests_path)
+    if _shared is None and requests is None:
         return False
-    with contextlib.suppress(OSError):
-        _shared = map_progress_file(path)
-    if _shared is None:
-        return False
-    sampler = threading.Thread(
-        target=_sample_main_thread,
-        args=(_shared, period, threading.main_thread().ident),
+    beacon = threading.Thread(
+        target=_run_beacon,
+        args=(_shared, period, threading.main_thread().ident, requests, rank),
         name="dist-launch-progress",
         daemon=True,
     )
     # A signal sent to the process goes to any thread that does not block it. The
     # script knows only its own threads: one that blocks a signal in them to wait for
-    # it (sigwait, sigtimedwait) would lose it to the sampler. A thread inherits its
-    # creator's mask, so the sampler blocks them from its first instruction.
+    # it (sigwait, sigtimedwait) would lose it to the beacon. A thread inherits its
+    # creator's mask, so the beacon blocks them from its first instruction.
     unblocked = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals() - _FAULT_SIGNALS)
     try:
-        sampler.start()
+        beacon.start()
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, unblocked)
     return True

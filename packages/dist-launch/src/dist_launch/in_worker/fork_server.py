@@ -11,6 +11,15 @@ bootstrap arguments) with the worker's stdout and stderr pipes attached
 ``{"rank": r, "pid": p}``, and ``{"rank": r, "exit": status}`` when it reaps the
 worker (``-N`` for signal N). The server dies with the launcher (parent-death
 signal), and each worker dies with the server, so the chain holds under SIGKILL.
+
+The server ignores the signals the outside world sends every process of a job
+(:data:`OUTSIDE_SIGNALS` and the launcher's ``--signals-to-forward``, named in
+:data:`FORWARDED_VARIABLE`): ``scancel``, a SLURM time limit, systemd's control-group
+kill or ``kill -TERM -PGID`` reach it too, and a server dying of them would take every
+worker with it (their parent-death signal) before any could checkpoint. Only the
+launcher decides when workers stop. Each forked worker gets back the dispositions the
+server started with (a signal ignored from the start, as under ``nohup``, stays
+ignored).
 """
 
 from __future__ import annotations
@@ -34,6 +43,38 @@ DEFAULT_PRELOAD = "torch,torch.distributed"
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 # What `top` and `ps -o comm` show for the server (at most 15 bytes).
 SERVER_THREAD_NAME = "dist-launch-fs"
+# Signals a scheduler sends to every process of a job: the server ignores them.
+OUTSIDE_SIGNALS = (
+    signal.SIGTERM,
+    signal.SIGINT,
+    signal.SIGHUP,
+    signal.SIGQUIT,
+    signal.SIGUSR1,
+    signal.SIGUSR2,
+)
+# The launcher's --signals-to-forward (numbers, comma-separated), ignored too.
+FORWARDED_VARIABLE = "DIST_LAUNCH_FORWARDED_SIGNALS"
+
+SignalHandler = Any  # what signal.getsignal returns
+
+
+def ignore_outside_signals(forwarded: str) -> dict[int, SignalHandler]:
+    """Ignores :data:`OUTSIDE_SIGNALS` and ``forwarded``; returns what they were before.
+
+    Ignored, not blocked: a blocked signal would stay pending into every fork.
+    """
+    numbers = [*OUTSIDE_SIGNALS, *(int(n) for n in forwarded.split(",") if n.strip())]
+    before: dict[int, SignalHandler] = {}
+    for signum in dict.fromkeys(numbers):
+        before[signum] = signal.getsignal(signum)
+        signal.signal(signum, signal.SIG_IGN)
+    return before
+
+
+def restore_signals(before: dict[int, SignalHandler]) -> None:
+    """Puts back what :func:`ignore_outside_signals` replaced (in a forked worker)."""
+    for signum, handler in before.items():
+        signal.signal(signum, signal.SIG_DFL if handler is None else handler)
 
 
 def _send(sock: socket.socket, message: dict[str, Any]) -> None:
@@ -104,9 +145,11 @@ def _become_worker(
     fds: list[int],
     server_pid: int,
     imported_with: dict[str, str | None],
+    signals_before: dict[int, SignalHandler],
 ) -> NoReturn:
     from dist_launch.in_worker import bootstrap  # noqa: PLC0415 - preloaded before the fork
 
+    restore_signals(signals_before)
     with contextlib.suppress(OSError):
         os.setpgid(0, 0)  # its own group, so that stopping it reaches its children too
     os.dup2(fds[0], 1)
@@ -127,6 +170,7 @@ def _become_worker(
 
 def main() -> int:
     """Runs the server; in each forked worker, runs the worker's target instead."""
+    signals_before = ignore_outside_signals(os.environ.pop(FORWARDED_VARIABLE, ""))
     set_parent_death_signal(signal.SIGKILL)
     launcher = os.environ.get("DIST_LAUNCH_PARENT_PID", "")
     if launcher and os.getppid() != int(launcher):
@@ -146,7 +190,7 @@ def main() -> int:
     if got is None:
         return 0
     request, fds = got
-    _become_worker(request, fds, server_pid, imported_with)
+    _become_worker(request, fds, server_pid, imported_with, signals_before)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ import json
 import logging
 import os
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -124,7 +124,12 @@ class LogLayout:
 
 
 def write_torch_error_file(
-    path: str | os.PathLike[str], *, message: str, traceback: str, timestamp: float
+    path: str | os.PathLike[str],
+    *,
+    message: str,
+    traceback: str,
+    timestamp: float,
+    extra: Mapping[str, object] | None = None,
 ) -> None:
     """Writes a failure as torch's ``ErrorHandler.record_exception`` does, atomically.
 
@@ -137,13 +142,11 @@ def write_torch_error_file(
         message: One line naming the failure, ``"ValueError: bad lr"`` as torch writes it.
         traceback: The formatted traceback (torch's ``py_callstack``).
         timestamp: When the worker failed, seconds since the epoch.
+        extra: More ``extraInfo`` fields (the run's ``exit_code`` and ``exit_class``).
     """
-    record = {
-        "message": {
-            "message": message,
-            "extraInfo": {"py_callstack": traceback, "timestamp": str(int(timestamp))},
-        }
-    }
+    info: dict[str, object] = {"py_callstack": traceback, "timestamp": str(int(timestamp))}
+    info.update(extra or {})
+    record = {"message": {"message": message, "extraInfo": info}}
     target = Path(path)
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     try:

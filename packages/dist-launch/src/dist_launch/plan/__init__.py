@@ -1,1 +1,1 @@
-"""What one run does: its plan, resolved from flags, ``PET_*`` variables and SLURM."""
+"""What one run does: its plan, resolved from flags, ``PET_*``, SLURM and Kubernetes variables."""

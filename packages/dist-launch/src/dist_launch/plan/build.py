@@ -1,6 +1,7 @@
-"""What one ``dist-launch`` run does, resolved from flags, ``PET_*`` variables and SLURM.
+"""What one ``dist-launch`` run does, from flags, ``PET_*``, SLURM and Kubernetes variables.
 
-Each setting comes from the first of these that has it:
+Each setting comes from the first of these that has it (:mod:`dist_launch.plan.sources`
+reads each source; this module only validates and combines what they found):
 
 1. the command-line flag (either spelling, ``--nproc-per-node`` or ``--nproc_per_node``);
 2. its ``PET_<FLAG>`` variable (``PET_NPROC_PER_NODE``, ``PET_RDZV_ENDPOINT``, ...), as
@@ -11,7 +12,14 @@ Each setting comes from the first of these that has it:
    rendezvous endpoint) host from the first host of ``SLURM_JOB_NODELIST``, and its
    port from ``SLURM_JOB_ID`` (:func:`~dist_launch.plan.slurm.slurm_port`: dist-core's
    rule, the one ``DistEnv`` uses), so that two jobs sharing a node do not collide;
-4. the default, torchrun's except where this module says otherwise.
+4. in a Kubernetes pod, the node settings its operator's variables give
+   (:mod:`dist_launch.plan.kubernetes`: PyTorchJob, Indexed Job and JobSet,
+   LeaderWorkerSet; Trainer v2 sets ``PET_*``);
+5. the default, torchrun's except where this module says otherwise.
+
+In a requeued SLURM job, ``SLURM_RESTART_COUNT`` is where the workers'
+``TORCHELASTIC_RESTART_COUNT`` starts (``--max-restarts`` stays this launcher's budget:
+a requeue is usually a preemption, not a failure).
 
 :attr:`~dist_launch.plan.launch_plan.LaunchPlan.sources` records where each of the node
 settings came from; the launcher prints it in its first line.
@@ -20,144 +28,136 @@ settings came from; the launcher prints it in its first line.
 from __future__ import annotations
 
 import os
+import signal
 import uuid
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 from dist_launch.output.routing import OutputRouting, parse_local_ranks_filter
-from dist_launch.plan.hang_policy import DEFAULT_HANG_TIMEOUT, parse_hang_timeout
+from dist_launch.plan.hang_policy import HangPolicy, parse_hang_timeout
+from dist_launch.plan.kubernetes import check_kubernetes_settings, kubernetes_settings
 from dist_launch.plan.launch_plan import LaunchPlan, UsageError, WorkerTarget
-from dist_launch.plan.slurm import slurm_defaults
+from dist_launch.plan.slurm import slurm_restart_count, slurm_settings
+from dist_launch.plan.sources import Settings, default_settings, flag_settings, pet_settings
 from dist_launch.plan.values import (
+    DEFAULT_SLOW_RANKS_WINDOW,
     parse_int,
     parse_nnodes,
     parse_nproc,
     parse_positive_float,
     parse_rdzv_conf,
     parse_signals,
+    parse_slow_ranks,
 )
 
 RDZV_BACKENDS = ("static", "c10d")
-DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+# Seconds between SIGTERM and SIGKILL when nothing else says: time for a checkpoint,
+# below SLURM's KillWait and Kubernetes' terminationGracePeriodSeconds (30 s each, from
+# the same SIGTERM), leaving the launcher 5 s to reap, drain output, report and exit
+# before the scheduler's own SIGKILL. Ranks without a SIGTERM handler die at once.
+DEFAULT_GRACE_PERIOD = 25.0
 
 
 def _refuse(flag: str, reason: str) -> UsageError:
     return UsageError(f"{flag} is not supported: {reason}")
 
 
-def build_plan(
-    values: Mapping[str, object], environ: Mapping[str, str] | None = None
-) -> LaunchPlan:
-    """Resolves parsed flag values (None = not given) against ``PET_*`` and SLURM.
+@dataclass(frozen=True)
+class _Nodes:
+    """The node settings of a run, validated and combined."""
 
-    Args:
-        values: The parser's values by destination name; ``None`` where a flag was not
-            on the command line.
-        environ: The environment to read (``os.environ`` by default): ``PET_<FLAG>``
-            for every flag, the SLURM variables of :func:`slurm_defaults`, and
-            ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` and
-            ``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE`` as torchrun does.
+    min_nodes: int
+    max_nodes: int
+    node_rank: int
+    rdzv_backend: str
+    rdzv_endpoint: str
+    master_addr: str
+    master_port: int | None
+    standalone: bool
 
-    Raises:
-        UsageError: A value is malformed or out of range, or a flag cannot be honoured;
-            the message names the flag (and the variable it came from).
-    """
-    env = os.environ if environ is None else environ
-    slurm = slurm_defaults(env)
-    sources: dict[str, str] = {}
 
-    def get(name: str, default: str | None = None) -> str | None:
-        given = values.get(name)
-        if given is not None:
-            sources[name] = "flag"
-            return str(given)
-        variable = f"PET_{name.upper()}"
-        if env.get(variable):
-            sources[name] = variable
-            return env[variable]
-        if name in slurm:
-            value, source = slurm[name]
-            sources[name] = source
-            return value
-        sources[name] = "default"
-        return default
-
-    def flag(name: str) -> bool:
-        given = values.get(name)
-        if given:
-            return True
-        raw = env.get(f"PET_{name.upper()}", "0").strip()
-        return raw not in ("", "0", "false", "False")
-
-    standalone = flag("standalone")
-    min_nodes, max_nodes = parse_nnodes(get("nnodes", "1") or "1")
-    nproc = parse_nproc(get("nproc_per_node", "1") or "1")
-    rdzv_backend = (get("rdzv_backend", "static") or "static").strip().lower()
-    if rdzv_backend in ("etcd", "etcd-v2"):
+def _rdzv_backend(settings: Settings) -> str:
+    backend = settings.text("rdzv_backend").strip().lower()
+    if backend in ("etcd", "etcd-v2"):
         raise UsageError(
-            f"--rdzv-backend={rdzv_backend}: etcd rendezvous is deprecated in torch and not "
+            f"--rdzv-backend={backend}: etcd rendezvous is deprecated in torch and not "
             "supported; use --rdzv-backend c10d (an endpoint any node can reach) or static"
         )
-    if rdzv_backend not in RDZV_BACKENDS:
-        raise UsageError(
-            f"--rdzv-backend={rdzv_backend!r} is not one of {', '.join(RDZV_BACKENDS)}"
-        )
-    rdzv_endpoint = get("rdzv_endpoint", "") or ""
-    rdzv_id = get("rdzv_id", "none") or "none"
-    rdzv_conf = parse_rdzv_conf(get("rdzv_conf", "") or "")
-    node_rank = parse_int(get("node_rank", "0") or "0", "--node-rank", minimum=0)
-    master_addr = get("master_addr", "127.0.0.1") or "127.0.0.1"
-    raw_port = get("master_port")
-    master_port = None if raw_port is None else parse_int(raw_port, "--master-port", minimum=1)
-    if master_port is not None and master_port > 65535:
-        raise UsageError(f"--master-port={master_port} is not a TCP port (1-65535)")
+    if backend not in RDZV_BACKENDS:
+        raise UsageError(f"--rdzv-backend={backend!r} is not one of {', '.join(RDZV_BACKENDS)}")
+    return backend
+
+
+def _master_port(settings: Settings) -> int | None:
+    raw = settings.get("master_port")
+    port = None if raw is None else parse_int(raw, "--master-port", minimum=1)
+    if port is not None and port > 65535:
+        raise UsageError(f"--master-port={port} is not a TCP port (1-65535)")
+    return port
+
+
+def _nodes(
+    settings: Settings, slurm: Mapping[str, tuple[str, str]], sources: dict[str, str]
+) -> _Nodes:
+    """Node count, this node's rank, the rendezvous and the master; updates ``sources``."""
+    standalone = settings.switch("standalone")
+    min_nodes, max_nodes = parse_nnodes(settings.text("nnodes"))
+    backend = _rdzv_backend(settings)
+    endpoint = settings.text("rdzv_endpoint")
+    node_rank = parse_int(settings.text("node_rank"), "--node-rank", minimum=0)
+    master_addr = settings.text("master_addr")
+    master_port = _master_port(settings)
     if standalone:
         # torchrun --standalone: one node, its own rendezvous; the node flags are moot.
         min_nodes = max_nodes = 1
-        rdzv_backend, node_rank = "static", 0
-        rdzv_endpoint = ""
+        backend, node_rank, endpoint = "static", 0, ""
         sources["nnodes"] = sources["rdzv_backend"] = "--standalone"
-    if rdzv_backend == "static":
+    if backend == "static":
         # torchrun's static rendezvous waits for MAX nodes; MIN means nothing to it.
         min_nodes = max_nodes
         if node_rank >= min_nodes:
             raise UsageError(f"--node-rank={node_rank}: must lie in [0, --nnodes={min_nodes})")
-        if rdzv_endpoint and sources.get("master_addr") == "default":
+        if endpoint and settings.source("master_addr") == "default":
             # torchrun's static rendezvous serves its store at the endpoint, and its
             # workers get that address and port, on one node as on many.
-            host, _, port = rdzv_endpoint.rpartition(":")
+            host, _, port = endpoint.rpartition(":")
             master_addr = host or master_addr
             if port and master_port is None:
                 master_port = parse_int(port, "--rdzv-endpoint port")
                 sources["master_port"] = "--rdzv-endpoint"
-    elif not rdzv_endpoint:
-        if "master_addr" in slurm:
-            rdzv_endpoint = f"{slurm['master_addr'][0]}:{slurm['master_port'][0]}"
-            sources["rdzv_endpoint"] = "SLURM_JOB_NODELIST, SLURM_JOB_ID"
-        else:
+    elif not endpoint:
+        if "master_addr" not in slurm:
             raise UsageError(
                 "--rdzv-backend c10d needs --rdzv-endpoint HOST:PORT (the host of one node, "
                 "which serves the rendezvous store)"
             )
-    max_restarts = parse_int(get("max_restarts", "0") or "0", "--max-restarts", minimum=0)
-    monitor_interval = parse_positive_float(
-        get("monitor_interval", "0.1") or "0.1", "--monitor-interval"
+        endpoint = f"{slurm['master_addr'][0]}:{slurm['master_port'][0]}"
+        sources["rdzv_endpoint"] = "SLURM_JOB_NODELIST, SLURM_JOB_ID"
+    return _Nodes(
+        min_nodes, max_nodes, node_rank, backend, endpoint, master_addr, master_port, standalone
     )
-    start_method = (get("start_method", "forkserver") or "forkserver").strip()
-    if start_method not in ("forkserver", "spawn", "fork"):
-        raise UsageError(f"--start-method={start_method!r} is not one of forkserver, spawn, fork")
-    if start_method == "fork":
-        # The launcher never imports torch; forking it would give each worker torch's
-        # import to pay. Workers forked from the fork server are what fork means here.
-        start_method = "forkserver"
-    event_log_handler = get("event_log_handler", "null") or "null"
-    if event_log_handler != "null":
+
+
+def _start_method(settings: Settings) -> str:
+    method = settings.text("start_method").strip()
+    if method not in ("forkserver", "spawn", "fork"):
+        raise UsageError(f"--start-method={method!r} is not one of forkserver, spawn, fork")
+    # The launcher never imports torch; forking it would give each worker torch's
+    # import to pay. Workers forked from the fork server are what fork means here.
+    return "forkserver" if method == "fork" else method
+
+
+def _refuse_unsupported(values: Mapping[str, object], settings: Settings) -> None:
+    """Raises for a torchrun flag dist-launch cannot honour, saying what to use instead."""
+    handler = settings.text("event_log_handler")
+    if handler != "null":
         raise _refuse(
             "--event-log-handler",
-            f"{event_log_handler!r}: dist-launch has no event handler registry; its log "
+            f"{handler!r}: dist-launch has no event handler registry; its log "
             "lines and the error.json files under --log-dir carry the events",
         )
     for name in ("duplicate_stdout_filters", "duplicate_stderr_filters"):
-        if (get(name, "") or "").strip():
+        if settings.text(name).strip():
             raise _refuse(
                 "--" + name.replace("_", "-"),
                 "use --log-dir (every rank's full output) and grep the files",
@@ -172,83 +172,186 @@ def build_plan(
             "--numa-binding",
             "bind workers yourself (numactl in a --no-python wrapper) for now",
         )
-    module = flag("module")
-    no_python = flag("no_python")
-    run_path = flag("run_path")
-    if run_path:
+
+
+def _target(values: Mapping[str, object], settings: Settings) -> WorkerTarget:
+    module = settings.switch("module")
+    no_python = settings.switch("no_python")
+    if settings.switch("run_path"):
         no_python = False  # torchrun: --run-path takes precedence over --no-python
     if module and no_python:
         raise UsageError("--no-python and -m/--module exclude each other")
-    target_name = str(values["target"])
-    if not module and not no_python and not os.path.isfile(target_name):
-        raise UsageError(f"script {target_name!r} does not exist (use -m for a module name)")
+    name = str(values["target"])
+    if not module and not no_python and not os.path.isfile(name):
+        raise UsageError(f"script {name!r} does not exist (use -m for a module name)")
     raw_args = values.get("target_args") or []
     assert isinstance(raw_args, list)
-    target = WorkerTarget(target_name, tuple(str(a) for a in raw_args), module, no_python)
-    shutdown = get("shutdown_timeout")
-    grace_given = values.get("grace_period")
-    if grace_given is not None:
-        grace_period = parse_positive_float(str(grace_given), "--grace-period")
-    elif shutdown is not None:
-        grace_period = parse_positive_float(shutdown, "--shutdown-timeout")
-    elif env.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT"):
-        grace_period = parse_positive_float(
+    return WorkerTarget(name, tuple(str(a) for a in raw_args), module, no_python)
+
+
+def _grace_period(
+    values: Mapping[str, object], settings: Settings, env: Mapping[str, str]
+) -> float:
+    """``--grace-period`` > ``--shutdown-timeout`` (or its PET_) > torch elastic's variable."""
+    given = values.get("grace_period")
+    if given is not None:
+        return parse_positive_float(str(given), "--grace-period")
+    shutdown = settings.get("shutdown_timeout")
+    if shutdown is not None:
+        return parse_positive_float(shutdown, "--shutdown-timeout")
+    if env.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT"):
+        return parse_positive_float(
             env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"], "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
         )
-    else:
-        grace_period = 5.0
+    return DEFAULT_GRACE_PERIOD
+
+
+# Signals a worker cannot be sent to notify it: uncatchable, or the launcher's own.
+_NOT_FORWARDED: dict[int, str] = {
+    signal.SIGKILL: "it cannot be caught",
+    signal.SIGSTOP: "it cannot be caught",
+    signal.SIGCHLD: "the launcher learns of its workers' ends by it",
+    signal.SIGQUIT: "it dumps every rank's stack (stopping nothing)",
+    signal.SIGWINCH: "the workers' terminals follow the launcher's size by it",
+}
+
+
+def _signals(settings: Settings) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``--signals-to-handle`` and ``--signals-to-forward``; a signal is in one at most."""
+    handle = parse_signals(settings.text("signals_to_handle"))
+    forward = parse_signals(settings.text("signals_to_forward"), "--signals-to-forward")
+    for signum in forward:
+        name = signal.Signals(signum).name
+        if signum in _NOT_FORWARDED:
+            why = _NOT_FORWARDED[signum]
+            raise UsageError(f"--signals-to-forward: {name} cannot be forwarded: {why}")
+        if signum in handle:
+            raise UsageError(
+                f"--signals-to-forward: {name} is also in --signals-to-handle "
+                f"({settings.text('signals_to_handle')}), which stops the workers with it; "
+                "leave it out of one of the two"
+            )
+    return handle, forward
+
+
+def _hang_policy(settings: Settings) -> HangPolicy:
     try:
-        hang_policy = parse_hang_timeout(get("hang_timeout", DEFAULT_HANG_TIMEOUT) or "auto")
+        return parse_hang_timeout(settings.text("hang_timeout"))
     except ValueError as error:
-        source = sources.get("hang_timeout", "flag")
+        source = settings.source("hang_timeout")
         where = "" if source == "flag" else f" (from {source})"
         raise UsageError(f"{error}{where}") from None
-    raw_timeout = values.get("timeout")
-    timeout = None if raw_timeout is None else parse_positive_float(str(raw_timeout), "--timeout")
-    run_id = str(values.get("run_id") or "")
+
+
+def _slow_ranks(settings: Settings) -> float | None:
+    """The slow-rank report's window (``--slow-ranks``); None when off."""
+    given = settings.get("slow_ranks")
+    if given is None:
+        return DEFAULT_SLOW_RANKS_WINDOW
+    source = settings.source("slow_ranks")
+    where = "--slow-ranks" if source == "flag" else f"--slow-ranks (from {source})"
+    return parse_slow_ranks(given, where)
+
+
+def _run_and_rdzv_ids(
+    values: Mapping[str, object], settings: Settings, nodes: _Nodes
+) -> tuple[str, str]:
+    """``TORCHELASTIC_RUN_ID`` and the rendezvous id."""
+    rdzv_id = settings.text("rdzv_id")
+    run_id = str(values.get("run_id") or "") or (rdzv_id if rdzv_id != "none" else "")
     if not run_id:
-        run_id = rdzv_id if rdzv_id != "none" else ""
-    if not run_id:
-        run_id = uuid.uuid4().hex if max_nodes == 1 and not rdzv_endpoint else "none"
-    if rdzv_backend == "c10d" and rdzv_id == "none":
+        one_node = nodes.max_nodes == 1 and not nodes.rdzv_endpoint
+        run_id = uuid.uuid4().hex if one_node else "none"
+    if nodes.rdzv_backend == "c10d" and rdzv_id == "none":
         rdzv_id = run_id
-    log_dir = get("log_dir")
+    return run_id, rdzv_id
+
+
+def _routing(settings: Settings, env: Mapping[str, str]) -> OutputRouting:
     try:
-        routing = OutputRouting.for_flags(
-            get("redirects", "0") or "0",
-            get("tee", "0") or "0",
-            parse_local_ranks_filter(get("local_ranks_filter", "") or ""),
-            has_log_dir=log_dir is not None,
-            prefix_template=get("log_line_prefix_template")
+        return OutputRouting.for_flags(
+            settings.text("redirects"),
+            settings.text("tee"),
+            parse_local_ranks_filter(settings.text("local_ranks_filter")),
+            has_log_dir=settings.get("log_dir") is not None,
+            prefix_template=settings.get("log_line_prefix_template")
             or env.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"),
         )
     except ValueError as error:
         raise UsageError(str(error)) from None
+
+
+def build_plan(
+    values: Mapping[str, object], environ: Mapping[str, str] | None = None
+) -> LaunchPlan:
+    """Resolves parsed flag values (None = not given) against the environment's sources.
+
+    Args:
+        values: The parser's values by destination name; ``None`` where a flag was not
+            on the command line.
+        environ: The environment to read (``os.environ`` by default): ``PET_<FLAG>``
+            for every flag, the SLURM variables of
+            :func:`~dist_launch.plan.slurm.slurm_settings`, a pod's of
+            :func:`~dist_launch.plan.kubernetes.kubernetes_settings`, and
+            ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` and
+            ``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE`` as torchrun does.
+
+    Raises:
+        UsageError: A value is malformed or out of range, or a flag cannot be honoured;
+            the message names the flag (and the variable it came from).
+    """
+    env = os.environ if environ is None else environ
+    slurm = slurm_settings(env)
+    settings = Settings.merge(
+        flag_settings(values),
+        pet_settings(env),
+        slurm,
+        kubernetes_settings(env),
+        default_settings(),
+    )
+    check_kubernetes_settings(settings)
+    sources = settings.sources()
+    nodes = _nodes(settings, slurm, sources)
+    _refuse_unsupported(values, settings)
+    target = _target(values, settings)
+    raw_timeout = values.get("timeout")
+    run_id, rdzv_id = _run_and_rdzv_ids(values, settings, nodes)
+    handle, forward = _signals(settings)
+    restart_base = slurm_restart_count(env)
+    if restart_base:
+        sources["restart_base"] = "SLURM_RESTART_COUNT"
     return LaunchPlan(
         target=target,
-        nproc=nproc,
-        min_nodes=min_nodes,
-        max_nodes=max_nodes,
-        node_rank=node_rank,
-        rdzv_backend=rdzv_backend,
-        rdzv_endpoint=rdzv_endpoint,
+        nproc=parse_nproc(settings.text("nproc_per_node")),
+        min_nodes=nodes.min_nodes,
+        max_nodes=nodes.max_nodes,
+        node_rank=nodes.node_rank,
+        rdzv_backend=nodes.rdzv_backend,
+        rdzv_endpoint=nodes.rdzv_endpoint,
         rdzv_id=rdzv_id,
-        rdzv_conf=rdzv_conf,
-        master_addr=master_addr,
-        master_port=master_port,
-        local_addr=get("local_addr"),
-        max_restarts=max_restarts,
-        monitor_interval=monitor_interval,
-        start_method=start_method,
-        role=get("role", "default") or "default",
-        log_dir=log_dir,
-        routing=routing,
-        signals_to_handle=parse_signals(get("signals_to_handle", DEFAULT_SIGNALS) or ""),
-        grace_period=grace_period,
-        timeout=timeout,
+        rdzv_conf=parse_rdzv_conf(settings.text("rdzv_conf")),
+        master_addr=nodes.master_addr,
+        master_port=nodes.master_port,
+        local_addr=settings.get("local_addr"),
+        max_restarts=parse_int(settings.text("max_restarts"), "--max-restarts", minimum=0),
+        monitor_interval=parse_positive_float(
+            settings.text("monitor_interval"), "--monitor-interval"
+        ),
+        start_method=_start_method(settings),
+        role=settings.text("role"),
+        log_dir=settings.get("log_dir"),
+        routing=_routing(settings, env),
+        signals_to_handle=handle,
+        signals_to_forward=forward,
+        restart_base=restart_base,
+        grace_period=_grace_period(values, settings, env),
+        timeout=None
+        if raw_timeout is None
+        else parse_positive_float(str(raw_timeout), "--timeout"),
         run_id=run_id,
-        virtual_local_rank=flag("virtual_local_rank"),
-        standalone=standalone,
+        virtual_local_rank=settings.switch("virtual_local_rank"),
+        standalone=nodes.standalone,
         sources=sources,
-        hang_policy=hang_policy,
+        hang_policy=_hang_policy(settings),
+        slow_ranks=_slow_ranks(settings),
     )

@@ -20,10 +20,6 @@ from typing import Literal
 HangMode = Literal["off", "fixed", "auto"]
 
 DEFAULT_HANG_TIMEOUT = "auto"
-# The launcher's exit status after a hang with no restart left: not a crash's, so that a
-# scheduler can tell them apart (sysexits.h's EX_TEMPFAIL: a temporary failure, worth
-# a retry).
-HANG_EXIT_STATUS = 75
 # auto never calls a group hung before this many seconds without progress.
 AUTO_FLOOR_SECONDS = 300.0
 # auto's multiple of the longest quiet interval seen.

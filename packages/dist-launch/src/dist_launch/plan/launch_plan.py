@@ -69,6 +69,13 @@ class LaunchPlan:
     hang_policy: HangPolicy = field(
         default_factory=lambda: parse_hang_timeout(DEFAULT_HANG_TIMEOUT)
     )
+    # --signals-to-forward: passed on to every worker, stopping nothing.
+    signals_to_forward: tuple[int, ...] = ()
+    # Restarts before this launcher started (a requeued SLURM job's SLURM_RESTART_COUNT):
+    # the workers' TORCHELASTIC_RESTART_COUNT counts on from it.
+    restart_base: int = 0
+    # --slow-ranks: the slow-rank report's window in seconds; None when off.
+    slow_ranks: float | None = 60.0
 
     @property
     def nnodes(self) -> int:
@@ -110,4 +117,6 @@ def describe_sources(plan: LaunchPlan) -> str:
             f"master={plan.master_addr}:{port} ({s.get('master_addr', 'default')}; "
             f"port {s.get('master_port', 'default')})"
         )
+    if plan.restart_base:
+        parts.append(f"restarts so far={plan.restart_base} ({s.get('restart_base', 'default')})")
     return ", ".join(parts)

@@ -78,13 +78,34 @@ def parse_rdzv_conf(value: str) -> dict[str, str]:
     return conf
 
 
-def parse_signals(value: str) -> tuple[int, ...]:
-    """``SIGTERM,SIGINT,...`` as signal numbers."""
+def parse_signals(value: str, flag: str = "--signals-to-handle") -> tuple[int, ...]:
+    """``SIGTERM,SIGINT,...`` (or ``TERM,INT``) as signal numbers; an error names ``flag``."""
     numbers: list[int] = []
     for name in filter(None, (part.strip().upper() for part in value.split(","))):
         full = name if name.startswith("SIG") else f"SIG{name}"
         try:
             numbers.append(int(signal.Signals[full]))
         except KeyError:
-            raise UsageError(f"--signals-to-handle: {name!r} is not a signal name") from None
-    return tuple(numbers)
+            raise UsageError(f"{flag}: {name!r} is not a signal name") from None
+    return tuple(dict.fromkeys(numbers))
+
+
+# The slow-rank report's window unless --slow-ranks says otherwise.
+DEFAULT_SLOW_RANKS_WINDOW = 60.0
+MIN_SLOW_RANKS_WINDOW = 1.0
+
+
+def parse_slow_ranks(value: str, where: str = "--slow-ranks") -> float | None:
+    """``SECONDS`` (the report's window, at least 1) or ``off`` (None); names ``where``."""
+    text = value.strip().lower()
+    if text in ("off", "none", "0"):
+        return None
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise UsageError(f"{where}={value!r}: expected a number of seconds or 'off'") from None
+    if not MIN_SLOW_RANKS_WINDOW <= seconds < float("inf"):
+        raise UsageError(
+            f"{where}={value!r}: the window must be at least {MIN_SLOW_RANKS_WINDOW:g} s (or 'off')"
+        )
+    return seconds

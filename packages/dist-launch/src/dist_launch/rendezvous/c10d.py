@@ -29,8 +29,8 @@ from datetime import timedelta
 from typing import Any, Protocol
 
 from dist_launch.plan.launch_plan import LaunchPlan
+from dist_launch.rendezvous.job_board import JobBoard
 from dist_launch.rendezvous.membership_watch import MembershipWatch
-from dist_launch.rendezvous.progress_board import ProgressBoard
 from dist_launch.rendezvous.protocol import (
     Assignment,
     FailureCount,
@@ -382,12 +382,12 @@ class C10dRendezvous:
                 return bytes(self._job_store.get(key)).decode(errors="replace")
         return None
 
-    def progress_board(self, period: float) -> ProgressBoard | None:
-        """The round's progress board in its store; None for a round of one node."""
+    def job_board(self, period: float) -> JobBoard | None:
+        """The round's job board in its store; None for a round of one node."""
         assignment = self.assignment
         if self._round_store is None or assignment is None or assignment.group_world_size < 2:
             return None
-        return ProgressBoard(
+        return JobBoard(
             self._round_store, assignment.group_rank, assignment.group_world_size, period
         )
 

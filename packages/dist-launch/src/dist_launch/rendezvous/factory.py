@@ -4,20 +4,59 @@ from __future__ import annotations
 
 from dist_launch.plan.launch_plan import LaunchPlan
 from dist_launch.rendezvous.c10d import connect_c10d
-from dist_launch.rendezvous.protocol import Rendezvous
+from dist_launch.rendezvous.host_names import (
+    DEFAULT_JOIN_TIMEOUT,
+    is_literal_address,
+    wait_until_resolvable,
+)
+from dist_launch.rendezvous.protocol import Rendezvous, RendezvousUsageError
 from dist_launch.rendezvous.static import StaticRendezvous
+
+
+def rendezvous_host(plan: LaunchPlan) -> tuple[str, str]:
+    """The host every node must reach (c10d's endpoint, static's master) and its source."""
+    if not plan.elastic:
+        return plan.master_addr, plan.sources.get("master_addr", "default")
+    endpoint = plan.rdzv_endpoint
+    host, sep, port = endpoint.rpartition(":")
+    if is_literal_address(endpoint) or not sep or not port.isdigit():
+        host = endpoint  # no port, or an IPv6 address without one
+    return host.strip("[]"), plan.sources.get("rdzv_endpoint", "flag")
+
+
+def join_timeout(plan: LaunchPlan) -> float:
+    """``--rdzv-conf join_timeout`` (seconds), torchrun's 600 when not given.
+
+    Raises:
+        RendezvousUsageError: It is not a positive number.
+    """
+    raw = plan.rdzv_conf.get("join_timeout", str(DEFAULT_JOIN_TIMEOUT))
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = -1.0
+    if seconds <= 0:
+        raise RendezvousUsageError(f"--rdzv-conf join_timeout={raw}: not a positive number")
+    return seconds
 
 
 def open_rendezvous(plan: LaunchPlan) -> Rendezvous:
     """The plan's rendezvous, ready for its first round.
 
-    c10d imports torch and may wait for the endpoint's node (torch's
-    ``read_timeout``); the agent calls this on a thread.
+    First waits, up to ``join_timeout``, until the rendezvous host's name resolves (a
+    pod's headless-service record appears after the pod starts). c10d imports torch and
+    may wait for the endpoint's node (torch's ``read_timeout``); the agent calls this
+    on a thread.
 
     Raises:
-        RendezvousUsageError: A static job's master port is taken on node 0.
+        RendezvousUsageError: A static job's master port is taken on node 0, or the
+            join timeout is malformed.
+        UnresolvableHostError: The host's name did not resolve in time.
         Exception: torch's errors when the c10d store cannot be reached or served.
     """
+    host, source = rendezvous_host(plan)
+    if host:
+        wait_until_resolvable(host, source, join_timeout(plan))
     if plan.elastic:
         return connect_c10d(plan)
     return StaticRendezvous.open(plan)

@@ -24,7 +24,7 @@ from typing import Literal, Protocol
 
 from dist_core.supervisor import GroupOutcome
 from dist_launch.diagnostics.failure_report import one_line_cause
-from dist_launch.rendezvous.progress_board import ProgressBoard
+from dist_launch.rendezvous.job_board import JobBoard
 
 
 @dataclass(frozen=True)
@@ -166,11 +166,12 @@ class Rendezvous(Protocol):
     def closing_reason(self) -> str | None:
         """What the node that closed the job said, if one did."""
 
-    def progress_board(self, period: float) -> ProgressBoard | None:
-        """This round's job-wide progress board, exchanging every ``period`` seconds.
+    def job_board(self, period: float) -> JobBoard | None:
+        """This round's job board (progress, a hang's alarm, reports), every ``period`` s.
 
         None when the nodes share no store (static rendezvous) or the round has one
-        node: the hang watch then judges this node's ranks alone.
+        node: the hang watch then judges this node's ranks alone, and a hang's verdict
+        covers this node's ranks.
         """
 
     def exit_barrier(self) -> None:

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from dist_core.ports import DEFAULT_PORT, get_unused_port, port_is_free, release_port
 from dist_launch.plan.launch_plan import LaunchPlan
-from dist_launch.rendezvous.progress_board import ProgressBoard
+from dist_launch.rendezvous.job_board import JobBoard
 from dist_launch.rendezvous.protocol import (
     Assignment,
     FailureCount,
@@ -110,7 +110,7 @@ class StaticRendezvous:
         """None: no node can close a static job for the others."""
         return None
 
-    def progress_board(self, period: float) -> ProgressBoard | None:
+    def job_board(self, period: float) -> JobBoard | None:
         """None: static nodes share no store, each judges its own ranks."""
         return None
 

@@ -15,7 +15,6 @@ import contextlib
 import logging
 import mmap
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 from dist_launch.in_worker.progress_file import (
@@ -26,7 +25,7 @@ from dist_launch.in_worker.progress_file import (
     read_progress,
 )
 from dist_launch.plan.hang_policy import HangPolicy
-from dist_launch.rendezvous.progress_board import ProgressBoard
+from dist_launch.rendezvous.job_board import JobBoard
 from dist_launch.watch.file_timer import FileTimerWatch
 from dist_launch.watch.quiet_watch import QuietWatch
 
@@ -42,8 +41,8 @@ class HangWatch:
         node: How the report names this node (``host (node 1)``).
         timers: The torch elastic timer server, if one is served.
         longest_quiet: What ``auto`` learned in earlier rounds.
-        board: The job's progress board (several nodes sharing a store): progress
-            on another node counts here too.
+        board: The job board (several nodes sharing a store): progress on another
+            node counts here too, and a hang found there is one here.
     """
 
     def __init__(
@@ -53,7 +52,7 @@ class HangWatch:
         node: str,
         timers: FileTimerWatch | None = None,
         longest_quiet: float = 0.0,
-        board: ProgressBoard | None = None,
+        board: JobBoard | None = None,
     ) -> None:
         self.policy = policy
         self.run_dir = run_dir
@@ -61,7 +60,6 @@ class HangWatch:
         self.timers = timers
         self.board = board
         self.quiet = QuietWatch(policy, time.monotonic(), longest_quiet)
-        self.on_hang: Callable[[str], None] = lambda reason: None
         self.reason: str | None = None  # why the group was found hung, once it was
         self._shared: dict[int, mmap.mmap] = {}
         self._pids: dict[int, int] = {}  # pid -> rank
@@ -97,11 +95,12 @@ class HangWatch:
         """The launcher relayed output of some rank: progress."""
         self.quiet.progress(time.monotonic())
 
-    def _alarm(self, reason: str) -> None:
+    def _alarm(self, reason: str, *, tell_others: bool = True) -> None:
         if self.reason is None:
             self.reason = reason
             logger.debug("hang: %s", reason)
-            self.on_hang(reason)
+            if self.board is not None and tell_others:
+                self.board.raise_alarm(reason)
 
     def due(self, now: float) -> float | None:
         """The supervisor's timer: looks when a look is due; returns when the next one is."""
@@ -125,8 +124,8 @@ class HangWatch:
         for rank, shared in self._shared.items():
             with contextlib.suppress(ValueError, OSError):
                 self.quiet.saw(rank, read_progress(shared), now)
-        if self.board is not None:
-            self._share(now)
+        if self.board is not None and self._share(now):
+            return None  # another node found the job hung
         if self.quiet.hung(now):
             timeout = self.quiet.timeout()
             assert timeout is not None
@@ -140,9 +139,17 @@ class HangWatch:
             return None
         return self._next_look
 
-    def _share(self, now: float) -> None:
-        """Publishes this node's latest progress; takes a later one of another node."""
+    def _share(self, now: float) -> bool:
+        """Publishes this node's latest progress; takes a later one of another node.
+
+        Returns:
+            True when another node found the job hung (the alarm is raised here too).
+        """
         assert self.board is not None
+        elsewhere_alarm = self.board.alarm_elsewhere()
+        if elsewhere_alarm is not None:
+            self._alarm(f"the job was found hung on {elsewhere_alarm}", tell_others=False)
+            return True
         wall_now = time.time()
         self.board.publish(wall_now - self.quiet.quiet_for(now))
         elsewhere = self.board.latest_elsewhere()
@@ -150,6 +157,7 @@ class HangWatch:
             at = min(now, now - (wall_now - elsewhere))
             if at > self.quiet.last_progress:
                 self.quiet.progress(at)
+        return False
 
     def close(self) -> None:
         """Unmaps the progress files."""

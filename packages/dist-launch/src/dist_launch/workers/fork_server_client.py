@@ -7,16 +7,17 @@ several ranks share a few cores.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import selectors
 import signal
 import socket
 import subprocess
 import sys
-from typing import Any
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
+from dist_launch.in_worker.fork_server import FORWARDED_VARIABLE
 from dist_launch.in_worker.proctitle import TITLE_ROOM
 from dist_launch.plan.launch_plan import LaunchPlan, WorkerTarget
 from dist_launch.workers.terminals import PIPES_ONLY, WorkerTerminals, open_outputs
@@ -24,6 +25,19 @@ from dist_launch.workers.terminals import PIPES_ONLY, WorkerTerminals, open_outp
 # How long the server may take to fork one worker and reply (it may still be
 # importing torch when the first request arrives).
 REPLY_SECONDS = 120.0
+
+
+class Loop(Protocol):
+    """What the client needs of the launcher's event loop (:mod:`dist_launch.agent.event_loop`)."""
+
+    def watch(self, fd: int | socket.socket, callback: Callable[[], None] | None) -> None:
+        """Calls ``callback`` on the loop whenever ``fd`` is readable."""
+
+    def unwatch(self, fd: int | socket.socket) -> None:
+        """Stops watching ``fd``."""
+
+    def run_until(self, done: Callable[[], bool], deadline: float | None = None) -> bool:
+        """Serves the loop until ``done()``; False when ``deadline`` passed first."""
 
 
 class ForkedWorker:
@@ -58,14 +72,18 @@ class ForkedWorker:
 class ForkServerClient:
     """Starts the fork server and asks it for workers.
 
+    The server's messages (a worker's pid, its exit status) are read by the launcher's
+    event loop; :meth:`start` sends a request and returns at once, and
+    :meth:`wait_until_started` serves the loop until every pid arrived.
+
     Args:
         env: The server's environment (what every worker shares; read before torch's
             import, e.g. ``OMP_NUM_THREADS``).
-        selector: The supervisor's selector; the server's messages are read through it.
+        loop: The launcher's event loop.
     """
 
-    def __init__(self, env: dict[str, str], selector: selectors.BaseSelector) -> None:
-        self.selector = selector
+    def __init__(self, env: dict[str, str], loop: Loop) -> None:
+        self.loop = loop
         self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.workers: dict[int, ForkedWorker] = {}
         argv = [sys.executable, "-m", "dist_launch.in_worker.fork_server", str(theirs.fileno())]
@@ -83,8 +101,10 @@ class ForkServerClient:
             )
         finally:
             theirs.close()
-        selector.register(self._sock, selectors.EVENT_READ, self._on_readable)
+        self._sock.setblocking(False)
+        loop.watch(self._sock, self._on_readable)
         self._closed = False
+        self._gone = False
 
     def _handle(self, message: dict[str, Any]) -> None:
         worker = self.workers.get(int(message["rank"]))
@@ -109,8 +129,8 @@ class ForkServerClient:
 
     def _server_gone(self) -> None:
         # Workers die with the server (parent-death signal): report them as killed.
-        with contextlib.suppress(KeyError, ValueError):
-            self.selector.unregister(self._sock)
+        self._gone = True
+        self.loop.unwatch(self._sock)
         for worker in self.workers.values():
             if worker.status is None:
                 worker.status = -signal.SIGKILL
@@ -124,51 +144,66 @@ class ForkServerClient:
         node_rank: int,
         terminals: WorkerTerminals = PIPES_ONLY,
     ) -> tuple[ForkedWorker, int, int]:
-        """Forks one worker; returns it and the read ends of its stdout and stderr.
+        """Asks for one worker; returns it and the read ends of its stdout and stderr.
 
-        The worker's stdout and stderr are pipes, or pseudo-terminals where
-        ``terminals`` gives them a size (:mod:`dist_launch.workers.terminals`).
+        The worker's pid arrives later, through the loop (:meth:`wait_until_started`).
+        Its stdout and stderr are pipes, or pseudo-terminals where ``terminals`` gives
+        them a size (:mod:`dist_launch.workers.terminals`).
 
         Raises:
-            RuntimeError: The server died or did not answer in time.
+            RuntimeError: The server is gone.
         """
         (out_read, out_write), (err_read, err_write) = open_outputs(terminals)
         worker = ForkedWorker(rank, local_rank, node_rank)
         self.workers[rank] = worker
         request = {"rank": rank, "env": env, "cwd": os.getcwd(), "argv": target.bootstrap_argv()}
-        try:
-            socket.send_fds(self._sock, [json.dumps(request).encode()], [out_write, err_write])
-        except OSError as error:
-            raise RuntimeError(f"the dist-launch fork server is gone: {error}") from error
-        finally:
-            os.close(out_write)
-            os.close(err_write)
+        # Blocking, bounded: many requests may fill the socket's buffer while the server
+        # still imports torch (it reads them once it has).
         self._sock.settimeout(REPLY_SECONDS)
         try:
-            while worker.pid is None:
-                data = self._sock.recv(65536)
-                if not data:
-                    self._server_gone()
-                    raise RuntimeError(
-                        "the dist-launch fork server exited before starting rank "
-                        f"{rank} (exit status {self.process.poll()}); try --start-method spawn"
-                    )
-                self._handle(json.loads(data))
-        except TimeoutError as error:
-            raise RuntimeError(
-                f"the dist-launch fork server did not start rank {rank} within {REPLY_SECONDS:g} s"
-            ) from error
+            if self._gone:
+                raise OSError("it exited")
+            socket.send_fds(self._sock, [json.dumps(request).encode()], [out_write, err_write])
+        except OSError as error:
+            for fd in (out_read, err_read):
+                os.close(fd)
+            raise RuntimeError(f"the dist-launch fork server is gone: {error}") from error
         finally:
             self._sock.setblocking(False)
+            os.close(out_write)
+            os.close(err_write)
         return worker, out_read, err_read
+
+    def wait_until_started(self, workers: Sequence[ForkedWorker]) -> None:
+        """Serves the loop until the server told each worker's pid (at most REPLY_SECONDS).
+
+        Raises:
+            RuntimeError: The server died, or did not answer in time; names the rank.
+        """
+        deadline = time.monotonic() + REPLY_SECONDS
+        self.loop.run_until(
+            lambda: self._gone or all(worker.pid is not None for worker in workers), deadline
+        )
+        for worker in workers:
+            if worker.pid is not None:
+                continue
+            if self._gone:
+                raise RuntimeError(
+                    "the dist-launch fork server exited before starting rank "
+                    f"{worker.rank} (exit status {self.process.poll()}); "
+                    "try --start-method spawn"
+                )
+            raise RuntimeError(
+                f"the dist-launch fork server did not start rank {worker.rank} "
+                f"within {REPLY_SECONDS:g} s"
+            )
 
     def close(self) -> None:
         """Stops the server (its workers, if any are left, die with it)."""
         if self._closed:
             return
         self._closed = True
-        with contextlib.suppress(KeyError, ValueError):
-            self.selector.unregister(self._sock)
+        self.loop.unwatch(self._sock)
         self._sock.close()
         try:
             self.process.wait(5.0)
@@ -177,9 +212,7 @@ class ForkServerClient:
             self.process.wait(5.0)
 
 
-def start_fork_server(
-    plan: LaunchPlan, selector: selectors.BaseSelector
-) -> ForkServerClient | None:
+def start_fork_server(plan: LaunchPlan, loop: Loop) -> ForkServerClient | None:
     """The fork server of a run, started now; None when the plan starts no Python.
 
     Its environment is :func:`dist_launch.workers.environment.node_environment` of the
@@ -190,4 +223,6 @@ def start_fork_server(
         return None
     from dist_launch.workers.environment import node_environment  # noqa: PLC0415 - light
 
-    return ForkServerClient(node_environment(plan, os.environ), selector)
+    env = node_environment(plan, os.environ)
+    env[FORWARDED_VARIABLE] = ",".join(str(signum) for signum in plan.signals_to_forward)
+    return ForkServerClient(env, loop)

@@ -38,9 +38,7 @@ import os
 import signal
 import struct
 import termios
-import threading
 from dataclasses import dataclass
-from types import FrameType
 
 from dist_launch.output.routing import STREAMS, Stream
 
@@ -153,27 +151,22 @@ class _Followed:
 class WindowSizeFollower:
     """Keeps the workers' pseudo-terminals as wide as the launcher's terminal.
 
-    A context manager: from the first :meth:`add` to the end of the block,
-    ``SIGWINCH`` (the launcher's terminal was resized) sets each pseudo-terminal's size
-    anew and sends ``SIGWINCH`` to its worker's process group (workers run in their
-    own). It holds a copy of each launcher's end, closed when the block ends (a copy
-    does not delay the end of file, which comes when the worker's ends close). The
-    handler is installed only on the main thread (where Python allows it); elsewhere
-    the sizes stay as they were at the start.
+    A context manager: until the end of the block, :meth:`resize` (called when the
+    launcher receives ``SIGWINCH``: its terminal was resized) sets each followed
+    pseudo-terminal's size anew and sends ``SIGWINCH`` to its worker's process group
+    (workers run in their own). It holds a copy of each launcher's end, closed when
+    the block ends (a copy does not delay the end of file, which comes when the
+    worker's ends close). The launcher's signal inbox receives the signal
+    (:mod:`dist_launch.agent.signal_inbox`); this class installs no handler.
     """
 
     def __init__(self) -> None:
         self._followed: list[_Followed] = []
-        self._previous: signal._HANDLER = None
-        self._installed = False
 
     def __enter__(self) -> WindowSizeFollower:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        if self._installed:
-            signal.signal(signal.SIGWINCH, self._previous or signal.SIG_DFL)
-            self._installed = False
         for item in self._followed:
             os.close(item.fd)
         self._followed.clear()
@@ -181,12 +174,6 @@ class WindowSizeFollower:
     def add(self, fd: int, stream: Stream, prefix_width: int, process_group: int | None) -> None:
         """Follows the pseudo-terminal whose launcher's end is ``fd``."""
         self._followed.append(_Followed(os.dup(fd), stream, prefix_width, process_group))
-        if not self._installed and threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGWINCH, self._on_resize)
-            self._installed = True
-
-    def _on_resize(self, signum: int, frame: FrameType | None) -> None:
-        self.resize()
 
     def resize(self) -> None:
         """Sets every followed pseudo-terminal to the launcher's size now."""

@@ -1,4 +1,4 @@
-"""The job's progress board over a fake store: a node takes another node's later progress."""
+"""The job board over a fake store: progress elsewhere, a hang's alarm, shared reports."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 from fake_rendezvous import FakeStore
 
 from dist_launch.plan.hang_policy import HangPolicy
-from dist_launch.rendezvous.progress_board import ProgressBoard, progress_key
+from dist_launch.rendezvous.job_board import JobBoard, progress_key
 from dist_launch.watch.hang_watch import HangWatch
 
 IDLE = 3600.0  # the boards' own threads never exchange during a test: it calls _exchange
@@ -16,7 +16,7 @@ IDLE = 3600.0  # the boards' own threads never exchange during a test: it calls 
 
 def test_each_node_reads_the_latest_progress_of_the_others() -> None:
     store = FakeStore()
-    boards = [ProgressBoard(store, node, 3, IDLE) for node in range(3)]
+    boards = [JobBoard(store, node, 3, IDLE) for node in range(3)]
     try:
         for node, board in enumerate(boards):
             board.publish(1000.0 + node)
@@ -34,7 +34,7 @@ def test_each_node_reads_the_latest_progress_of_the_others() -> None:
 
 def test_a_node_is_not_hung_while_another_makes_progress(tmp_path: Path) -> None:
     store = FakeStore()
-    here, there = ProgressBoard(store, 0, 2, IDLE), ProgressBoard(store, 1, 2, IDLE)
+    here, there = JobBoard(store, 0, 2, IDLE), JobBoard(store, 1, 2, IDLE)
     watch = HangWatch(HangPolicy("fixed", 3.0), str(tmp_path), "n0 (node 0)", board=here)
     try:
         now = time.monotonic()
@@ -51,12 +51,11 @@ def test_a_node_is_not_hung_while_another_makes_progress(tmp_path: Path) -> None
         watch.close()
 
 
-def test_without_progress_anywhere_the_node_is_hung(tmp_path: Path) -> None:
+def test_a_hang_found_on_one_node_is_found_on_every_node(tmp_path: Path) -> None:
     store = FakeStore()
-    here, there = ProgressBoard(store, 0, 2, IDLE), ProgressBoard(store, 1, 2, IDLE)
+    here, there = JobBoard(store, 0, 2, IDLE), JobBoard(store, 1, 2, IDLE)
     watch = HangWatch(HangPolicy("fixed", 3.0), str(tmp_path), "n0 (node 0)", board=here)
-    reasons: list[str] = []
-    watch.on_hang = reasons.append
+    other = HangWatch(HangPolicy("fixed", 300.0), str(tmp_path), "n1 (node 1)", board=there)
     try:
         now = time.monotonic()
         watch.quiet.last_progress = now - 10.0
@@ -64,8 +63,38 @@ def test_without_progress_anywhere_the_node_is_hung(tmp_path: Path) -> None:
         there._exchange()
         here._exchange()
         assert watch.due(now) is None
-        assert reasons and reasons[0].startswith("no rank of the job made progress")
+        assert watch.reason is not None
+        assert watch.reason.startswith("no rank of the job made progress")
+        here._exchange()  # sends the alarm
+        there._exchange()  # reads it
+        # The other node's own timeout is far away: it takes the first node's alarm.
+        assert other.due(now) is None
+        assert other.reason == f"the job was found hung on node 0: {watch.reason}"
+        there._exchange()
+        assert store.data["dist_launch/hang/alarms"] == b"1"  # it did not count itself
     finally:
         here.stop()
         there.stop()
         watch.close()
+        other.close()
+
+
+def test_each_node_reads_the_others_reports_once_all_are_there() -> None:
+    store = FakeStore()
+    boards = [JobBoard(store, node, 3, IDLE) for node in range(3)]
+    try:
+        boards[0].share("hang", "zero")
+        boards[1].share("hang", "one")
+        for board in boards:
+            board._exchange()
+        assert boards[0].shared("hang") is None  # node 2 has not shared yet
+        boards[2].share("hang", "two")
+        boards[2]._exchange()
+        boards[0]._exchange()
+        assert boards[0].shared("hang") == {1: "one", 2: "two"}
+        assert boards[2].shared("hang") == {0: "zero", 1: "one"}
+        boards[0].forget("hang")
+        assert boards[0].shared("hang") is None
+    finally:
+        for board in boards:
+            board.stop()

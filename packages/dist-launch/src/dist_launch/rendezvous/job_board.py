@@ -1,0 +1,191 @@
+"""What the nodes of a round share through its store: progress, a hang's alarm, reports.
+
+With the c10d rendezvous, one thread per node (this board's) talks to the round's
+store, so that a slow store never delays the launcher's loop; a store that does not
+answer leaves the node on its own. Three things travel on it:
+
+- *progress*: a node whose ranks all wait for another node (rank 0 evaluating on
+  node 0, node 1's ranks in a barrier) is not hung while that other node's ranks make
+  progress. Every exchange, each node publishes the wall-clock time of its latest
+  progress under ``dist_launch/progress/<node>`` and reads the others'; the hang watch
+  (:mod:`dist_launch.watch.hang_watch`) counts a later progress elsewhere as progress
+  here. Clocks of different hosts may differ by a little (NTP keeps them within
+  milliseconds); a timeout is minutes.
+- *the alarm*: the first node that finds the job hung counts itself in
+  ``dist_launch/hang/alarms`` and says why under ``dist_launch/hang/first``; every other
+  node sees the count at its next exchange and raises its own alarm, so that every
+  node collects its ranks' records before any node stops its workers.
+- *reports*: a node shares a payload under ``dist_launch/share/<topic>/<node>`` (its
+  ranks' records for a hang's verdict, its ranks' collective times for a slow-rank
+  window) and reads the other nodes' payloads of the same topic once all are there.
+
+Keys live in the round's store (torch's prefix store of the round): a new round starts
+clean.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Protocol
+
+logger = logging.getLogger(__name__)
+
+ALARMS_KEY = "dist_launch/hang/alarms"
+FIRST_ALARM_KEY = "dist_launch/hang/first"
+
+
+class BoardStore(Protocol):
+    """What the board needs of a store (torch's ``Store`` has it)."""
+
+    def set(self, key: str, value: str) -> None:
+        """Sets ``key``."""
+
+    def add(self, key: str, amount: int) -> int:
+        """Adds ``amount`` to the counter ``key``; returns its new value."""
+
+    def check(self, keys: list[str]) -> bool:
+        """True when every key exists."""
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        """The values of ``keys``."""
+
+
+def progress_key(node: int) -> str:
+    """The key of node ``node``'s latest progress in the round's store."""
+    return f"dist_launch/progress/{node}"
+
+
+def share_key(topic: str, node: int) -> str:
+    """The key of node ``node``'s payload of ``topic``."""
+    return f"dist_launch/share/{topic}/{node}"
+
+
+class JobBoard:
+    """This node's side of the round's board; see the module docstring.
+
+    Every method but :meth:`stop` only reads or sets fields: the thread does the I/O.
+
+    Args:
+        store: The round's store.
+        node: This node's rank in the round.
+        nodes: The round's node count.
+        period: Seconds between two exchanges (a request wakes the thread sooner).
+    """
+
+    def __init__(self, store: BoardStore, node: int, nodes: int, period: float) -> None:
+        self._store = store
+        self.node = node
+        self.nodes = nodes
+        self._others = [other for other in range(nodes) if other != node]
+        self._period = period
+        self._lock = threading.Lock()
+        # Written by the loop's thread, read by the board's.
+        self._local = time.time()
+        self._alarm: str | None = None
+        self._alarm_sent = False
+        self._outgoing: dict[str, str] = {}
+        self._wanted: set[str] = set()
+        # Written by the board's thread, read by the loop's.
+        self._elsewhere: float | None = None
+        self._alarm_elsewhere: str | None = None
+        self._received: dict[str, dict[int, str]] = {}
+        self._wake = threading.Event()
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="job-board", daemon=True)
+        self._thread.start()
+
+    # -- the loop's side --------------------------------------------------------------
+
+    def publish(self, wall_time: float) -> None:
+        """This node's latest progress (wall clock), sent at the next exchange."""
+        self._local = wall_time
+
+    def latest_elsewhere(self) -> float | None:
+        """The latest progress of any other node (wall clock), once one was read."""
+        return self._elsewhere
+
+    def raise_alarm(self, reason: str) -> None:
+        """This node found the job hung: the other nodes are told at once."""
+        with self._lock:
+            if self._alarm is None:
+                self._alarm = reason
+        self._wake.set()
+
+    def alarm_elsewhere(self) -> str | None:
+        """Why another node found the job hung, once one did (``node 1: ...``)."""
+        return self._alarm_elsewhere
+
+    def share(self, topic: str, payload: str) -> None:
+        """Sends this node's ``payload`` of ``topic`` and starts reading the others'."""
+        with self._lock:
+            self._outgoing[topic] = payload
+            self._wanted.add(topic)
+        self._wake.set()
+
+    def shared(self, topic: str) -> dict[int, str] | None:
+        """Every other node's payload of ``topic``, once all arrived; None until then."""
+        with self._lock:
+            received = self._received.get(topic)
+            return dict(received) if received is not None else None
+
+    def forget(self, topic: str) -> None:
+        """Stops reading ``topic`` (a node that never shares it leaves it unanswered)."""
+        with self._lock:
+            self._wanted.discard(topic)
+            self._received.pop(topic, None)
+
+    # -- the board's thread -----------------------------------------------------------
+
+    def _exchange(self) -> None:
+        store = self._store
+        store.set(progress_key(self.node), repr(self._local))
+        others = [progress_key(other) for other in self._others]
+        if others and store.check(others):
+            self._elsewhere = max(float(value) for value in store.multi_get(others))
+        with self._lock:
+            alarm = self._alarm if not self._alarm_sent else None
+            outgoing, self._outgoing = self._outgoing, {}
+            wanted = set(self._wanted) - set(self._received)
+        if alarm is not None:
+            if store.add(ALARMS_KEY, 1) == 1:
+                store.set(FIRST_ALARM_KEY, f"node {self.node}: {alarm}")
+            self._alarm_sent = True
+        elif (
+            self._alarm_elsewhere is None
+            and store.add(ALARMS_KEY, 0) > 0
+            and store.check([FIRST_ALARM_KEY])  # set just after the count: next time
+        ):
+            first = store.multi_get([FIRST_ALARM_KEY])[0].decode(errors="replace")
+            self._alarm_elsewhere = first
+        for topic, payload in outgoing.items():
+            store.set(share_key(topic, self.node), payload)
+        for topic in wanted:
+            keys = [share_key(topic, other) for other in self._others]
+            if keys and not store.check(keys):
+                continue
+            values = store.multi_get(keys) if keys else []
+            with self._lock:
+                if topic in self._wanted:
+                    self._received[topic] = {
+                        other: value.decode(errors="replace")
+                        for other, value in zip(self._others, values, strict=True)
+                    }
+
+    def _run(self) -> None:
+        while not self._stopped.is_set():
+            self._wake.wait(self._period)
+            self._wake.clear()
+            if self._stopped.is_set():
+                return
+            try:
+                self._exchange()
+            except Exception:
+                logger.debug("job board: the store did not answer", exc_info=True)
+
+    def stop(self) -> None:
+        """Stops exchanging (bounded)."""
+        self._stopped.set()
+        self._wake.set()
+        self._thread.join(timeout=5.0)
