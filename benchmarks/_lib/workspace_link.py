@@ -28,10 +28,6 @@ import torch
 _TIMEOUT = timedelta(seconds=60)
 
 
-def _no_stale(peer: int, frame: Any) -> None:
-    raise AssertionError(f"link handshake: a frame of an earlier call from rank {peer}")
-
-
 _gloo: dict[tuple[int, ...], Any] = {}  # ranks -> [backend, next call number]
 
 
@@ -47,18 +43,17 @@ def link_handshake(value: Any, ranks: list[int]) -> Iterator[list[Any]]:
     call = protocol.Call("link handshake", rank, tuple(ranks), 60.0)
     job = current_job_id() + "/bench"  # a link of its own, beside the calls' one
     state = link.state_for(job, ranks)
-    getter = dist.distributed_c10d._get_default_store
-    ongoing = exchange.Exchange(call, state.next_seq(), state, job, None, getter())
+    ongoing = exchange.Exchange(call, state.next_seq(), state, job, None)
     the_link = ongoing.open()
     deadline = time.monotonic() + 60
     if rank == ranks[0]:
-        got = the_link.receive(ranks[1:], protocol.HEAD, ongoing.seq, deadline, _no_stale)
+        got = the_link.receive(ranks[1:], protocol.HEAD, ongoing.seq, deadline)
         assert len(got) == len(ranks) - 1, got
         for sender in ranks[1:]:
             the_link.send(sender, link.Frame(protocol.VERDICT, ongoing.seq, {}), (), deadline)
     else:
         the_link.send(ranks[0], link.Frame(protocol.HEAD, ongoing.seq, {}), (), deadline)
-        got = the_link.receive([ranks[0]], protocol.VERDICT, ongoing.seq, deadline, _no_stale)
+        got = the_link.receive([ranks[0]], protocol.VERDICT, ongoing.seq, deadline)
         assert len(got) == 1, got
     yield []
 

@@ -12,7 +12,6 @@ from shm_inspection import own_segments
 
 from dist_workspace import WorkspaceError, exchange, protocol
 from dist_workspace.link import Closed, Frame, LinkState
-from dist_workspace.own_value import own_tensor
 
 HEAD, VERDICT = protocol.HEAD, protocol.VERDICT
 
@@ -42,7 +41,7 @@ class FakeLink:
         return None
 
     def receive(
-        self, peers: Sequence[int], kind: int, seq: int, deadline: float, on_stale: Any
+        self, peers: Sequence[int], kind: int, seq: int, deadline: float
     ) -> dict[int, Frame | Closed]:
         got: dict[int, Frame | Closed] = {}
         for peer in peers:
@@ -52,8 +51,7 @@ class FakeLink:
             queue = self.arrivals.get(peer, [])
             while queue:
                 frame = queue.pop(0)
-                if frame.seq < seq:
-                    on_stale(peer, frame)
+                if frame.seq < seq:  # an earlier call's: dropped
                     continue
                 assert (frame.kind, frame.seq) == (kind, seq), frame
                 got[peer] = frame
@@ -84,9 +82,7 @@ def _receive(
 ) -> list[torch.Tensor]:
     state.link = FakeLink(arrivals)
     rank = ranks[0]
-    got = exchange.receive(
-        _call(rank, ranks, state), lambda: (None, {"tensor": own_tensor(value, "own")})
-    )
+    got = exchange.receive(_call(rank, ranks, state), {"tensor": value}, None)
     return [weights["tensor"] for _, weights in got]
 
 
@@ -131,20 +127,19 @@ def test_a_sender_holds_its_segment_until_the_verdict(monkeypatch: pytest.Monkey
     assert own_segments() == []  # unlinked once the verdict came
 
 
-def test_a_late_head_is_answered_with_its_calls_error_and_never_counts_for_a_later_one() -> None:
+def test_a_late_sender_finds_its_calls_error_and_its_head_never_counts_for_a_later_one() -> None:
     ranks = [0, 1]
     state = LinkState()
-    with pytest.raises(WorkspaceError, match=r"rank\(s\) \[1\] never wrote their value"):
+    with pytest.raises(WorkspaceError, match=r"rank\(s\) \[1\] never wrote their value") as failed:
         _receive(ranks, state, {}, torch.zeros(2))
-    first_error = state.failures[0]
+    # The missing sender gets the verdict too: it finds it when it comes.
+    error = f"WorkspaceError: {failed.value}"
+    assert _sent_verdicts(state) == [(1, 0, {"ok": False, "error": error})]
     late = _send(1, ranks, torch.full((2,), 5.0), {"ok": True})  # its call 0
     on_time = Frame(HEAD, 1, late.head, late.body)  # the same value, for call 1
     got = _receive(ranks, state, {1: [late, on_time]}, torch.zeros(2))
     assert [t.tolist() for t in got] == [[0.0, 0.0], [5.0, 5.0]]
-    assert _sent_verdicts(state) == [
-        (1, 0, {"ok": False, "error": first_error}),  # the late head's answer
-        (1, 1, {"ok": True}),
-    ]
+    assert _sent_verdicts(state) == [(1, 1, {"ok": True})]  # the late head: dropped
 
 
 def test_a_failed_call_leaves_the_link_ready() -> None:
@@ -168,7 +163,7 @@ def test_a_closed_sender_is_named_in_the_peer_words_and_the_others_get_the_verdi
     arrivals = {1: [_send(1, ranks, torch.ones(2), {"ok": True})]}
     state.link = FakeLink(arrivals, closed={2: Closed("Connection closed by peer")})
     with pytest.raises(WorkspaceError) as failed:
-        exchange.receive(_call(0, ranks, state), lambda: (None, {"tensor": torch.ones(2)}))
+        exchange.receive(_call(0, ranks, state), {"tensor": torch.ones(2)}, None)
     assert "rank(s) [2] never wrote their value: its connection to this receiver was lost " in (
         str(failed.value)
     )
@@ -236,6 +231,6 @@ def test_records_above_the_limit_go_to_the_calls_directory(tmp_path: Path) -> No
         "one-process-job",
         tmp_path,
     )
-    configs = exchange.receive(receiver, lambda: ({"big": torch.ones(1)}, {}))
+    configs = exchange.receive(receiver, {}, {"big": torch.ones(1)})
     assert torch.equal(configs[1][0]["big"], big)
     assert list(tmp_path.iterdir()) == []  # the receiver removed the call's directory

@@ -1,16 +1,29 @@
-"""The receiver's own value: a CPU copy shaped like a peer's, in fresh memory."""
+"""The receiver's own value (and a one-rank call's): a CPU copy shaped like a peer's, in
+fresh memory. Every copy here is a one-rank call's, made as a receiver makes its own."""
 
 from __future__ import annotations
 
 import gc
 import mmap
+from typing import Any
 
 import pytest
 import torch
 
-from dist_workspace.own_value import copy_to_host, host_buffer, own_config, own_tensor
+from dist_workspace import get_configs_parallel, get_tensors_parallel
+from dist_workspace.exchange import host_buffer
 
 MIB = 1024 * 1024
+
+
+def own_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    with get_tensors_parallel(tensor, [0]) as [copy]:
+        return copy
+
+
+def own_config(config: Any) -> Any:
+    with get_configs_parallel(config, [0], None) as [copy]:
+        return copy
 
 
 def _bits(tensor: torch.Tensor) -> list[int]:
@@ -20,7 +33,7 @@ def _bits(tensor: torch.Tensor) -> list[int]:
 def test_copies_are_equal_contiguous_and_alias_nothing() -> None:
     whole = torch.arange(48, dtype=torch.float32).reshape(6, 8)
     for given in (whole, whole[1:, ::2], whole.t(), torch.tensor(float("nan")), whole[:0]):
-        copy = own_tensor(given, "rank 0's own tensor")
+        copy = own_tensor(given)
         assert copy.shape == given.shape and copy.dtype == given.dtype
         assert copy.is_contiguous() and _bits(copy) == _bits(given)
         if given.numel():
@@ -31,7 +44,7 @@ def test_copies_are_equal_contiguous_and_alias_nothing() -> None:
 
 def test_large_values_are_copied_whole() -> None:
     big = torch.randn(3 * 1024 * 1024 // 4)
-    copy = own_tensor(big, "big")
+    copy = own_tensor(big)
     assert torch.equal(copy, big)
     copy.zero_()
     assert big.abs().sum() > 0
@@ -95,7 +108,7 @@ def test_shared_storage_stays_shared_and_spans_are_copied_once() -> None:
         "alone": torch.ones(5, dtype=torch.bfloat16),
         "empty": torch.empty(0, 3),
     }
-    copies = copy_to_host(tensors)
+    copies = own_config(tensors)
     assert list(copies) == list(tensors)
     for name, tensor in tensors.items():
         assert torch.equal(copies[name], tensor), name
@@ -110,7 +123,7 @@ def test_shared_storage_stays_shared_and_spans_are_copied_once() -> None:
 
 def test_conjugate_and_negative_views_keep_the_values_they_show() -> None:
     z = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
-    copies = copy_to_host({"z": z, "conj": z.conj(), "neg": z.conj().imag})
+    copies = own_config({"z": z, "conj": z.conj(), "neg": z.conj().imag})
     assert copies["conj"].tolist() == [1 - 2j, 3 + 4j]
     assert copies["z"].tolist() == z.tolist()
     assert copies["neg"].tolist() == [-2.0, 4.0]
@@ -119,7 +132,7 @@ def test_conjugate_and_negative_views_keep_the_values_they_show() -> None:
 def test_config_comes_back_as_json_would_give_it() -> None:
     scale = torch.full((3,), 2.0)
     config = {"pair": (1, "x"), "scale": scale, "tied": scale, "nested": [{"t": scale[1:]}]}
-    copy = own_config(config, "rank 0's own config")
+    copy = own_config(config)
     assert copy["pair"] == [1, "x"]
     assert torch.equal(copy["scale"], scale) and copy["scale"] is not scale
     copy["scale"].add_(1.0)
@@ -129,10 +142,10 @@ def test_config_comes_back_as_json_would_give_it() -> None:
 
 def test_bad_values_are_refused_naming_them() -> None:
     with pytest.raises(TypeError, match=r"config\['s'\] is a builtins.set"):
-        own_config({"s": {1}}, "rank 0's own config")
-    with pytest.raises(TypeError, match=r"own tensor has layout torch\.sparse_coo"):
-        own_tensor(torch.eye(2).to_sparse(), "own tensor")
-    with pytest.raises(TypeError, match=r"own tensor is on the meta device"):
-        own_tensor(torch.empty(2, device="meta"), "own tensor")
+        own_config({"s": {1}})
+    with pytest.raises(TypeError, match=r"weights\['tensor'\] has layout torch\.sparse_coo"):
+        own_tensor(torch.eye(2).to_sparse())
+    with pytest.raises(TypeError, match=r"weights\['tensor'\] is on the meta device"):
+        own_tensor(torch.empty(2, device="meta"))
     with pytest.raises(TypeError, match=r"dist_workspace\.config\.0 has dtype torch\.complex128"):
-        own_config({"c": torch.zeros(2, dtype=torch.complex128)}, "rank 0's own config")
+        own_config({"c": torch.zeros(2, dtype=torch.complex128)})

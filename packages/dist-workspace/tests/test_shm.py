@@ -16,7 +16,9 @@ from dist_workspace import WorkspaceError
 from dist_workspace.cli import main
 from dist_workspace.shm import create_segment, free_bytes, list_segments, map_segment, shm_directory
 
-pytestmark = pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="needs /dev/shm")
+# Segments of these tests in a directory of their own: other tests and jobs of this user
+# may create or remove segments in /dev/shm meanwhile, and the tests count them.
+pytestmark = pytest.mark.usefixtures("private_shm_dir")
 
 
 def test_full_shm_is_an_error_naming_sizes_not_sigbus() -> None:
@@ -50,6 +52,16 @@ def test_segment_is_private_exclusive_and_reader_does_not_unlink() -> None:
     finally:
         segment.unlink()
     assert not segment.path.exists()
+
+
+def test_every_creation_removes_segments_whose_creator_is_gone() -> None:
+    """Not only a process's first: a creator whose start time differs is gone (pid reused)."""
+    uid, pid = os.getuid(), os.getpid()
+    for seq in range(2):
+        dead = shm_directory() / f"dist-workspace.{uid}.abc.def.{seq}.r1.{pid}.1.{'0' * 32}"
+        dead.touch(mode=0o600)
+        create_segment(64, job="abc", group="def", seq=seq, rank=0).unlink()
+        assert not dead.exists(), seq
 
 
 _CHILD = textwrap.dedent(

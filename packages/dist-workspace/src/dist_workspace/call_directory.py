@@ -27,9 +27,9 @@ _POLL_SECONDS = 0.2
 class CallDirectory:
     """``root/exchange-{job}-{ranks}-{seq}``: the files of one call."""
 
-    def __init__(self, root: Path, *, job: str, ranks: str, seq: int) -> None:
+    def __init__(self, root: Path, *, job: str, group: str, seq: int) -> None:
         self.root = root
-        self.path = root / f"exchange-{job}-{ranks}-{seq}"
+        self.path = root / f"exchange-{job}-{group}-{seq}"
 
     def write(self, rank: int, weights: dict[str, torch.Tensor], config: Any) -> None:
         """Writes ``rank``'s record atomically."""

@@ -1,45 +1,26 @@
 """get_configs_parallel and get_tensors_parallel: gather values on the first rank.
 
 A call on ``ranks``: the first rank (the *receiver*) gets every value, the others (the
-*senders*) send theirs. Every wait is bounded by ``timeout``.
+*senders*) send theirs, each laid out as a record (:mod:`dist_workspace.writer`). Its
+size alone picks where a record goes (:func:`dist_workspace.protocol.route`): at most
+8 MiB, in the sender's frame on the link between ``ranks`` (:mod:`dist_workspace.link`,
+opened by the first call with them, the only one that uses the store); larger, into a
+shared-memory segment (:mod:`dist_workspace.shm`) or, given ``workspace_path``, a file
+of the call's directory (:mod:`dist_workspace.call_directory`).
 
-Sender:
+A sender writes its record, then sends its frame: a head (``ranks``, host, route,
+size, segment name, shape and dtype; or its own error) and the record when it travels
+on the link. Nothing writes the record again, so a receiver never sees a half-written
+one. It then waits for the receiver's verdict, raises the receiver's error if the call
+failed, and unlinks its segment (the receiver's private mapping keeps the data).
 
-1. Lays its value out as a record (:func:`dist_workspace.writer.prepare_record`).
-2. Where the record goes depends on its size alone (:func:`dist_workspace.protocol.route`):
-   at most 8 MiB, in its frame; larger, into a fresh shared-memory segment
-   (:mod:`dist_workspace.shm`), or into a file of the call's directory when
-   ``workspace_path`` is given (:mod:`dist_workspace.call_directory`).
-3. Sends its frame over the link between ``ranks`` (:mod:`dist_workspace.link`,
-   opened by the first call with them): a head (``ranks``, host, route, size, segment
-   name, shape and dtype; or its error, when writing failed) and the record when it
-   travels on the link. The frame goes after the record's last byte is written, and
-   nothing writes the record again: a receiver never sees a half-written one.
-4. Waits for the receiver's verdict, raises the receiver's error if it failed, and
-   unlinks its segment (the receiver's private mapping keeps the data alive).
-
-Receiver:
-
-1. Copies its own value (:mod:`dist_workspace.own_value`).
-2. Waits for every sender's frame at once: a connection that closes (a sender
-   exited) fails the call at once; a sender that never came is named at the timeout.
-3. Decides from the heads (:func:`dist_workspace.protocol.decide_receipt`), then reads
-   every record: from its frame, mapping the segment, or reading the file.
-4. Sends every sender the verdict: success, or the error that every sender raises
-   too, so no rank is left waiting. A sender's frame of a call that failed here (it
-   came late) is answered with that call's error and never taken for a later call's.
-
-No call uses the process group or its store, except the first, which opens the link;
-``group`` decides who may take part. A segment is never reused across calls: the
-receiver's tensors map it and stay valid after the context.
-
-What the receiver gets: values from segments are zero-copy, copy-on-write mappings of
-the senders' segments (writing to them never affects the sender; the page tables
-fill as they are read); values from the link view the memory this process read the
-frame into; values from files are read into memory of its own. All stay valid after
-the context. Every value is on CPU, its own included, whatever device the tensors
-were on, and its own value never aliases the caller's tensors; tuples come back as
-lists.
+The receiver lays its own value out as a record too and reads it back as a peer's
+(:func:`own_values`), waits for every sender's frame at once (a connection that
+closes fails the call at once; a sender that never came is named at the timeout),
+decides from the heads (:func:`dist_workspace.protocol.decide_receipt`), reads every
+record, and sends every sender the verdict: success, or the error every sender then
+raises too. A sender that comes late finds the error of the call it came to, and its
+frame is never taken for a later call's. ``group`` only decides who may take part.
 """
 
 from __future__ import annotations
@@ -48,10 +29,10 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import mmap
 import os
-import socket
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +43,6 @@ from dist_workspace import link, protocol, shm
 from dist_workspace.call_directory import CallDirectory
 from dist_workspace.errors import WorkspaceError
 from dist_workspace.jobid import current_job_id, short_tag
-from dist_workspace.own_value import own_config, own_tensor
 from dist_workspace.reader import assemble, parse_header, view_entries
 from dist_workspace.writer import prepare_record, record_buffers
 
@@ -70,37 +50,21 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_SECONDS = 300.0
 Values = tuple[Any, dict[str, torch.Tensor]]  # (config, weights) of one rank
-
-
-def _timeout_seconds(timeout: float | None) -> float:
-    if timeout is not None:
-        return float(timeout)
-    return float(os.environ.get("DIST_WORKSPACE_TIMEOUT", DEFAULT_TIMEOUT_SECONDS))
-
-
-@functools.cache  # neither the host's name nor its boot changes while a process runs
-def host_id() -> str:
-    """This host's name and boot: ranks with the same one share memory."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as handle:
-            boot = handle.read().strip()
-    except OSError:
-        boot = ""
-    return f"{socket.gethostname()}/{boot}"
+_POPULATE_FROM_BYTES = 1 << 20  # below, a buffer comes from torch's allocator
+_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux's, in Python's mmap from 3.10
 
 
 @dataclasses.dataclass
 class Exchange:
-    """One call: who takes part, its number on the link, where large records go."""
+    """One call of several ranks: who takes part, its number on their link, its files."""
 
     call: protocol.Call
     seq: int  # this call's number on the link
     state: link.LinkState  # the link between the call's ranks, in this process
     job: str  # the job id: names the link's store keys, segments and directories
     workspace_path: Path | None
-    store: Any = None  # opens the link at the first call
 
-    @property
+    @functools.cached_property
     def names(self) -> dict[str, Any]:
         """What names this call's segment or directory: job, ranks and call number."""
         ranks = short_tag(",".join(map(str, sorted(self.call.ranks))), 16)
@@ -109,75 +73,78 @@ class Exchange:
     @functools.cached_property
     def directory(self) -> CallDirectory | None:
         """The call's directory under ``workspace_path``, if given."""
-        if self.workspace_path is None:
-            return None
-        names = self.names
-        return CallDirectory(
-            self.workspace_path, job=names["job"], ranks=names["group"], seq=self.seq
+        return (
+            None
+            if self.workspace_path is None
+            else CallDirectory(self.workspace_path, **self.names)
         )
 
     def open(self) -> link.Link:
         """The link between the call's ranks, opened by the first call that needs it."""
         if self.state.link is None:
-            self.state.link = link.open_link(self.store, self.job, self.call, self.state, host_id())
+            store = dist.distributed_c10d._get_default_store()
+            name = f"{self.names['job']}/{self.names['group']}"
+            self.state.link = link.open_link(store, name, self.call, self.state)
         return self.state.link
 
-    def answer_stale(self, peer: int, frame: link.Frame) -> None:
-        """A frame of an earlier call came: a late sender's head gets that call's error."""
-        if frame.kind != protocol.HEAD or self.state.link is None:
-            return  # a verdict this rank stopped waiting for
-        verdict = protocol.stale_verdict(frame.seq, self.state.failures)
-        deadline = time.monotonic() + protocol.VERDICT_MARGIN_SECONDS
-        self.state.link.send(peer, link.Frame(protocol.VERDICT, frame.seq, verdict), (), deadline)
 
+def _check_call(kind: str, given: Any, group: Any, timeout: float | None) -> protocol.Call:
+    """The call, its ranks checked: distinct ints of ``group``, the caller among them.
 
-def _check_ranks(given: Any, rank: int, group_ranks: list[int], what: str) -> list[int]:
+    Reads ``DIST_WORKSPACE_TIMEOUT`` when ``timeout`` is None.
+    """
+    from dist_core.ranks import get_rank  # noqa: PLC0415 - keeps import light
+
+    grouped = dist.is_available() and dist.is_initialized()
+    rank = dist.get_rank() if grouped else get_rank()
     if isinstance(given, int | str) or not all(isinstance(r, int) for r in given):
-        raise WorkspaceError(f"rank {rank}: {what} needs a list of int ranks, got {given!r}")
+        raise WorkspaceError(f"rank {rank}: {kind} needs a list of int ranks, got {given!r}")
     ranks = [int(r) for r in given]
     if not ranks or len(set(ranks)) != len(ranks):
-        raise WorkspaceError(f"rank {rank}: {what} got ranks={ranks}: empty or with repeats")
+        raise WorkspaceError(f"rank {rank}: {kind} got ranks={ranks}: empty or with repeats")
     if rank not in ranks:
         raise WorkspaceError(
-            f"rank {rank}: {what} was called with ranks={ranks}, which does not include the "
+            f"rank {rank}: {kind} was called with ranks={ranks}, which does not include the "
             "caller; only the ranks listed may call it"
         )
-    outside = [r for r in ranks if r not in group_ranks]
-    if outside:
+    if grouped:
+        members = dist.get_process_group_ranks(dist.group.WORLD if group is None else group)
+        outside = [r for r in ranks if r not in members]
+        if outside:
+            raise WorkspaceError(
+                f"rank {rank}: {kind} got ranks {outside} that are not in the group "
+                f"(its ranks: {members})"
+            )
+    elif len(ranks) > 1:
         raise WorkspaceError(
-            f"rank {rank}: {what} got ranks {outside} that are not in the group "
-            f"(its ranks: {group_ranks})"
+            f"rank {rank}: {kind} with ranks={ranks} needs an initialized process group"
         )
-    return ranks
+    if timeout is None:
+        timeout = float(os.environ.get("DIST_WORKSPACE_TIMEOUT", DEFAULT_TIMEOUT_SECONDS))
+    return protocol.Call(kind, rank, tuple(ranks), float(timeout))
 
 
-def _start(
-    kind: str, ranks: Any, group: Any, workspace_path: Any, timeout: float | None
-) -> Exchange | None:
-    """Validates the call; returns None when it is a single rank (no exchange needed)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        from dist_core.ranks import get_rank  # noqa: PLC0415
-
-        rank = get_rank()
-        checked = _check_ranks(ranks, rank, list(ranks) if isinstance(ranks, list) else [], kind)
-        if checked == [rank]:
-            return None
-        raise WorkspaceError(
-            f"rank {rank}: {kind} with ranks={checked} needs an initialized process group"
-        )
-    group = dist.group.WORLD if group is None else group
-    rank = dist.get_rank()
-    checked = _check_ranks(ranks, rank, dist.get_process_group_ranks(group), kind)
-    if len(checked) == 1:
-        return None
-    getter = getattr(dist.distributed_c10d, "_get_default_store", None)
-    if getter is None:  # pragma: no cover - present in every supported torch
-        raise WorkspaceError(f"rank {rank}: this torch has no default store to coordinate with")
+def _gather(
+    kind: str,
+    weights: dict[str, torch.Tensor],
+    config: Any,
+    ranks: Any,
+    group: Any,
+    workspace_path: Any,
+    timeout: float | None,
+) -> list[Values]:
+    """Every rank's values on the receiver, in ``ranks`` order; ``[]`` on a sender."""
+    call = _check_call(kind, ranks, group, timeout)
+    if len(call.ranks) == 1:
+        return [own_values(weights, config, call.rank, "")]
     job = current_job_id()
-    state = link.state_for(job, checked)
-    call = protocol.Call(kind, rank, tuple(checked), _timeout_seconds(timeout))
+    state = link.state_for(job, call.ranks)
     path = None if workspace_path is None else Path(workspace_path)
-    return Exchange(call, state.next_seq(), state, job, path, getter())
+    exchange = Exchange(call, state.next_seq(), state, job, path)
+    if call.rank != call.receiver:
+        send(exchange, weights, config)
+        return []
+    return receive(exchange, weights, config)
 
 
 def _error_text(error: BaseException) -> str:
@@ -188,7 +155,10 @@ def _error_text(error: BaseException) -> str:
 
 
 def send(exchange: Exchange, weights: dict[str, torch.Tensor], config: Any) -> None:
-    """Writes this rank's record, sends its frame, waits for the receiver's verdict."""
+    """Writes this rank's record, sends its frame, waits for the receiver's verdict.
+
+    A value that cannot be written sends its error instead, and raises it here.
+    """
     call = exchange.call
     segment: shm.Segment | None = None
     try:
@@ -197,7 +167,11 @@ def send(exchange: Exchange, weights: dict[str, torch.Tensor], config: Any) -> N
                 weights, config, rank=call.rank, job=exchange.job, checksums=False
             )
             route = protocol.route(record.total_size, exchange.workspace_path)
-            head: dict[str, Any] = {"ok": True, "ranks": list(call.ranks), "host": host_id()}
+            head: dict[str, Any] = {
+                "ok": True,
+                "ranks": list(call.ranks),
+                "host": exchange.state.host,
+            }
             head.update(route=route, size=record.total_size)
             tensor = weights.get("tensor")
             if tensor is not None:
@@ -215,7 +189,13 @@ def send(exchange: Exchange, weights: dict[str, torch.Tensor], config: Any) -> N
                 _send_head(exchange, {"ok": False, "error": _error_text(error)}, ())
             raise
         deadline = _send_head(exchange, head, body)
-        _await_verdict(exchange, deadline)
+        got = exchange.open().receive([call.receiver], protocol.VERDICT, exchange.seq, deadline)
+        verdict = got.get(call.receiver)
+        if isinstance(verdict, link.Closed):
+            raise WorkspaceError(protocol.receiver_closed(call, verdict.why))
+        failure = protocol.verdict_error(call, None if verdict is None else verdict.head)
+        if failure is not None:
+            raise WorkspaceError(failure)
     finally:
         if segment is not None:
             segment.unlink()
@@ -236,66 +216,41 @@ def _send_head(exchange: Exchange, head: dict[str, Any], body: Sequence[Any]) ->
     return deadline
 
 
-def _await_verdict(exchange: Exchange, deadline: float) -> None:
-    """Waits for the receiver's verdict; raises if the call failed."""
-    call = exchange.call
-    got = (
-        exchange.open()
-        .receive([call.receiver], protocol.VERDICT, exchange.seq, deadline, exchange.answer_stale)
-        .get(call.receiver)
-    )
-    if isinstance(got, link.Closed):
-        raise WorkspaceError(protocol.receiver_closed(call, got.why))
-    patience = call.timeout + protocol.VERDICT_MARGIN_SECONDS
-    failure = protocol.verdict_error(call, None if got is None else got.head, patience)
-    if failure is not None:
-        raise WorkspaceError(failure)
-
-
 # ---------------------------------------------------------------- receiver
 
 
-def receive(exchange: Exchange, own_value: Callable[[], Values]) -> list[Values]:
-    """Every rank's values in ``ranks`` order, this rank's from ``own_value``."""
+def receive(exchange: Exchange, weights: dict[str, torch.Tensor], config: Any) -> list[Values]:
+    """Every rank's values in ``ranks`` order, this rank's from ``weights`` and ``config``."""
     call = exchange.call
-    the_link: link.Link | None = None
-    closed: set[int] = set()
     try:
         the_link = exchange.open()
-        own = own_value()
-        own_tensor = own[1].get("tensor")
+        own = own_values(weights, config, call.rank, exchange.job)
         deadline = time.monotonic() + call.timeout
-        frames = the_link.receive(
-            call.senders, protocol.HEAD, exchange.seq, deadline, exchange.answer_stale
-        )
         came: dict[int, link.Frame] = {}
-        for sender, frame in frames.items():
+        for sender, frame in the_link.receive(
+            call.senders, protocol.HEAD, exchange.seq, deadline
+        ).items():
             if isinstance(frame, link.Closed):
-                closed.add(sender)
                 raise WorkspaceError(protocol.connection_lost(call, sender, frame.why))
             came[sender] = frame
+        tensor = own[1].get("tensor")
         failure = protocol.decide_receipt(
             call,
             {sender: frame.head for sender, frame in came.items()},
-            host=host_id(),
+            host=exchange.state.host,
             one_host=exchange.workspace_path is None,
-            own_shape=None
-            if own_tensor is None
-            else (list(own_tensor.shape), str(own_tensor.dtype)),
+            own_shape=None if tensor is None else (list(tensor.shape), str(tensor.dtype)),
         )
         if failure is not None:
             raise WorkspaceError(failure)
         values = [own if r == call.rank else _read(exchange, r, came[r]) for r in call.ranks]
     except BaseException as error:
-        text = _error_text(error)
-        exchange.state.remember_failure(exchange.seq, text)
-        if the_link is not None:
-            _send_verdicts(exchange, the_link, {"ok": False, "error": text}, closed)
+        _send_verdicts(exchange, {"ok": False, "error": _error_text(error)})
         raise
     finally:
         if exchange.directory is not None:
             exchange.directory.remove()
-    _send_verdicts(exchange, the_link, {"ok": True}, closed)
+    _send_verdicts(exchange, {"ok": True})
     return values
 
 
@@ -325,36 +280,62 @@ def _values(buffer: Any, size: int, sender: int, where: str) -> Values:
     return assemble(view_entries(buffer, header), header, where)
 
 
-def _send_verdicts(
-    exchange: Exchange, the_link: link.Link, verdict: dict[str, Any], closed: set[int]
-) -> None:
-    """Sends the verdict to every sender whose connection lives.
+def _send_verdicts(exchange: Exchange, verdict: dict[str, Any]) -> None:
+    """Sends the verdict to every sender whose connection lives, late ones included.
 
-    A sender that failed to write does not wait for it: it reads it as an earlier
-    call's verdict at its next call, and drops it.
+    A sender that comes late reads the verdict of the call it came to at once; one that
+    failed to write does not wait for it, and drops it at its next call.
     """
+    if exchange.state.link is None:
+        return  # the link never opened: no sender is waiting on it
     frame = link.Frame(protocol.VERDICT, exchange.seq, verdict)
     deadline = time.monotonic() + protocol.VERDICT_MARGIN_SECONDS
     for sender in exchange.call.senders:
-        if sender not in closed:
-            gone = the_link.send(sender, frame, (), deadline)
-            if gone is not None:
-                logger.debug("no verdict sent to rank %s: %s", sender, gone.why)
+        gone = exchange.state.link.send(sender, frame, (), deadline)
+        if gone is not None:
+            logger.debug("no verdict sent to rank %s: %s", sender, gone.why)
+
+
+def host_buffer(nbytes: int) -> torch.Tensor:
+    """A fresh, writable 1-D uint8 CPU tensor of ``nbytes`` bytes, its pages allocated.
+
+    From 1 MiB on it is a private anonymous mapping whose pages ``MAP_POPULATE``
+    allocates in the ``mmap`` call (cheaper than faulting them in as a copy writes
+    them); the tensor holds the mapping, unmapped with the last tensor on it.
+
+    Raises:
+        MemoryError: The system cannot map ``nbytes`` bytes.
+    """
+    if nbytes < _POPULATE_FROM_BYTES or not _MAP_POPULATE:
+        return torch.empty(nbytes, dtype=torch.uint8)
+    try:
+        mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_POPULATE)
+    except OSError as error:
+        raise MemoryError(f"cannot map {nbytes} bytes for a CPU copy: {error}") from None
+    return torch.frombuffer(mapping, dtype=torch.uint8)
+
+
+def own_values(weights: dict[str, torch.Tensor], config: Any, rank: int, job: str) -> Values:
+    """This rank's values as a peer's record gives them back, made the same way.
+
+    Its record is copied into fresh memory and read as a peer's: on CPU, tuples as
+    lists, tensors that shared a storage still sharing one, aliasing nothing of the
+    caller's.
+
+    Raises:
+        TypeError: A config that is not JSON or a tensor a record cannot hold (named).
+    """
+    record = prepare_record(weights, config, rank=rank, job=job, checksums=False)
+    buffer = host_buffer(record.total_size).numpy()
+    at = 0
+    for part in record_buffers(record):
+        data = memoryview(part).cast("B")
+        buffer[at : at + len(data)] = data
+        at += len(data)
+    return _values(buffer, at, rank, f"rank {rank}'s own value")
 
 
 # ---------------------------------------------------------------- public API
-
-
-def _own_tensor(tensor: Any, rank: int | None) -> torch.Tensor:
-    """This rank's tensor as the receiver gets peers' ones: on CPU, a copy."""
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"get_tensors_parallel needs a torch.Tensor, got {type(tensor).__name__}")
-    return own_tensor(tensor, f"rank {rank}'s own tensor")
-
-
-def _own_config(config: Any, rank: int | None) -> Any:
-    """This rank's config as the receiver gets peers' ones: a copy, tensors on CPU."""
-    return own_config(config, f"rank {rank}'s own config")
 
 
 @contextlib.contextmanager
@@ -390,16 +371,8 @@ def get_tensors_parallel(
         WorkspaceError: The caller is not in ``ranks``; a rank failed, timed out, or
             sent a tensor of another shape or dtype (the ranks and shapes are named).
     """
-    exchange = _start("get_tensors_parallel", ranks, group, None, timeout)
-    if exchange is None:
-        yield [_own_tensor(tensor, None)]
-        return
-    rank = exchange.call.rank
-    if rank != exchange.call.receiver:
-        send(exchange, {"tensor": tensor}, None)
-        yield []
-        return
-    received = receive(exchange, lambda: (None, {"tensor": _own_tensor(tensor, rank)}))
+    kind = "get_tensors_parallel"
+    received = _gather(kind, {"tensor": tensor}, None, ranks, group, None, timeout)
     yield [weights["tensor"] for _, weights in received]
 
 
@@ -438,14 +411,5 @@ def get_configs_parallel(
         TypeError: This rank's config is not JSON (naming the key path).
         WorkspaceError: The caller is not in ``ranks``; a rank failed or timed out.
     """
-    exchange = _start("get_configs_parallel", ranks, group, workspace_path, timeout)
-    if exchange is None:
-        yield [_own_config(config, None)]
-        return
-    rank = exchange.call.rank
-    if rank != exchange.call.receiver:
-        send(exchange, {}, config)
-        yield []
-        return
-    received = receive(exchange, lambda: (_own_config(config, rank), {}))
+    received = _gather("get_configs_parallel", {}, config, ranks, group, workspace_path, timeout)
     yield [value for value, _ in received]

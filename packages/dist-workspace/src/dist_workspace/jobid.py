@@ -6,7 +6,6 @@ segment left by an earlier (or a concurrent) job is never taken for this job's.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import logging
 import os
@@ -20,8 +19,6 @@ _STORE_KEY = "dist_workspace/job_id"
 # The id agreed through a store cannot change while the store lives: asking again
 # cost a store round trip (0.6 ms of a 3 ms exchange on 4 ranks) on every call.
 _agreed_through: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
-# Keyed by pid: a forked child reads its own.
-_own_start: dict[int, tuple[int | None]] = {}
 
 
 def process_start_time(pid: int) -> int | None:
@@ -43,19 +40,6 @@ def process_start_time(pid: int) -> int | None:
         return int(fields[19])
     except (IndexError, ValueError):
         return None
-
-
-def own_start_time() -> int | None:
-    """:func:`process_start_time` of this process, read once per process.
-
-    Reading ``/proc/self/stat`` walks every thread of the process (torch and gloo start
-    many): it was a visible part of a small exchange's cost when read per segment.
-    """
-    pid = os.getpid()
-    known = _own_start.get(pid)
-    if known is None:
-        known = _own_start[pid] = (process_start_time(pid),)
-    return known[0]
 
 
 def _default_store() -> object | None:
@@ -93,10 +77,9 @@ def current_job_id() -> str:
     slurm_job = os.environ.get("SLURM_JOB_ID")
     if slurm_job:
         return f"slurm-{slurm_job}.{os.environ.get('SLURM_STEP_ID', '0')}"
-    return f"proc-{os.getpid()}-{own_start_time()}"
+    return f"proc-{os.getpid()}-{process_start_time(os.getpid())}"
 
 
-@functools.lru_cache(maxsize=1024)  # every call tags the same few names
 def short_tag(text: str, length: int = 12) -> str:
     """A fixed-length hex tag of ``text``, safe in file names."""
     return hashlib.sha256(text.encode()).hexdigest()[:length]

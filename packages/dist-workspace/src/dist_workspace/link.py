@@ -5,25 +5,23 @@ Every call of the ``*_parallel`` helpers with one list of ranks (in any order: `
 and the record itself when it is small, see :mod:`dist_workspace.protocol`) to the
 receiver, the receiver's verdict back. The first call with a list opens it:
 
-1. Every rank opens a listening socket on the address its host uses to reach the
-   store's server (loopback when the store is on this host) and writes that address,
-   a random token, its host and the wire version to the store, under a prefix of the
-   job, the ranks and the attempt.
+1. Every rank listens on the address its host uses to reach the store's server
+   (loopback when the store is on this host) and writes that address, a random
+   token and the wire version to the store, under a prefix of the job, the ranks
+   and the attempt.
 2. The call's receiver waits for every rank's key (the call's timeout) and writes the
-   verdict: success, or who never came (:func:`dist_workspace.protocol.decide_open`);
-   the others wait for that verdict. A failed opening raises on every rank, and the
-   next call tries again under the next attempt's prefix.
+   verdict, :func:`dist_workspace.protocol.decide_open`; the others wait for it. A
+   failed opening raises on every rank; the next call tries the next attempt's prefix.
 3. Every rank connects to the ranks before it in the list and accepts the ones after
    it; a connection presents the listener's token, so nobody who cannot read the
    store can join. The listeners close.
 
-No call uses the store after that: a call costs one frame each way. Every wait ends
-at its deadline and leaves the link as it was; a frame of an earlier call (a late
-sender's) goes to ``on_stale`` and never counts for a later one; a connection that
-ends (a rank exited) is reported at once, in the words launchers look for
-(``Connection closed by peer``), and every later call that needs it fails at once.
-Not a gloo group: its send/recv cost 40 times a socket's, and a gloo wait that times
-out closes every connection of its rank (see the benchmarks page).
+No call uses the store after that. Every wait ends at its deadline and leaves the
+link as it was; a frame of an earlier call (a late sender's head, a verdict nobody
+waited for) is dropped; a connection that ends (a rank exited) is reported at once,
+in the words launchers look for (``Connection closed by peer``), and every later call
+that needs it fails at once. Not a gloo group: its send/recv cost 40 times a
+socket's, and a gloo wait that times out closes every connection of its rank.
 """
 
 from __future__ import annotations
@@ -37,7 +35,7 @@ import secrets
 import select
 import socket
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any, Protocol
 
@@ -45,12 +43,10 @@ import torch
 
 from dist_workspace import protocol
 from dist_workspace.errors import WorkspaceError
-from dist_workspace.jobid import short_tag
 
 logger = logging.getLogger(__name__)
 
 _IOV_MAX = 512  # buffers per sendmsg; Linux allows 1024
-_FAILURES_KEPT = 64  # failed calls a receiver remembers for senders that come late
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,13 +79,12 @@ class Link(Protocol):
         kind: int,
         seq: int,
         deadline: float,
-        on_stale: Callable[[int, Frame], None],
     ) -> dict[int, Frame | Closed]:
         """The frames of ``kind`` and ``seq`` from ``peers`` that came by ``deadline``.
 
         Returns as soon as every peer sent one or any connection closed; a peer that
-        did neither by the deadline is absent. Frames of earlier calls go to
-        ``on_stale`` and the wait goes on.
+        did neither by the deadline is absent. Frames of earlier calls are dropped and
+        the wait goes on.
         """
         ...
 
@@ -116,6 +111,23 @@ def _send_all(sock: socket.socket, buffers: list[memoryview], deadline: float) -
             buffers.pop(0)
         if sent:
             buffers[0] = buffers[0][sent:]
+
+
+def _read_frame(sock: socket.socket, deadline: float, peer: int) -> Frame:
+    """The next whole frame on ``sock``, its body in memory of its own.
+
+    Raises:
+        OSError: The connection ended or broke, or ``deadline`` passed.
+        WorkspaceError: The bytes are not a frame of this protocol (naming ``peer``).
+    """
+    fixed = bytes(_read_exactly(sock, protocol.FIXED_BYTES, deadline))
+    kind, seq, head_size, body_size = protocol.decode_fixed(fixed, peer)
+    head = protocol.decode_head(bytes(_read_exactly(sock, head_size, deadline)), peer)
+    body = None
+    if body_size:
+        body = torch.empty(body_size, dtype=torch.uint8)
+        _read_exactly(sock, body_size, deadline, body.numpy())
+    return Frame(kind, seq, head, body)
 
 
 class SocketLink:
@@ -154,7 +166,6 @@ class SocketLink:
         kind: int,
         seq: int,
         deadline: float,
-        on_stale: Callable[[int, Frame], None],
     ) -> dict[int, Frame | Closed]:
         """See :meth:`Link.receive`."""
         got: dict[int, Frame | Closed] = {}
@@ -172,7 +183,7 @@ class SocketLink:
                 break
             for fd, _ in poller.poll(max(1, int(left * 1000))):
                 peer = waiting[fd]
-                outcome = self._next_frame(peer, kind, seq, deadline, on_stale)
+                outcome = self._next_frame(peer, kind, seq, deadline)
                 if outcome is None:
                     continue  # a stale frame; wait on
                 got[peer] = outcome
@@ -188,30 +199,19 @@ class SocketLink:
         kind: int,
         seq: int,
         deadline: float,
-        on_stale: Callable[[int, Frame], None],
     ) -> Frame | Closed | None:
         """Reads ``peer``'s next frame: the one awaited, None for a stale one, or Closed."""
-        sock = self._peers[peer]
         # A frame that has begun is read to its end: the sender writes it whole.
         finish = max(deadline, time.monotonic()) + protocol.VERDICT_MARGIN_SECONDS
         try:
-            fixed = _read_exactly(sock, protocol.FIXED_BYTES, finish)
-            got_kind, got_seq, head_size, body_size = protocol.decode_fixed(bytes(fixed), peer)
-            head = protocol.decode_head(bytes(_read_exactly(sock, head_size, finish)), peer)
-            body = None
-            if body_size:
-                body = torch.empty(body_size, dtype=torch.uint8)
-                _read_exactly(sock, body_size, finish, body.numpy())
-        except OSError as error:
+            frame = _read_frame(self._peers[peer], finish, peer)
+        except (OSError, WorkspaceError) as error:  # gone, or not a frame of this protocol
             return self._drop(peer, str(error) or type(error).__name__)
-        except WorkspaceError as error:  # not a frame of this protocol
-            return self._drop(peer, str(error))
-        frame = Frame(got_kind, got_seq, head, body)
-        if got_seq < seq:
-            on_stale(peer, frame)
+        if frame.seq < seq:  # the receiver of that call answered it when it gave up
+            logger.debug("dropped rank %s's frame of call %s in call %s", peer, frame.seq, seq)
             return None
-        if (got_kind, got_seq) != (kind, seq):
-            return self._drop(peer, protocol.out_of_order(peer, got_kind, got_seq, kind, seq))
+        if (frame.kind, frame.seq) != (kind, seq):
+            return self._drop(peer, protocol.out_of_order(peer, frame.kind, frame.seq, kind, seq))
         return frame
 
     def close(self) -> None:
@@ -220,26 +220,31 @@ class SocketLink:
             self._drop(peer, "the link was closed")
 
 
+def host_id() -> str:
+    """This host's name and boot: ranks with the same one share memory."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as handle:
+            boot = handle.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
 @dataclasses.dataclass
 class LinkState:
-    """One list of ranks in this process: its call count, its link, its failed calls."""
+    """One list of ranks in this process: its call count, its link, this host."""
 
     attempt: int = 0  # openings that failed before; names the store keys of the next
     seq: int = 0  # the next call's number
     link: Link | None = None  # a SocketLink once opened
-    failures: dict[int, str] = dataclasses.field(default_factory=dict)  # seq -> error
+    # Read once: neither the host's name nor its boot changes while a process runs.
+    host: str = dataclasses.field(default_factory=host_id)
 
     def next_seq(self) -> int:
         """The number of the call that starts now."""
         seq = self.seq
         self.seq += 1
         return seq
-
-    def remember_failure(self, seq: int, error: str) -> None:
-        """A receiver keeps a failed call's error for its senders that come late."""
-        self.failures[seq] = error
-        while len(self.failures) > _FAILURES_KEPT:
-            del self.failures[min(self.failures)]
 
 
 # (pid, job id, the ranks sorted) -> state; a forked child starts its own
@@ -298,19 +303,20 @@ def _store_wait(store: Any, keys: list[str], deadline: float) -> list[str]:
     return keys
 
 
-def open_link(store: Any, job: str, call: protocol.Call, state: LinkState, host: str) -> SocketLink:
+def open_link(store: Any, name: str, call: protocol.Call, state: LinkState) -> SocketLink:
     """Opens the link between ``call.ranks`` (see the module's docstring).
+
+    ``name`` (the job's and the ranks' tags) and ``state.attempt`` prefix its store keys.
 
     Raises:
         WorkspaceError: A rank never came, runs another wire version, or could not
             connect; the next call tries again.
     """
     ranks = sorted(call.ranks)
-    prefix = f"dist_workspace/link/{short_tag(job)}/{short_tag(','.join(map(str, ranks)), 16)}"
-    prefix += f"/{state.attempt}"
+    prefix = f"dist_workspace/link/{name}/{state.attempt}"
     family, address = _listen_address(store)
     token = secrets.token_hex(16)
-    mine: dict[str, Any] = {"version": protocol.WIRE_VERSION, "host": host, "token": token}
+    mine: dict[str, Any] = {"version": protocol.WIRE_VERSION, "token": token}
     listener = socket.socket(family, socket.SOCK_STREAM)
     try:
         listener.bind((address, 0))
@@ -338,25 +344,23 @@ def _agree(store: Any, prefix: str, call: protocol.Call, ranks: list[int]) -> di
     if call.rank == call.receiver:
         present = set(_store_wait(store, list(keys.values()), began + call.timeout))
         came = [rank for rank, key in keys.items() if key in present]
-        infos = dict(zip(came, store.multi_get([keys[r] for r in came]), strict=True))
-        decided = protocol.decide_open(call, {r: _info(raw, r) for r, raw in infos.items()})
+        raws = store.multi_get([keys[rank] for rank in came])
+        infos = {
+            rank: protocol.decode_head(raw, rank) for rank, raw in zip(came, raws, strict=True)
+        }
+        decided = protocol.decide_open(call, infos)
         store.set(verdict_key, json.dumps({"ok": decided is None, "error": decided}))
         if decided is not None:
             raise WorkspaceError(decided)
-    else:
-        patience = call.timeout + protocol.VERDICT_MARGIN_SECONDS
-        if not _store_wait(store, [verdict_key], began + patience):
-            raise WorkspaceError(protocol.receiver_timed_out(call, patience))
-        failure = protocol.verdict_error(call, json.loads(store.get(verdict_key)), patience)
-        if failure is not None:
-            raise WorkspaceError(failure)
+        return infos
+    patience = call.timeout + protocol.VERDICT_MARGIN_SECONDS
+    got = _store_wait(store, [verdict_key], began + patience)
+    verdict = protocol.decode_head(store.get(verdict_key), call.receiver) if got else None
+    failure = protocol.verdict_error(call, verdict)
+    if failure is not None:
+        raise WorkspaceError(failure)
     raws = store.multi_get(list(keys.values()))
-    return {rank: _info(raw, rank) for rank, raw in zip(keys, raws, strict=True)}
-
-
-def _info(raw: bytes | str, rank: int) -> dict[str, Any]:
-    text = raw.decode() if isinstance(raw, bytes) else raw
-    return protocol.decode_head(text.encode(), rank)
+    return {rank: protocol.decode_head(raw, rank) for rank, raw in zip(keys, raws, strict=True)}
 
 
 def _connect(
@@ -398,9 +402,6 @@ def _connect(
 def _hello(sock: socket.socket, deadline: float) -> dict[str, Any]:
     """What a connecting rank says first (a frame of call 0); empty when it is not that."""
     try:
-        _, _, head_size, _ = protocol.decode_fixed(
-            bytes(_read_exactly(sock, protocol.FIXED_BYTES, deadline)), -1
-        )
-        return protocol.decode_head(bytes(_read_exactly(sock, head_size, deadline)), -1)
+        return _read_frame(sock, deadline, -1).head
     except WorkspaceError:
         return {}

@@ -41,14 +41,9 @@ class Call:
 # ---------------------------------------------------------------- the one rule
 
 LINK_MAX_BYTES = 8 << 20
-"""Records up to this size travel in the sender's frame on the link.
-
-Larger ones go into a shared-memory segment (one host) or a file of the call's
-directory (``workspace_path``), which every sender writes at once and the receiver
-maps or reads. Measured with ``benchmarks/workspace.py --link-sweep`` on the
-development VM (4 ranks, the receiver reading every byte): a call through the link
-took 0.55-0.74 of one through segments from 64 KiB to 8 MiB, and as long at 16 MiB.
-"""
+"""Records up to this size travel in the sender's frame on the link; larger ones go
+into a segment or a file, which every sender writes at once. Where the link stopped
+being faster than segments (``benchmarks/workspace.py --link-sweep``)."""
 
 
 def route(size: int, workspace_path: object) -> str:
@@ -128,27 +123,23 @@ def decide_receipt(
 # ---------------------------------------------------------------- sender
 
 
-def receiver_failed(call: Call, error: object) -> str:
-    """The receiver's verdict said the call failed."""
-    return f"rank {call.rank}: {call.kind} failed on receiver rank {call.receiver}: {error}"
+def verdict_error(call: Call, verdict: Mapping[str, Any] | None) -> str | None:
+    """What a sender raises for the verdict it got, or None on success.
 
-
-def receiver_timed_out(call: Call, patience: float) -> str:
-    """No verdict came in ``patience`` seconds."""
+    ``verdict`` is None when none came in the sender's wait: the receiver's timeout
+    and :data:`VERDICT_MARGIN_SECONDS`.
+    """
     receiver = call.receiver
-    return (
-        f"rank {call.rank}: {call.kind} timed out after {patience:g} s waiting for receiver "
-        f"rank {receiver} to read the values (did rank {receiver} call {call.kind} with "
-        f"ranks={list(call.ranks)}?)"
-    )
-
-
-def verdict_error(call: Call, verdict: Mapping[str, Any] | None, patience: float) -> str | None:
-    """What a sender raises for the verdict it got (None: it timed out), or None on success."""
     if verdict is None:
-        return receiver_timed_out(call, patience)
+        return (
+            f"rank {call.rank}: {call.kind} timed out after "
+            f"{call.timeout + VERDICT_MARGIN_SECONDS:g} s waiting for receiver rank {receiver} "
+            f"to read the values (did rank {receiver} call {call.kind} with "
+            f"ranks={list(call.ranks)}?)"
+        )
     if not verdict.get("ok"):
-        return receiver_failed(call, verdict.get("error"))
+        error = verdict.get("error")
+        return f"rank {call.rank}: {call.kind} failed on receiver rank {receiver}: {error}"
     return None
 
 
@@ -214,12 +205,6 @@ def out_of_order(peer: int, kind: int, seq: int, awaited_kind: int, awaited_seq:
         f"rank {peer} sent {what} for call {seq} while this rank waited for call "
         f"{awaited_seq}: did the ranks call in different orders?"
     )
-
-
-def stale_verdict(seq: int, failures: Mapping[int, str]) -> dict[str, Any]:
-    """The verdict for a sender's head of an earlier call: that call's error."""
-    error = failures.get(seq, f"the receiver had given up on call {seq}")
-    return {"ok": False, "error": error}
 
 
 # ---------------------------------------------------------------- opening the link

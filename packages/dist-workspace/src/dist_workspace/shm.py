@@ -29,11 +29,11 @@ import os
 import re
 import secrets
 import stat
-import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from dist_workspace.errors import WorkspaceError
-from dist_workspace.jobid import own_start_time, process_start_time
+from dist_workspace.jobid import process_start_time
 from dist_workspace.writer import PreparedRecord, write_record
 
 logger = logging.getLogger(__name__)
@@ -44,12 +44,6 @@ _NAME = re.compile(
     r"\.r(?P<rank>\d+)\.(?P<pid>\d+)\.(?P<start>\d+)\.(?P<token>[0-9a-f]{32})$"
 )
 _FULL_ERRNOS = frozenset({errno.ENOSPC, errno.ENOMEM, errno.EFBIG, errno.EDQUOT})
-# Looking for dead segments reads /proc for every segment in the directory: doing it
-# on every creation was a visible part of a small exchange. Segments of a job killed
-# meanwhile are found at the next sweep (at most this long after) or at once when the
-# directory is short of room.
-SWEEP_INTERVAL_SECONDS = 30.0
-_last_sweep: dict[Path, float] = {}
 
 
 def shm_directory() -> Path:
@@ -65,13 +59,9 @@ def free_bytes(directory: Path) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class SegmentName:
-    """The parts of a segment's name."""
+    """What a segment's name says of its owner and creator (the rest only names it)."""
 
     uid: int
-    job: str
-    group: str
-    seq: int
-    rank: int
     pid: int
     start: int
 
@@ -81,15 +71,7 @@ class SegmentName:
         match = _NAME.match(name)
         if match is None:
             return None
-        return cls(
-            uid=int(match["uid"]),
-            job=match["job"],
-            group=match["group"],
-            seq=int(match["seq"]),
-            rank=int(match["rank"]),
-            pid=int(match["pid"]),
-            start=int(match["start"]),
-        )
+        return cls(uid=int(match["uid"]), pid=int(match["pid"]), start=int(match["start"]))
 
     def creator_alive(self) -> bool:
         """True unless the process that created the segment is proven gone.
@@ -140,20 +122,26 @@ def too_small(rank: int, size: int, directory: Path) -> WorkspaceError:
     )
 
 
-def is_full(error: OSError) -> bool:
-    """Whether a write failed because the shared-memory file system is full."""
-    return error.errno in _FULL_ERRNOS
+@contextlib.contextmanager
+def _unlinked_on_failure(segment: Segment, rank: int) -> Iterator[None]:
+    """Unlinks ``segment`` if the block fails; a full file system is :func:`too_small`."""
+    try:
+        yield
+    except BaseException as error:
+        segment.unlink()
+        if isinstance(error, OSError) and error.errno in _FULL_ERRNOS:
+            raise too_small(rank, segment.size, segment.path.parent) from None
+        raise
 
 
 def create_segment(size: int, *, job: str, group: str, seq: int, rank: int) -> Segment:
     """Creates an empty segment of ``size`` bytes exclusively, to be filled with ``pwrite``.
 
-    First removes this user's segments whose creator is dead (see
-    :func:`remove_dead_segments`; at a process's first creation, then at most every
-    :data:`SWEEP_INTERVAL_SECONDS`, and always before refusing a size for want of
-    room), then refuses a size the file system has no room for. No space is
-    reserved: reserving (``posix_fallocate``) costs as much as writing the pages,
-    and ``pwrite`` into a full tmpfs fails with ``ENOSPC`` (see
+    First removes this user's segments whose creator is dead
+    (:func:`remove_dead_segments`: a few reads of ``/proc``, little beside the
+    megabytes a segment holds), then refuses a size the file system has no room for.
+    No space is reserved: reserving (``posix_fallocate``) costs as much as writing
+    the pages, and ``pwrite`` into a full tmpfs fails with ``ENOSPC`` (see
     :func:`too_small`), never a SIGBUS; only writes through a mapping could fault, and
     segments are never written through one.
 
@@ -161,56 +149,34 @@ def create_segment(size: int, *, job: str, group: str, seq: int, rank: int) -> S
         WorkspaceError: Not enough space (naming the bytes needed and free).
     """
     directory = shm_directory()
-    last = _last_sweep.get(directory)
-    if last is None or time.monotonic() - last >= SWEEP_INTERVAL_SECONDS:
-        _sweep(directory)
+    remove_dead_segments(directory)
     if size > free_bytes(directory):
-        _sweep(directory)
-        if size > free_bytes(directory):
-            raise too_small(rank, size, directory)
+        raise too_small(rank, size, directory)
+    pid = os.getpid()  # read per segment: a few reads of /proc beside megabytes of data
     name = (
-        f"{SEGMENT_PREFIX}.{os.getuid()}.{job}.{group}.{seq}.r{rank}.{os.getpid()}."
-        f"{own_start_time() or 0}.{secrets.token_hex(16)}"
+        f"{SEGMENT_PREFIX}.{os.getuid()}.{job}.{group}.{seq}.r{rank}.{pid}."
+        f"{process_start_time(pid) or 0}.{secrets.token_hex(16)}"
     )
-    path = directory / name
     flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-    fd = os.open(path, flags, 0o600)
-    try:
-        os.ftruncate(fd, size)  # a sparse file: no page is allocated until written
-    except OSError as error:
-        os.close(fd)
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
-        if is_full(error):
-            raise too_small(rank, size, directory) from None
-        raise
-    return Segment(path, fd, size)
+    path = directory / name
+    segment = Segment(path, os.open(path, flags, 0o600), size)
+    with _unlinked_on_failure(segment, rank):
+        os.ftruncate(segment.fd, size)  # a sparse file: no page is allocated until written
+    return segment
 
 
 def write_segment(record: PreparedRecord, *, job: str, group: str, seq: int, rank: int) -> Segment:
     """A new segment holding ``record``, closed; unlinked again if writing fails.
 
     Raises:
-        WorkspaceError: The shared-memory file system has no room (see :func:`too_small`).
+        WorkspaceError: The shared-memory file system has no room (see :func:`too_small`),
+            also when another process filled it since :func:`create_segment` looked.
     """
     segment = create_segment(record.total_size, job=job, group=group, seq=seq, rank=rank)
-    try:
+    with _unlinked_on_failure(segment, rank):
         write_record(segment.fd, record)
         segment.close()
-    except OSError as error:
-        segment.unlink()
-        if is_full(error):  # another process filled it since create_segment looked
-            raise too_small(rank, record.total_size, segment.path.parent) from None
-        raise
-    except BaseException:
-        segment.unlink()
-        raise
     return segment
-
-
-def _sweep(directory: Path) -> None:
-    remove_dead_segments(directory)
-    _last_sweep[directory] = time.monotonic()
 
 
 def map_segment(name: str, expected_size: int, where: str) -> mmap.mmap:
