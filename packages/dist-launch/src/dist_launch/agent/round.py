@@ -427,13 +427,17 @@ class Round:
         loop, assignment = self.loop, self.assignment
         started = time.monotonic()
         request = requests.send("hang") if requests is not None else None
-        stacks = group.take_stacks()  # faulthandler's, while the beacons dump their records
         records: dict[int, RankRecords] = {}
         if requests is not None and request is not None:
             asked = len(request.asked)
             loop.run_until(
                 lambda: len(requests.answered(request)) >= asked, started + RECORDS_SECONDS
             )
+        # faulthandler's stacks once the beacons have answered: a beacon thread caught
+        # writing its records was dumped as a frame or two of pathlib, without the
+        # beacon's own frame that marks it as the launcher's, and read as the rank's place.
+        stacks = group.take_stacks()
+        if requests is not None and request is not None:
             parsing = loop.call_in_thread(lambda: requests.read(request), "records-read")
             loop.run_until(lambda: parsing.done)
             if parsing.error is None:
