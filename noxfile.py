@@ -662,7 +662,7 @@ def bench(session: nox.Session) -> None:
 
 @nox.session(python=False)
 def summary(session: nox.Session) -> None:
-    """Where this run's time went: each session's wall and CPU time, the slowest tests.
+    """Where this run's time went: sessions' wall and CPU time, the limit, the slowest tests.
 
     The last default session, so that CI's output ends with it. CPU time is the time the
     machine spent busy during the session (:func:`_cpu_seconds`): far below twice the
@@ -681,6 +681,14 @@ def summary(session: nox.Session) -> None:
             f" {ratio:>8.2f}  {record['status']}"
         )
     lines.append(f"{'all timed sessions':<32} {total:>8.0f}   ({total / 60:.1f} min)")
+    # The machine's limit for this run: its busy CPU time spread over every CPU. No
+    # ordering or parallelism of the same work finishes sooner on this machine.
+    busy = sum(record["cpu"] for record in records)
+    cpus = os.cpu_count() or 1
+    lines.append(
+        f"{'machine limit':<32} {busy / cpus:>8.0f}   ({busy:.0f} CPU s on {cpus} CPUs:"
+        f" {busy / cpus / 60:.1f} min at full use)"
+    )
     tests: list[tuple[float, str, str]] = []
     for junit in _TIMINGS.glob("*.xml"):
         for suite in ElementTree.parse(junit).iter("testsuite"):
@@ -693,6 +701,6 @@ def summary(session: nox.Session) -> None:
                 name = "::".join(["/".join(parts) + ".py", *test_class, case.get("name", "")])
                 tests.append((float(case.get("time") or 0.0), owner, name))
     tests.sort(reverse=True)
-    lines.append("10 slowest tests:")
-    lines.extend(f"{seconds:8.1f} s  {owner}  {name}" for seconds, owner, name in tests[:10])
+    lines.append("20 slowest tests:")
+    lines.extend(f"{seconds:8.1f} s  {owner}  {name}" for seconds, owner, name in tests[:20])
     session.log("time of this run (.nox/_timings/" + _TIMINGS.name + "):\n" + "\n".join(lines))
