@@ -31,7 +31,8 @@ from group_scenario import (  # noqa: E402 - after the sys.path set-up above
     WORKER,
     ScenarioResult,
     check_scenario,
-    wait_until,
+    stop_after_the_rejoin,
+    wait_for_the_survivors,
 )
 
 pytestmark = pytest.mark.processes
@@ -62,26 +63,9 @@ def test_one_dist_launch_per_replica_group_restarts_only_its_group(tmp_path: Pat
             env = {**os.environ, "FT_STORE": f"127.0.0.1:{port}", "GROUP_ID": str(index)}
             launchers[group] = subprocess.Popen(command, env=env)
         store.wait(["test/killed"], timedelta(seconds=PROCESS_TIMEOUT))
-        killed = json.loads(store.get("test/killed"))
-        survivors = [(g, r) for g in groups[:-1] for r in range(GROUP_SIZE)]
-
-        def survivors_moved_on() -> bool:
-            keys = [f"test/progress/{g}/{r}" for g, r in survivors]
-            return store.check(keys) and all(int(store.get(k)) > killed["step"] for k in keys)
-
-        wait_until(survivors_moved_on, "the surviving groups to commit without the victim")
-        store.set("test/restart_ok", "1")  # the victim's launcher restarted it meanwhile
-        wait_until(
-            lambda: (
-                store.check([f"test/rejoined/{groups[-1]}"])
-                and int(store.get(f"test/rejoined/{groups[-1]}")) == GROUP_SIZE
-            ),
-            "the restarted group to commit a step",
-        )
-        progress = [
-            int(store.get(f"test/progress/{g}/{r}")) for g in groups for r in range(GROUP_SIZE)
-        ]
-        store.set("test/stop_at", str(max(progress) + 3))
+        # The victim's launcher restarts it meanwhile; it waits for test/restart_ok.
+        killed = wait_for_the_survivors(store, groups, groups[-1])
+        stop_after_the_rejoin(store, groups, groups[-1])
         for group, launcher in launchers.items():
             assert launcher.wait(timeout=PROCESS_TIMEOUT) == 0, f"{group}'s launcher failed"
     finally:

@@ -54,6 +54,37 @@ def wait_until(condition: Any, what: str) -> None:
         time.sleep(0.05)  # polling the store for progress other processes write
 
 
+def wait_for_the_survivors(store: Any, groups: list[str], victim_group: str) -> dict[str, Any]:
+    """Waits until every other group committed past the kill, then lets the victim restart.
+
+    Returns:
+        What the victim wrote under ``test/killed`` (the step it was killed at).
+    """
+    killed: dict[str, Any] = json.loads(store.get("test/killed"))
+    survivors = [(g, r) for g in groups if g != victim_group for r in range(GROUP_SIZE)]
+
+    def survivors_moved_on() -> bool:
+        keys = [f"test/progress/{g}/{r}" for g, r in survivors]
+        return store.check(keys) and all(int(store.get(k)) > killed["step"] for k in keys)
+
+    wait_until(survivors_moved_on, "the surviving groups to commit without the victim")
+    store.set("test/restart_ok", "1")
+    return killed
+
+
+def stop_after_the_rejoin(store: Any, groups: list[str], victim_group: str) -> None:
+    """Waits until the restarted group committed a step; every rank stops 3 steps later."""
+    wait_until(
+        lambda: (
+            store.check([f"test/rejoined/{victim_group}"])
+            and int(store.get(f"test/rejoined/{victim_group}")) == GROUP_SIZE
+        ),
+        "the restarted group to commit a step",
+    )
+    progress = [int(store.get(f"test/progress/{g}/{r}")) for g in groups for r in range(GROUP_SIZE)]
+    store.set("test/stop_at", str(max(progress) + 3))
+
+
 def run_lose_a_rank_and_rejoin(workdir: Path, port: int) -> ScenarioResult:
     """Runs the scenario once (see the module doc) with its store on ``port``.
 
@@ -81,27 +112,11 @@ def run_lose_a_rank_and_rejoin(workdir: Path, port: int) -> ScenarioResult:
         for rank in range(GROUP_SIZE):
             procs[victim_group, rank].kill()
             procs[victim_group, rank].wait()
-        killed = json.loads(store.get("test/killed"))
-        survivors = [(g, r) for g in groups if g != victim_group for r in range(GROUP_SIZE)]
-
-        def survivors_moved_on() -> bool:
-            keys = [f"test/progress/{g}/{r}" for g, r in survivors]
-            return store.check(keys) and all(int(store.get(k)) > killed["step"] for k in keys)
-
-        wait_until(survivors_moved_on, "the surviving groups to commit without the victim")
-        store.set("test/restart_ok", "1")
+        killed = wait_for_the_survivors(store, groups, victim_group)
         for rank in range(GROUP_SIZE):
             out = outs[victim_group, rank]
             procs[victim_group, rank] = spawn_rank(port, victim_group, rank, out, "--restarted")
-        wait_until(
-            lambda: (
-                store.check([f"test/rejoined/{victim_group}"])
-                and int(store.get(f"test/rejoined/{victim_group}")) == GROUP_SIZE
-            ),
-            "the restarted group to commit a step",
-        )
-        progress = [int(store.get(f"test/progress/{g}/{r}")) for g, r in outs]
-        store.set("test/stop_at", str(max(progress) + 3))
+        stop_after_the_rejoin(store, groups, victim_group)
         for key, proc in procs.items():
             assert proc.wait(timeout=PROCESS_TIMEOUT) == 0, f"{key} failed"
     finally:
