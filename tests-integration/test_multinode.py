@@ -416,7 +416,9 @@ def test_srun_environment_without_node_flags(
     ],
 )
 @pytest.mark.parametrize("failing", ["other_node", "store_node"])
-def test_restart_budget_is_job_wide(kind: str, failing: str, two_hosts: tuple[Host, Host]) -> None:
+def test_restart_budget_is_job_wide(
+    kind: str, failing: str, two_hosts: tuple[Host, Host], tmp_path: Path
+) -> None:
     store_host, other = two_hosts
     # On the store's node, the failing node may exit first and take the store with it:
     # the other node's report must still name the failure.
@@ -426,8 +428,15 @@ def test_restart_budget_is_job_wide(kind: str, failing: str, two_hosts: tuple[Ho
         flags = c10d_flags(store_host, "2", 1, max_restarts=1, conf="last_call_timeout=1")
         # The worker on the failing host fails before it joins the group, in every
         # attempt: the other host's workers never see a broken collective, only a
-        # missing peer.
-        env = {"FAIL_HOST": failing_host.name, "COLLECTIVE_TIMEOUT": "15"}
+        # missing peer. It fails once its attempt's peers have started (STARTED_DIR):
+        # failing sooner, the job could re-form before a loaded machine had the healthy
+        # worker print its start line, and the count below would miss an attempt.
+        env = {
+            "FAIL_HOST": failing_host.name,
+            "COLLECTIVE_TIMEOUT": "15",
+            "STARTED_DIR": str(tmp_path),
+            "START_WAIT_SECONDS": "20",
+        }
         for host in two_hosts:
             job.start(host, flags, env)
         codes = job.wait_exits()
