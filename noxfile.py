@@ -1,8 +1,9 @@
 """Every session of the dist-* monorepo.
 
-Plain ``nox`` runs the default sessions: each package's tests, integration, every suite
-again on the newest torch (2.15) and on the lowest the packages declare (2.11), lint,
-typecheck, docs, the demo, and a summary of where the time went. The whole run has a
+Plain ``nox`` runs the default sessions: ``prefetch`` (the other torch builds, installed
+in the background), each package's tests, integration, the real cluster launchers, every
+suite again on the newest torch (2.15) and on the lowest the packages declare (2.11),
+lint, typecheck, docs, the demo, and a summary of where the time went. The whole run has a
 budget of 30 minutes on the project's 2-core machine (``docs/testing.md`` says how to
 measure it). ``nox -s fast`` runs every in-process test of the four packages;
 ``nox -s bench`` runs the benchmarks.
@@ -15,9 +16,9 @@ pay for one install. The other versions are CUDA builds of several GB from the p
 registry. The packages themselves declare only a lower bound on torch.
 
 Packages are installed non-editable from this repository, each session with only what
-it needs, and :func:`_check_provenance` fails the session when any installed
-``dist-*`` distribution came from anywhere else (``dist-launch`` is also the name of an
-unrelated project on the public index).
+it needs, from wheels built once per run (:func:`_wheel`), and :func:`_check_provenance`
+fails the session when any installed ``dist-*`` distribution came from anywhere else
+(``dist-launch`` is also the name of an unrelated project on the public index).
 
 Tests run side by side (pytest-xdist): most of them wait on real processes, so more
 workers than cores keep the machine busy (``DIST_TEST_WORKERS`` overrides the count).
@@ -27,12 +28,14 @@ under ``.nox/_timings/<run>/``; the ``summary`` session prints them.
 
 from __future__ import annotations
 
+import atexit
 import csv
 import functools
 import json
 import os
 import resource
 import shutil
+import subprocess
 import sys
 import time
 import tomllib
@@ -58,10 +61,13 @@ OTHER_TORCH_SPECS = {"2.15": "torch==2.15.0", "2.11": "torch==2.11.0", "2.14": "
 _UNCAPPED = {"PIP_CONSTRAINT": os.devnull}
 # pytest-xdist workers per pytest run: most tests wait on real processes, not the CPU.
 TEST_WORKERS = os.environ.get("DIST_TEST_WORKERS", str(2 * (os.cpu_count() or 1)))
+# Bound on one torch template's install (a CUDA build of about 4 GB: a minute or two).
+TEMPLATE_INSTALL_SECONDS = 1800
 
 nox.options.default_venv_backend = "virtualenv"
 nox.options.error_on_missing_interpreters = True
 nox.options.sessions = [
+    "prefetch",
     "tests",
     "integration",
     "cluster",
@@ -76,6 +82,8 @@ nox.options.sessions = [
 
 # One directory per nox invocation: the summary reads only this run's timings.
 _TIMINGS = ROOT / ".nox" / "_timings" / time.strftime("%Y%m%d-%H%M%S")
+# The packages' wheels, built once per nox invocation from packages/ (:func:`_wheel`).
+_WHEELS = ROOT / ".nox" / "_wheels" / _TIMINGS.name
 
 
 def _discover_packages() -> list[str]:
@@ -163,24 +171,54 @@ def _pip_env(torch_spec: str) -> dict[str, str] | None:
     return None if torch_spec == TORCH_SPEC else _UNCAPPED
 
 
+def _template_dir(*specs: str) -> Path:
+    return ROOT / ".nox" / "_torch" / "+".join(spec.replace("==", "-") for spec in specs)
+
+
+def _template_pip(template: Path, *specs: str) -> list[str]:
+    """The pip command that installs ``specs`` into ``template``."""
+    downloaded = ["--no-cache-dir"] if specs[0] != TORCH_SPEC else []
+    return [str(template / "bin" / "python"), "-m", "pip", "install", "-q", *downloaded, *specs]
+
+
+# Template installs the ``prefetch`` session started in the background: template -> pip.
+# The noxfile owns them: :func:`_torch_template` waits for one, and nox's exit stops any
+# still running (its template stays incomplete and is installed again next time).
+_PREFETCHING: dict[Path, subprocess.Popen[bytes]] = {}
+
+
+def _stop_prefetching() -> None:
+    for process in _PREFETCHING.values():
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+atexit.register(_stop_prefetching)
+
+
 def _torch_template(session: nox.Session, *specs: str) -> Path:
     """A venv under ``.nox/_torch`` holding ``specs`` (torch first), installed once.
 
     Every venv that needs the same build links it from here (:func:`_link_installed`)
     instead of unpacking it again. A torch other than ``TORCH_SPEC`` is a CUDA build of
     several GB: it installs with ``--no-cache-dir`` (pip's cache would hold a second
-    copy, which ran a CI machine out of disk once) and with pip's torch cap lifted.
+    copy, which ran a CI machine out of disk once) and with pip's torch cap lifted. A
+    template the ``prefetch`` session is installing is waited for.
     """
-    template = ROOT / ".nox" / "_torch" / "+".join(spec.replace("==", "-") for spec in specs)
+    template = _template_dir(*specs)
     if (template / "complete").exists():
         return template
-    shutil.rmtree(template, ignore_errors=True)
-    session.run(sys.executable, "-m", "venv", str(template), external=True)
-    downloaded = ["--no-cache-dir"] if specs[0] != TORCH_SPEC else []
-    session.run(
-        str(template / "bin" / "python"), "-m", "pip", "install", "-q", *downloaded, *specs,
-        env=_pip_env(specs[0]), external=True,
-    )  # fmt: skip
+    prefetching = _PREFETCHING.pop(template, None)
+    if prefetching is not None:
+        session.log(f"waiting for the install of {template.name} that prefetch started")
+        if prefetching.wait(timeout=TEMPLATE_INSTALL_SECONDS) != 0:
+            log = template.parent / f"{template.name}.log"
+            session.error(f"installing {' '.join(specs)} failed; pip's output: {log}")
+    else:
+        shutil.rmtree(template, ignore_errors=True)
+        session.run(sys.executable, "-m", "venv", str(template), external=True)
+        session.run(*_template_pip(template, *specs), env=_pip_env(specs[0]), external=True)
     (template / "complete").touch()
     return template
 
@@ -201,18 +239,34 @@ def _install_packages(
         closure = _sibling_closure(package)
         for name in closure:
             suffix = extras if name == package else ""
-            target = f"{PACKAGES_DIR / name}{suffix}"
+            target = f"{_wheel(session, name)}{suffix}"
             if target not in targets:
                 targets.append(target)
     session.install(*targets, env=_pip_env(torch_spec))
     _check_provenance(session)
 
 
+def _wheel(session: nox.Session, package: str) -> Path:
+    """The wheel of ``packages/<package>``, built once per nox run (``_WHEELS``).
+
+    Every session installs the same build instead of building it again: about 35
+    installs of a package in a full run, each of which paid for a build environment.
+    """
+    pattern = f"{package.replace('-', '_')}-*.whl"
+    if not any(_WHEELS.glob(pattern)):
+        session.run(
+            sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(_WHEELS),
+            str(PACKAGES_DIR / package), external=True,
+        )  # fmt: skip
+    [wheel] = _WHEELS.glob(pattern)
+    return wheel
+
+
 _PROVENANCE_CHECK = """
 import json, sys
 from importlib.metadata import distributions
 from pathlib import Path
-packages_dir = Path(sys.argv[1]).resolve()
+wheels_dir = Path(sys.argv[1]).resolve()
 bad = []
 for dist in distributions():
     name = (dist.metadata["Name"] or "").lower().replace("_", "-")
@@ -221,7 +275,7 @@ for dist in distributions():
     raw = dist.read_text("direct_url.json")
     url = json.loads(raw).get("url", "") if raw else ""
     path = Path(url.removeprefix("file://")).resolve() if url.startswith("file://") else None
-    if path is None or path.parent != packages_dir:
+    if path is None or path.parent != wheels_dir:
         bad.append(f"{name} {dist.version} from {url or 'a package index'}")
     else:
         print(f"{name} {dist.version} from {path}")
@@ -231,8 +285,8 @@ if bad:
 
 
 def _check_provenance(session: nox.Session) -> None:
-    """Fails when an installed dist-* distribution did not come from packages/."""
-    session.run("python", "-c", _PROVENANCE_CHECK, str(PACKAGES_DIR), silent=False)
+    """Fails when an installed dist-* distribution is not a wheel this run built."""
+    session.run("python", "-c", _PROVENANCE_CHECK, str(_WHEELS), silent=False)
 
 
 def _cpu_seconds() -> float:
@@ -319,6 +373,37 @@ def _shared_torch_site() -> dict[str, str]:
     if not (template / "complete").exists():
         return {}
     return {"DIST_TEST_TORCH_SITE": str(_site_packages(template))}
+
+
+@nox.session(python=False)
+@_timed
+def prefetch(session: nox.Session) -> None:
+    """Starts installing the other torch builds the default sessions need, in the background.
+
+    Each is a CUDA build of about 4 GB whose install keeps one core busy for about a
+    minute; started first, at the lowest CPU priority, it uses the time the package
+    tests leave a core idle (their processes wait on each other) instead of the
+    torch sessions' own. The sessions that link a template wait for its install
+    (:func:`_torch_template`).
+    """
+    for name in nox.options.sessions or []:
+        version = name.removeprefix("torch(").removesuffix(")")
+        if name.startswith("torch(") and version in OTHER_TORCH_SPECS:
+            spec = OTHER_TORCH_SPECS[version]
+            template = _template_dir(spec)
+            if (template / "complete").exists() or template in _PREFETCHING:
+                continue
+            shutil.rmtree(template, ignore_errors=True)
+            session.run(sys.executable, "-m", "venv", str(template), external=True)
+            with (template.parent / f"{template.name}.log").open("wb") as log:
+                _PREFETCHING[template] = subprocess.Popen(
+                    _template_pip(template, spec),
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env={**os.environ, **(_pip_env(spec) or {})},
+                    preexec_fn=lambda: os.nice(19),
+                )
+            session.log(f"installing {spec} into {template} in the background")
 
 
 @nox.session
@@ -460,9 +545,10 @@ def typecheck(session: nox.Session) -> None:
 
 
 # The docs' before-composer blocks run Composer's own launcher. mosaicml 0.32.1 pins a
-# torch (<2.7.1) that is not on the project's machines; torch 2.14.1 and torchvision
-# 0.29.1 are, and Composer's distributed API runs on them.
-COMPOSER = ("mosaicml==0.32.1", ("torch==2.14.1", "torchvision==0.29.1"))
+# torch (<2.7.1) that is not on the project's machines; its distributed API runs on the
+# lowest torch we test, 2.11.0, whose build the torch(2.11) session installed already
+# (the Composer venv links it), with the torchvision made for it.
+COMPOSER = ("mosaicml==0.32.1", OTHER_TORCH_SPECS["2.11"], "torchvision==0.26.0")
 
 
 def _composer_venv(session: nox.Session) -> Path:
@@ -471,11 +557,12 @@ def _composer_venv(session: nox.Session) -> Path:
     if not (venv / "complete").exists():
         shutil.rmtree(venv, ignore_errors=True)
         session.run(sys.executable, "-m", "venv", str(venv), external=True)
-        package, torch_specs = COMPOSER
-        _link_installed(_torch_template(session, *torch_specs), venv)
+        package, torch_spec, torchvision_spec = COMPOSER
+        _link_installed(_torch_template(session, torch_spec), venv)
         pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q"]
         requirements = ROOT / "docs" / "tests" / "requirements-composer.txt"
-        session.run(*pip, "-r", str(requirements), external=True)
+        specs = [torch_spec, torchvision_spec, "-r", str(requirements)]
+        session.run(*pip, *specs, env=_pip_env(torch_spec), external=True)
         session.run(*pip, "--no-deps", package, external=True)
         (venv / "complete").touch()
     return venv / "bin"
