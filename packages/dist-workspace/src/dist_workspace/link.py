@@ -80,12 +80,17 @@ class Link(Protocol):
         ...
 
 
+def _seconds_left(deadline: float) -> float:
+    """Seconds until ``deadline``, at least a millisecond (0 would mean "no timeout")."""
+    return max(deadline - time.monotonic(), 0.001)
+
+
 def _read_exactly(sock: socket.socket, size: int, deadline: float, into: Any = None) -> Any:
     buffer = bytearray(size) if into is None else into
     view = memoryview(buffer).cast("B")
     got = 0
     while got < size:
-        sock.settimeout(max(deadline - time.monotonic(), 0.001))
+        sock.settimeout(_seconds_left(deadline))
         count = sock.recv_into(view[got:], size - got)
         if count == 0:
             raise ConnectionError("Connection closed by peer")
@@ -95,7 +100,7 @@ def _read_exactly(sock: socket.socket, size: int, deadline: float, into: Any = N
 
 def _send_all(sock: socket.socket, buffers: list[memoryview], deadline: float) -> None:
     while buffers:
-        sock.settimeout(max(deadline - time.monotonic(), 0.001))
+        sock.settimeout(_seconds_left(deadline))
         sent = sock.sendmsg(buffers[:_IOV_MAX])
         while buffers and sent >= len(buffers[0]):
             sent -= len(buffers[0])
@@ -128,8 +133,10 @@ class SocketLink:
         self._peers = peers
         self._closed: dict[int, Closed] = {}
 
-    def _drop(self, peer: int, why: str) -> Closed:
+    def _drop(self, peer: int, why: str | BaseException) -> Closed:
         """Closes ``peer``'s connection for good; every later use reports ``why``."""
+        if isinstance(why, BaseException):
+            why = str(why) or type(why).__name__
         sock = self._peers.pop(peer, None)
         if sock is not None:
             with contextlib.suppress(OSError):
@@ -141,14 +148,13 @@ class SocketLink:
         sock = self._peers.get(peer)
         if sock is None:
             return self._closed[peer]
-        views = [memoryview(part).cast("B") for part in body]
-        views = [view for view in views if len(view)]
+        views = [view for view in (memoryview(part).cast("B") for part in body) if len(view)]
         size = sum(len(view) for view in views)
         fixed = protocol.encode_frame(frame.kind, frame.seq, frame.head, size)
         try:
             _send_all(sock, [memoryview(fixed), *views], deadline)
         except OSError as error:  # a frame half sent is lost to the stream as well
-            return self._drop(peer, str(error) or type(error).__name__)
+            return self._drop(peer, error)
         return None
 
     def receive(
@@ -187,12 +193,12 @@ class SocketLink:
         try:
             frame = _read_frame(self._peers[peer], finish, peer)
         except (OSError, WorkspaceError) as error:  # gone, or not a frame of this protocol
-            return self._drop(peer, str(error) or type(error).__name__)
+            return self._drop(peer, error)
         if frame.seq < seq:  # the receiver of that call answered it when it gave up
             logger.debug("dropped rank %s's frame of call %s in call %s", peer, frame.seq, seq)
             return None
         if (frame.kind, frame.seq) != (kind, seq):
-            return self._drop(peer, protocol.out_of_order(peer, frame.kind, frame.seq, kind, seq))
+            return self._drop(peer, protocol.out_of_order(peer, frame.kind, frame.seq, seq))
         return frame
 
     def close(self) -> None:
@@ -241,9 +247,6 @@ def state_for(job: str, ranks: Sequence[int]) -> LinkState:
     return state
 
 
-# ---------------------------------------------------------------- opening
-
-
 def _listen_address(store: Any) -> tuple[int, str]:
     """The address family and address this host reaches the store's server from.
 
@@ -269,7 +272,7 @@ def _listen_address(store: Any) -> tuple[int, str]:
 def _store_wait(store: Any, keys: list[str], deadline: float) -> list[str]:
     """Waits until ``deadline`` for ``keys``; returns those that are there."""
     try:
-        store.wait(keys, timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+        store.wait(keys, timedelta(seconds=_seconds_left(deadline)))
     except RuntimeError:  # DistStoreError (a RuntimeError) at the timeout
         return [key for key in keys if store.check([key])]
     return keys
@@ -345,14 +348,14 @@ def _connect(
     try:
         for peer in sorted(rank for rank in infos if rank < call.rank):
             host, port = infos[peer]["address"]
-            sock = socket.create_connection((host, port), max(deadline - time.monotonic(), 0.001))
+            sock = socket.create_connection((host, port), _seconds_left(deadline))
             peers[peer] = sock
             hello = {"link": prefix, "rank": call.rank, "token": infos[peer]["token"]}
             _send_all(
                 sock, [memoryview(protocol.encode_frame(protocol.HEAD, 0, hello, 0))], deadline
             )
         while expected:
-            listener.settimeout(max(deadline - time.monotonic(), 0.001))
+            listener.settimeout(_seconds_left(deadline))
             sock, _ = listener.accept()
             try:
                 said = _read_frame(sock, deadline, -1).head  # a frame of call 0
