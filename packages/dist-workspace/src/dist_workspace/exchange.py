@@ -65,11 +65,8 @@ class Exchange:
     @functools.cached_property
     def directory(self) -> CallDirectory | None:
         """The call's directory under ``workspace_path``, if given."""
-        return (
-            None
-            if self.workspace_path is None
-            else CallDirectory(self.workspace_path, **self.names)
-        )
+        path = self.workspace_path
+        return None if path is None else CallDirectory(path, **self.names)
 
     def open(self) -> link.Link:
         """The link between the call's ranks, opened by the first call that needs it."""
@@ -143,6 +140,12 @@ def _error_text(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
 
+def _shape(weights: dict[str, torch.Tensor]) -> tuple[list[int], str] | None:
+    """The shape and dtype a head announces for a tensor call; None for a config."""
+    tensor = weights.get("tensor")
+    return None if tensor is None else (list(tensor.shape), str(tensor.dtype))
+
+
 def send(exchange: Exchange, weights: dict[str, torch.Tensor], config: Any) -> None:
     """Writes this rank's record, sends its frame, waits for the receiver's verdict.
 
@@ -158,9 +161,8 @@ def send(exchange: Exchange, weights: dict[str, torch.Tensor], config: Any) -> N
             route = protocol.route(record.total_size, exchange.workspace_path)
             head: dict[str, Any] = {"ok": True, "ranks": list(call.ranks), "route": route}
             head.update(host=exchange.state.host, size=record.total_size)
-            tensor = weights.get("tensor")
-            if tensor is not None:
-                head.update(shape=list(tensor.shape), dtype=str(tensor.dtype))
+            if (shape := _shape(weights)) is not None:
+                head.update(shape=shape[0], dtype=shape[1])
             body: Sequence[Any] = ()
             if route == "link":
                 body = record_buffers(record)
@@ -215,13 +217,12 @@ def receive(exchange: Exchange, weights: dict[str, torch.Tensor], config: Any) -
             if isinstance(frame, link.Closed):
                 raise WorkspaceError(protocol.connection_lost(call, sender, frame.why))
             came[sender] = frame
-        tensor = own[1].get("tensor")
         failure = protocol.decide_receipt(
             call,
             {sender: frame.head for sender, frame in came.items()},
             host=exchange.state.host,
             one_host=exchange.workspace_path is None,
-            own_shape=None if tensor is None else (list(tensor.shape), str(tensor.dtype)),
+            own_shape=_shape(own[1]),
         )
         if failure is not None:
             raise WorkspaceError(failure)

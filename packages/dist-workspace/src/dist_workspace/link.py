@@ -351,9 +351,8 @@ def _connect(
             sock = socket.create_connection((host, port), _seconds_left(deadline))
             peers[peer] = sock
             hello = {"link": prefix, "rank": call.rank, "token": infos[peer]["token"]}
-            _send_all(
-                sock, [memoryview(protocol.encode_frame(protocol.HEAD, 0, hello, 0))], deadline
-            )
+            # create_connection left the socket's timeout set: sendall is bounded too
+            sock.sendall(protocol.encode_frame(protocol.HEAD, 0, hello, 0))
         while expected:
             listener.settimeout(_seconds_left(deadline))
             sock, _ = listener.accept()
