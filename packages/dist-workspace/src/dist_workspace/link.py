@@ -81,7 +81,7 @@ class Link(Protocol):
 
 
 def _seconds_left(deadline: float) -> float:
-    """Seconds until ``deadline``, at least a millisecond (0 would mean "no timeout")."""
+    """Seconds until ``deadline``, at least a millisecond (0 makes a socket non-blocking)."""
     return max(deadline - time.monotonic(), 0.001)
 
 
@@ -209,11 +209,9 @@ class SocketLink:
 
 def host_id() -> str:
     """This host's name and boot: ranks with the same one share memory."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as handle:
-            boot = handle.read().strip()
-    except OSError:
-        boot = ""
+    boot = ""
+    with contextlib.suppress(OSError), open("/proc/sys/kernel/random/boot_id") as handle:
+        boot = handle.read().strip()
     return f"{socket.gethostname()}/{boot}"
 
 

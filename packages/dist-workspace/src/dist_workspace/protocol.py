@@ -53,11 +53,6 @@ def route(size: int, workspace_path: object) -> str:
     return "segment" if workspace_path is None else "file"
 
 
-def sender_failed(call: Call, sender: int, error: object) -> str:
-    """A sender could not write its value and said why."""
-    return f"{call.kind}: rank {sender} failed to write its value: {error}"
-
-
 def never_wrote(call: Call, missing: Sequence[int], came: Sequence[int]) -> str:
     """The receiver waited ``call.timeout`` and some senders never came."""
     return (
@@ -84,7 +79,7 @@ def decide_receipt(
     """
     for sender, head in heads.items():
         if not head.get("ok"):
-            return sender_failed(call, sender, head.get("error"))
+            return f"{call.kind}: rank {sender} failed to write its value: {head.get('error')}"
     missing = [r for r in call.senders if r not in heads]
     if missing:
         return never_wrote(call, missing, list(heads))
