@@ -1,11 +1,9 @@
 """The directory of one call given ``workspace_path``: ``exchange-{job}-{ranks}-{seq}/``.
 
-Records too large for the link lie there as ``rank-{r}.safetensors``, written
-atomically and CRC-checked as :class:`~dist_workspace.workspace.NFSWorkspace` writes
-them; every rank may be on another host, wherever all see ``workspace_path`` (NFS and
-the like). The receiver reads them, retrying while NFS hides a file another client
-has just renamed into place, and removes the directory; ``dist-workspace clean``
-knows the name of one a killed job left.
+Records too large for the link lie there as :class:`~dist_workspace.workspace.NFSWorkspace`
+writes them (atomic, CRC-checked), so the ranks may be on any hosts that see
+``workspace_path``. The receiver reads them and removes the directory;
+``dist-workspace clean`` knows the name of one a killed job left.
 """
 
 from __future__ import annotations
@@ -48,9 +46,8 @@ class CallDirectory:
             config, weights = workspace.read_configs_and_weights_from_rank(sender)
             if weights is not None:
                 return config, weights
-            # On NFS a file another client has just renamed into place may stay
-            # invisible until the directory's attribute cache expires (acdirmin, 30 s
-            # by default).
+            # NFS may hide a file another client just renamed into place until the
+            # directory's attribute cache expires (acdirmin, 30 s by default).
             if time.monotonic() > deadline:
                 raise WorkspaceError(
                     f"{kind}: rank {sender} reported writing {workspace.rank_path(sender)} "

@@ -1,26 +1,18 @@
 """get_configs_parallel and get_tensors_parallel: gather values on the first rank.
 
-A call on ``ranks``: the first rank (the *receiver*) gets every value, the others (the
-*senders*) send theirs, each laid out as a record (:mod:`dist_workspace.writer`). Its
-size alone picks where a record goes (:func:`dist_workspace.protocol.route`): at most
-8 MiB, in the sender's frame on the link between ``ranks`` (:mod:`dist_workspace.link`,
-opened by the first call with them, the only one that uses the store); larger, into a
-shared-memory segment (:mod:`dist_workspace.shm`) or, given ``workspace_path``, a file
-of the call's directory (:mod:`dist_workspace.call_directory`).
+The first of ``ranks`` (the *receiver*) gets every value; the others (the *senders*)
+send theirs, each laid out as a record (:mod:`dist_workspace.writer`) that goes where
+its size alone says (:func:`dist_workspace.protocol.route`): in the sender's frame on
+the link between ``ranks`` (:mod:`dist_workspace.link`), or in a shared-memory segment
+(:mod:`dist_workspace.shm`) or, given ``workspace_path``, a file
+(:mod:`dist_workspace.call_directory`).
 
-A sender writes its record, then sends its frame: a head (``ranks``, host, route,
-size, segment name, shape and dtype; or its own error) and the record when it travels
-on the link. Nothing writes the record again, so a receiver never sees a half-written
-one. It then waits for the receiver's verdict, raises the receiver's error if the call
-failed, and unlinks its segment (the receiver's private mapping keeps the data).
-
-The receiver lays its own value out as a record too and reads it back as a peer's
-(:func:`own_values`), waits for every sender's frame at once (a connection that
-closes fails the call at once; a sender that never came is named at the timeout),
-decides from the heads (:func:`dist_workspace.protocol.decide_receipt`), reads every
-record, and sends every sender the verdict: success, or the error every sender then
-raises too. A sender that comes late finds the error of the call it came to, and its
-frame is never taken for a later call's. ``group`` only decides who may take part.
+A sender writes its record whole before its frame (a head: ranks, host, route, size,
+segment, shape and dtype, or its error) announces it, so a receiver never sees a
+half-written one; it then waits for the verdict and unlinks its segment. The receiver
+reads its own value back as a peer's (:func:`own_values`), waits for every frame at
+once, decides from the heads (:func:`dist_workspace.protocol.decide_receipt`), reads
+every record and sends every sender the verdict: success, or the error all raise.
 """
 
 from __future__ import annotations
@@ -73,11 +65,8 @@ class Exchange:
     @functools.cached_property
     def directory(self) -> CallDirectory | None:
         """The call's directory under ``workspace_path``, if given."""
-        return (
-            None
-            if self.workspace_path is None
-            else CallDirectory(self.workspace_path, **self.names)
-        )
+        path = self.workspace_path
+        return None if path is None else CallDirectory(path, **self.names)
 
     def open(self) -> link.Link:
         """The link between the call's ranks, opened by the first call that needs it."""
@@ -151,7 +140,10 @@ def _error_text(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
 
-# ---------------------------------------------------------------- sender
+def _shape(weights: dict[str, torch.Tensor]) -> tuple[list[int], str] | None:
+    """The shape and dtype a head announces for a tensor call; None for a config."""
+    tensor = weights.get("tensor")
+    return None if tensor is None else (list(tensor.shape), str(tensor.dtype))
 
 
 def send(exchange: Exchange, weights: dict[str, torch.Tensor], config: Any) -> None:
@@ -167,15 +159,10 @@ def send(exchange: Exchange, weights: dict[str, torch.Tensor], config: Any) -> N
                 weights, config, rank=call.rank, job=exchange.job, checksums=False
             )
             route = protocol.route(record.total_size, exchange.workspace_path)
-            head: dict[str, Any] = {
-                "ok": True,
-                "ranks": list(call.ranks),
-                "host": exchange.state.host,
-            }
-            head.update(route=route, size=record.total_size)
-            tensor = weights.get("tensor")
-            if tensor is not None:
-                head.update(shape=list(tensor.shape), dtype=str(tensor.dtype))
+            head: dict[str, Any] = {"ok": True, "ranks": list(call.ranks), "route": route}
+            head.update(host=exchange.state.host, size=record.total_size)
+            if (shape := _shape(weights)) is not None:
+                head.update(shape=shape[0], dtype=shape[1])
             body: Sequence[Any] = ()
             if route == "link":
                 body = record_buffers(record)
@@ -204,8 +191,8 @@ def send(exchange: Exchange, weights: dict[str, torch.Tensor], config: Any) -> N
 def _send_head(exchange: Exchange, head: dict[str, Any], body: Sequence[Any]) -> float:
     """Sends this sender's frame; returns the deadline of its wait for the verdict.
 
-    The receiver waits up to the timeout for the slowest sender, then reads: a sender
-    allows it that plus a margin before declaring it gone.
+    The receiver waits the timeout for the slowest sender, then reads: a sender allows
+    it that plus a margin.
     """
     call = exchange.call
     deadline = time.monotonic() + call.timeout + protocol.VERDICT_MARGIN_SECONDS
@@ -214,9 +201,6 @@ def _send_head(exchange: Exchange, head: dict[str, Any], body: Sequence[Any]) ->
     if closed is not None:
         raise WorkspaceError(protocol.receiver_closed(call, closed.why))
     return deadline
-
-
-# ---------------------------------------------------------------- receiver
 
 
 def receive(exchange: Exchange, weights: dict[str, torch.Tensor], config: Any) -> list[Values]:
@@ -233,13 +217,12 @@ def receive(exchange: Exchange, weights: dict[str, torch.Tensor], config: Any) -
             if isinstance(frame, link.Closed):
                 raise WorkspaceError(protocol.connection_lost(call, sender, frame.why))
             came[sender] = frame
-        tensor = own[1].get("tensor")
         failure = protocol.decide_receipt(
             call,
             {sender: frame.head for sender, frame in came.items()},
             host=exchange.state.host,
             one_host=exchange.workspace_path is None,
-            own_shape=None if tensor is None else (list(tensor.shape), str(tensor.dtype)),
+            own_shape=_shape(own[1]),
         )
         if failure is not None:
             raise WorkspaceError(failure)
@@ -283,8 +266,7 @@ def _values(buffer: Any, size: int, sender: int, where: str) -> Values:
 def _send_verdicts(exchange: Exchange, verdict: dict[str, Any]) -> None:
     """Sends the verdict to every sender whose connection lives, late ones included.
 
-    A sender that comes late reads the verdict of the call it came to at once; one that
-    failed to write does not wait for it, and drops it at its next call.
+    A late sender reads it at once; one that failed to write drops it at its next call.
     """
     if exchange.state.link is None:
         return  # the link never opened: no sender is waiting on it
@@ -299,9 +281,8 @@ def _send_verdicts(exchange: Exchange, verdict: dict[str, Any]) -> None:
 def host_buffer(nbytes: int) -> torch.Tensor:
     """A fresh, writable 1-D uint8 CPU tensor of ``nbytes`` bytes, its pages allocated.
 
-    From 1 MiB on it is a private anonymous mapping whose pages ``MAP_POPULATE``
-    allocates in the ``mmap`` call (cheaper than faulting them in as a copy writes
-    them); the tensor holds the mapping, unmapped with the last tensor on it.
+    From 1 MiB on, a private anonymous mapping whose pages ``MAP_POPULATE`` allocates
+    at once (cheaper than faulting them in during the copy), held by the tensor.
 
     Raises:
         MemoryError: The system cannot map ``nbytes`` bytes.
@@ -319,8 +300,7 @@ def own_values(weights: dict[str, torch.Tensor], config: Any, rank: int, job: st
     """This rank's values as a peer's record gives them back, made the same way.
 
     Its record is copied into fresh memory and read as a peer's: on CPU, tuples as
-    lists, tensors that shared a storage still sharing one, aliasing nothing of the
-    caller's.
+    lists, shared storages still shared, aliasing nothing of the caller's.
 
     Raises:
         TypeError: A config that is not JSON or a tensor a record cannot hold (named).
@@ -335,9 +315,6 @@ def own_values(weights: dict[str, torch.Tensor], config: Any, rank: int, job: st
     return _values(buffer, at, rank, f"rank {rank}'s own value")
 
 
-# ---------------------------------------------------------------- public API
-
-
 @contextlib.contextmanager
 def get_tensors_parallel(
     tensor: torch.Tensor,
@@ -348,11 +325,10 @@ def get_tensors_parallel(
 ) -> Iterator[list[torch.Tensor]]:
     """Gives the first rank of ``ranks`` every listed rank's tensor, in ``ranks`` order.
 
-    Every rank in ``ranks`` (and only those) calls it; the others get an empty list.
-    The tensors must have one shape and dtype. Records of at most 8 MiB travel on the
-    link between the ranks, larger ones through shared memory; all of ``ranks`` must
-    be on one host. Reads ``DIST_WORKSPACE_TIMEOUT`` (seconds, 300 by default) when
-    ``timeout`` is None and ``DIST_WORKSPACE_SHM_DIR``.
+    Every rank in ``ranks`` (and only those) calls it, with tensors of one shape and
+    dtype, all on one host: records up to 8 MiB travel on the link between the ranks,
+    larger ones through shared memory. Reads ``DIST_WORKSPACE_TIMEOUT`` (seconds, 300
+    by default) when ``timeout`` is None and ``DIST_WORKSPACE_SHM_DIR``.
 
     Args:
         tensor: This rank's tensor, on any device (any dtype safetensors stores).
@@ -361,11 +337,9 @@ def get_tensors_parallel(
         timeout: Seconds to wait for a peer before raising, naming it.
 
     Yields:
-        On the first rank, the tensors, all on CPU whatever device they were on
-        (peers' ones zero-copy views of shared memory, or of this process's copy of
-        records small enough for the link, that stay valid after the context; its
-        own a CPU copy that never aliases ``tensor``); on the other ranks an empty
-        list.
+        On the first rank the tensors, on CPU whatever their device: peers' ones
+        zero-copy views (of shared memory, or of the record received on the link) valid
+        after the context, its own a copy that never aliases ``tensor``. Elsewhere ``[]``.
 
     Raises:
         WorkspaceError: The caller is not in ``ranks``; a rank failed, timed out, or
@@ -388,11 +362,10 @@ def get_configs_parallel(
     """Gives the first rank of ``ranks`` every listed rank's config, in ``ranks`` order.
 
     A config is any JSON value (tuples come back as lists), tensors inside included.
-    Records of at most 8 MiB travel on the link between the ranks; larger ones
-    through shared memory on one host when ``workspace_path`` is None, else through
-    files in a subdirectory of ``workspace_path`` that the receiver removes
-    afterwards (the ranks may then be on several hosts). Reads
-    ``DIST_WORKSPACE_TIMEOUT`` and ``DIST_WORKSPACE_SHM_DIR``.
+    Records up to 8 MiB travel on the link between the ranks; larger ones through
+    shared memory on one host, or given ``workspace_path`` through files in a
+    subdirectory of it that the receiver removes (the ranks may then be on several
+    hosts). Reads ``DIST_WORKSPACE_TIMEOUT`` and ``DIST_WORKSPACE_SHM_DIR``.
 
     Args:
         config: This rank's config.
@@ -402,10 +375,8 @@ def get_configs_parallel(
         timeout: Seconds to wait for a peer before raising, naming it.
 
     Yields:
-        The configs on the first rank, an empty list elsewhere. Every tensor in them
-        is on CPU, whatever device it was on, the first rank's own config included;
-        its own config is a copy (through the same encoding as the others'), so
-        changing it never changes ``config``.
+        The configs on the first rank, ``[]`` elsewhere; every tensor in them on CPU.
+        Its own config is a copy made through the same encoding as the others'.
 
     Raises:
         TypeError: This rank's config is not JSON (naming the key path).

@@ -1,27 +1,22 @@
 """The link: one TCP connection between every two ranks of a list, opened once per job.
 
-Every call of the ``*_parallel`` helpers with one list of ranks (in any order: ``[0,
-1, 2]`` and ``[2, 0, 1]`` share a link) travels on it: each sender's frame (a head,
-and the record itself when it is small, see :mod:`dist_workspace.protocol`) to the
-receiver, the receiver's verdict back. The first call with a list opens it:
+Every ``*_parallel`` call with one set of ranks (in any order) travels on it: each
+sender's frame (a head, and the record when small, see :mod:`dist_workspace.protocol`)
+to the receiver, the receiver's verdict back. The first call with a set opens it:
 
-1. Every rank listens on the address its host uses to reach the store's server
-   (loopback when the store is on this host) and writes that address, a random
-   token and the wire version to the store, under a prefix of the job, the ranks
-   and the attempt.
-2. The call's receiver waits for every rank's key (the call's timeout) and writes the
-   verdict, :func:`dist_workspace.protocol.decide_open`; the others wait for it. A
-   failed opening raises on every rank; the next call tries the next attempt's prefix.
-3. Every rank connects to the ranks before it in the list and accepts the ones after
-   it; a connection presents the listener's token, so nobody who cannot read the
-   store can join. The listeners close.
+1. Every rank listens on the address its host reaches the store's server from
+   (loopback for a store without one) and writes that address, a random token and
+   the wire version under a store prefix of the job, the ranks and the attempt.
+2. The receiver waits for every rank's key and writes the verdict
+   (:func:`dist_workspace.protocol.decide_open`); a failed opening raises on every
+   rank, and the next call tries the next attempt's prefix.
+3. Every rank connects to the ranks before it and accepts the ones after it, each
+   connection presenting the listener's token (so only readers of the store join).
 
-No call uses the store after that. Every wait ends at its deadline and leaves the
-link as it was; a frame of an earlier call (a late sender's head, a verdict nobody
-waited for) is dropped; a connection that ends (a rank exited) is reported at once,
-in the words launchers look for (``Connection closed by peer``), and every later call
-that needs it fails at once. Not a gloo group: its send/recv cost 40 times a
-socket's, and a gloo wait that times out closes every connection of its rank.
+No call uses the store after that. Every wait ends at its deadline; a frame of an
+earlier call is dropped; a connection that ends is reported at once, in the words
+launchers look for (``Connection closed by peer``). Not a gloo group: its send/recv
+cost 40 times a socket's, and a gloo wait that times out closes every connection.
 """
 
 from __future__ import annotations
@@ -74,11 +69,7 @@ class Link(Protocol):
         ...
 
     def receive(
-        self,
-        peers: Sequence[int],
-        kind: int,
-        seq: int,
-        deadline: float,
+        self, peers: Sequence[int], kind: int, seq: int, deadline: float
     ) -> dict[int, Frame | Closed]:
         """The frames of ``kind`` and ``seq`` from ``peers`` that came by ``deadline``.
 
@@ -89,12 +80,17 @@ class Link(Protocol):
         ...
 
 
+def _seconds_left(deadline: float) -> float:
+    """Seconds until ``deadline``, at least a millisecond (0 makes a socket non-blocking)."""
+    return max(deadline - time.monotonic(), 0.001)
+
+
 def _read_exactly(sock: socket.socket, size: int, deadline: float, into: Any = None) -> Any:
     buffer = bytearray(size) if into is None else into
     view = memoryview(buffer).cast("B")
     got = 0
     while got < size:
-        sock.settimeout(max(deadline - time.monotonic(), 0.001))
+        sock.settimeout(_seconds_left(deadline))
         count = sock.recv_into(view[got:], size - got)
         if count == 0:
             raise ConnectionError("Connection closed by peer")
@@ -104,7 +100,7 @@ def _read_exactly(sock: socket.socket, size: int, deadline: float, into: Any = N
 
 def _send_all(sock: socket.socket, buffers: list[memoryview], deadline: float) -> None:
     while buffers:
-        sock.settimeout(max(deadline - time.monotonic(), 0.001))
+        sock.settimeout(_seconds_left(deadline))
         sent = sock.sendmsg(buffers[:_IOV_MAX])
         while buffers and sent >= len(buffers[0]):
             sent -= len(buffers[0])
@@ -137,8 +133,10 @@ class SocketLink:
         self._peers = peers
         self._closed: dict[int, Closed] = {}
 
-    def _drop(self, peer: int, why: str) -> Closed:
+    def _drop(self, peer: int, why: str | BaseException) -> Closed:
         """Closes ``peer``'s connection for good; every later use reports ``why``."""
+        if isinstance(why, BaseException):
+            why = str(why) or type(why).__name__
         sock = self._peers.pop(peer, None)
         if sock is not None:
             with contextlib.suppress(OSError):
@@ -150,22 +148,17 @@ class SocketLink:
         sock = self._peers.get(peer)
         if sock is None:
             return self._closed[peer]
-        views = [memoryview(part).cast("B") for part in body]
-        views = [view for view in views if len(view)]
+        views = [view for view in (memoryview(part).cast("B") for part in body) if len(view)]
         size = sum(len(view) for view in views)
         fixed = protocol.encode_frame(frame.kind, frame.seq, frame.head, size)
         try:
             _send_all(sock, [memoryview(fixed), *views], deadline)
         except OSError as error:  # a frame half sent is lost to the stream as well
-            return self._drop(peer, str(error) or type(error).__name__)
+            return self._drop(peer, error)
         return None
 
     def receive(
-        self,
-        peers: Sequence[int],
-        kind: int,
-        seq: int,
-        deadline: float,
+        self, peers: Sequence[int], kind: int, seq: int, deadline: float
     ) -> dict[int, Frame | Closed]:
         """See :meth:`Link.receive`."""
         got: dict[int, Frame | Closed] = {}
@@ -193,25 +186,19 @@ class SocketLink:
                     return got
         return got
 
-    def _next_frame(
-        self,
-        peer: int,
-        kind: int,
-        seq: int,
-        deadline: float,
-    ) -> Frame | Closed | None:
+    def _next_frame(self, peer: int, kind: int, seq: int, deadline: float) -> Frame | Closed | None:
         """Reads ``peer``'s next frame: the one awaited, None for a stale one, or Closed."""
         # A frame that has begun is read to its end: the sender writes it whole.
         finish = max(deadline, time.monotonic()) + protocol.VERDICT_MARGIN_SECONDS
         try:
             frame = _read_frame(self._peers[peer], finish, peer)
         except (OSError, WorkspaceError) as error:  # gone, or not a frame of this protocol
-            return self._drop(peer, str(error) or type(error).__name__)
+            return self._drop(peer, error)
         if frame.seq < seq:  # the receiver of that call answered it when it gave up
             logger.debug("dropped rank %s's frame of call %s in call %s", peer, frame.seq, seq)
             return None
         if (frame.kind, frame.seq) != (kind, seq):
-            return self._drop(peer, protocol.out_of_order(peer, frame.kind, frame.seq, kind, seq))
+            return self._drop(peer, protocol.out_of_order(peer, frame.kind, frame.seq, seq))
         return frame
 
     def close(self) -> None:
@@ -222,11 +209,9 @@ class SocketLink:
 
 def host_id() -> str:
     """This host's name and boot: ranks with the same one share memory."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as handle:
-            boot = handle.read().strip()
-    except OSError:
-        boot = ""
+    boot = ""
+    with contextlib.suppress(OSError), open("/proc/sys/kernel/random/boot_id") as handle:
+        boot = handle.read().strip()
     return f"{socket.gethostname()}/{boot}"
 
 
@@ -260,27 +245,17 @@ def state_for(job: str, ranks: Sequence[int]) -> LinkState:
     return state
 
 
-# ---------------------------------------------------------------- opening
-
-
-def _store_host(store: Any) -> str | None:
-    """The host of the store's server, looking through wrapping stores."""
-    while True:
-        host = getattr(store, "host", None)
-        if isinstance(host, str) and host:
-            return host
-        store = getattr(store, "underlying_store", None)
-        if store is None:
-            return None
-
-
 def _listen_address(store: Any) -> tuple[int, str]:
     """The address family and address this host reaches the store's server from.
 
-    Loopback for a store without a server (FileStore, HashStore: one host).
+    Looks through wrapping stores; loopback for a store without a server (FileStore,
+    HashStore: one host) or without a route to it.
     """
-    host = _store_host(store)
-    if host is None:
+    host = getattr(store, "host", None)
+    while not (isinstance(host, str) and host) and store is not None:
+        store = getattr(store, "underlying_store", None)
+        host = getattr(store, "host", None)
+    if not host:
         return socket.AF_INET, "127.0.0.1"
     try:
         family, _, _, _, address = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)[0]
@@ -288,16 +263,14 @@ def _listen_address(store: Any) -> tuple[int, str]:
             probe.connect(address)  # a datagram socket sends nothing to connect
             return family, str(probe.getsockname()[0])
     except OSError as error:
-        logger.info(
-            "no route to the store's host %s (%s): the link listens on loopback", host, error
-        )
+        logger.info("no route to the store's host %s (%s): listening on loopback", host, error)
         return socket.AF_INET, "127.0.0.1"
 
 
 def _store_wait(store: Any, keys: list[str], deadline: float) -> list[str]:
     """Waits until ``deadline`` for ``keys``; returns those that are there."""
     try:
-        store.wait(keys, timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+        store.wait(keys, timedelta(seconds=_seconds_left(deadline)))
     except RuntimeError:  # DistStoreError (a RuntimeError) at the timeout
         return [key for key in keys if store.check([key])]
     return keys
@@ -341,26 +314,26 @@ def _agree(store: Any, prefix: str, call: protocol.Call, ranks: list[int]) -> di
     keys = {rank: f"{prefix}/rank/{rank}" for rank in ranks}
     verdict_key = f"{prefix}/verdict"
     began = time.monotonic()
-    if call.rank == call.receiver:
-        present = set(_store_wait(store, list(keys.values()), began + call.timeout))
-        came = [rank for rank, key in keys.items() if key in present]
+
+    def infos(came: list[int]) -> dict[int, Any]:
         raws = store.multi_get([keys[rank] for rank in came])
-        infos = {
-            rank: protocol.decode_head(raw, rank) for rank, raw in zip(came, raws, strict=True)
-        }
-        decided = protocol.decide_open(call, infos)
-        store.set(verdict_key, json.dumps({"ok": decided is None, "error": decided}))
-        if decided is not None:
-            raise WorkspaceError(decided)
-        return infos
-    patience = call.timeout + protocol.VERDICT_MARGIN_SECONDS
-    got = _store_wait(store, [verdict_key], began + patience)
-    verdict = protocol.decode_head(store.get(verdict_key), call.receiver) if got else None
-    failure = protocol.verdict_error(call, verdict)
+        return {rank: protocol.decode_head(raw, rank) for rank, raw in zip(came, raws, strict=True)}
+
+    if call.rank != call.receiver:
+        patience = call.timeout + protocol.VERDICT_MARGIN_SECONDS
+        got = _store_wait(store, [verdict_key], began + patience)
+        verdict = protocol.decode_head(store.get(verdict_key), call.receiver) if got else None
+        failure = protocol.verdict_error(call, verdict)
+        if failure is not None:
+            raise WorkspaceError(failure)
+        return infos(ranks)
+    present = set(_store_wait(store, list(keys.values()), began + call.timeout))
+    came = infos([rank for rank, key in keys.items() if key in present])
+    failure = protocol.decide_open(call, came)
+    store.set(verdict_key, json.dumps({"ok": failure is None, "error": failure}))
     if failure is not None:
         raise WorkspaceError(failure)
-    raws = store.multi_get(list(keys.values()))
-    return {rank: protocol.decode_head(raw, rank) for rank, raw in zip(keys, raws, strict=True)}
+    return came
 
 
 def _connect(
@@ -373,16 +346,18 @@ def _connect(
     try:
         for peer in sorted(rank for rank in infos if rank < call.rank):
             host, port = infos[peer]["address"]
-            sock = socket.create_connection((host, port), max(deadline - time.monotonic(), 0.001))
+            sock = socket.create_connection((host, port), _seconds_left(deadline))
             peers[peer] = sock
             hello = {"link": prefix, "rank": call.rank, "token": infos[peer]["token"]}
-            _send_all(
-                sock, [memoryview(protocol.encode_frame(protocol.HEAD, 0, hello, 0))], deadline
-            )
+            # create_connection left the socket's timeout set: sendall is bounded too
+            sock.sendall(protocol.encode_frame(protocol.HEAD, 0, hello, 0))
         while expected:
-            listener.settimeout(max(deadline - time.monotonic(), 0.001))
+            listener.settimeout(_seconds_left(deadline))
             sock, _ = listener.accept()
-            said = _hello(sock, deadline)
+            try:
+                said = _read_frame(sock, deadline, -1).head  # a frame of call 0
+            except WorkspaceError:
+                said = {}
             rank = said.get("rank")
             if said.get("token") != token or said.get("link") != prefix or rank not in expected:
                 sock.close()  # not a rank of this link: it could not read the store
@@ -397,11 +372,3 @@ def _connect(
     for sock in peers.values():
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     return peers
-
-
-def _hello(sock: socket.socket, deadline: float) -> dict[str, Any]:
-    """What a connecting rank says first (a frame of call 0); empty when it is not that."""
-    try:
-        return _read_frame(sock, deadline, -1).head
-    except WorkspaceError:
-        return {}

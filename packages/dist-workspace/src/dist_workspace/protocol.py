@@ -1,9 +1,8 @@
 """The decisions of a ``*_parallel`` call and the words of its errors, as pure functions.
 
-Nothing here does I/O or touches ``torch.distributed``: :mod:`dist_workspace.exchange`
-carries out what these functions decide, and the tests call them in one process.
-Every text a user may read in a failed call is made here, so that each wording has
-one owner (launchers look for ``Connection closed by peer`` in them).
+No I/O and no ``torch.distributed``: :mod:`dist_workspace.exchange` carries out what
+these decide, and tests call them in one process. Every text a user may read in a
+failed call is made here, so each wording has one owner.
 """
 
 from __future__ import annotations
@@ -38,31 +37,20 @@ class Call:
         return self.ranks[1:]
 
 
-# ---------------------------------------------------------------- the one rule
-
+# Records up to this size travel in the sender's frame on the link, larger ones in a
+# segment or file: where the link stopped being faster (benchmarks/workspace.py --link-sweep).
 LINK_MAX_BYTES = 8 << 20
-"""Records up to this size travel in the sender's frame on the link; larger ones go
-into a segment or a file, which every sender writes at once. Where the link stopped
-being faster than segments (``benchmarks/workspace.py --link-sweep``)."""
 
 
 def route(size: int, workspace_path: object) -> str:
     """Where a record of ``size`` bytes goes: ``link``, ``segment`` or ``file``.
 
     The size decides, and ``workspace_path`` (None: shared memory) where a large record
-    lies; nothing else does: not the call's history, the store or the environment.
+    lies; nothing else (not the call's history, the store or the environment).
     """
     if size <= LINK_MAX_BYTES:
         return "link"
     return "segment" if workspace_path is None else "file"
-
-
-# ---------------------------------------------------------------- receiver
-
-
-def sender_failed(call: Call, sender: int, error: object) -> str:
-    """A sender could not write its value and said why."""
-    return f"{call.kind}: rank {sender} failed to write its value: {error}"
 
 
 def never_wrote(call: Call, missing: Sequence[int], came: Sequence[int]) -> str:
@@ -83,16 +71,15 @@ def decide_receipt(
     one_host: bool,
     own_shape: tuple[list[int], str] | None,
 ) -> str | None:
-    """Whether the receiver may read the values its senders announced; else the error.
+    """Whether the receiver may read what its senders announced (None); else the error.
 
-    ``heads`` holds every sender that came, by rank; the checks run in this order:
-    a sender's own error, senders missing, the ranks list, the host (when the
-    records need one), then shape and dtype (``own_shape``: the receiver's tensor,
-    None for configs).
+    ``heads``: every sender that came, by rank. Checked in order: a sender's own error,
+    senders missing, the ranks list, the host (if ``one_host``), then shape and dtype
+    against ``own_shape`` (the receiver's tensor; None for configs).
     """
     for sender, head in heads.items():
         if not head.get("ok"):
-            return sender_failed(call, sender, head.get("error"))
+            return f"{call.kind}: rank {sender} failed to write its value: {head.get('error')}"
     missing = [r for r in call.senders if r not in heads]
     if missing:
         return never_wrote(call, missing, list(heads))
@@ -120,15 +107,8 @@ def decide_receipt(
     return f"get_tensors_parallel needs tensors of one shape and dtype: {described}"
 
 
-# ---------------------------------------------------------------- sender
-
-
 def verdict_error(call: Call, verdict: Mapping[str, Any] | None) -> str | None:
-    """What a sender raises for the verdict it got, or None on success.
-
-    ``verdict`` is None when none came in the sender's wait: the receiver's timeout
-    and :data:`VERDICT_MARGIN_SECONDS`.
-    """
+    """What a sender raises for ``verdict`` (None: none came in its wait), or None."""
     receiver = call.receiver
     if verdict is None:
         return (
@@ -142,8 +122,6 @@ def verdict_error(call: Call, verdict: Mapping[str, Any] | None) -> str | None:
         return f"rank {call.rank}: {call.kind} failed on receiver rank {receiver}: {error}"
     return None
 
-
-# ---------------------------------------------------------------- the link's frames
 
 WIRE_VERSION = 5  # dist-workspace 0.5's frames; a rank with another is named at opening
 HEAD, VERDICT = 1, 2  # a sender's head (and record), the receiver's verdict
@@ -171,10 +149,7 @@ def decode_fixed(raw: bytes, peer: int) -> tuple[int, int, int, int]:
     if magic != _MAGIC:
         raise WorkspaceError(f"rank {peer} sent bytes that are not a dist-workspace frame")
     if version != WIRE_VERSION:
-        raise WorkspaceError(
-            f"rank {peer} speaks dist-workspace wire version {version}, this rank "
-            f"{WIRE_VERSION}: install one dist-workspace version on every rank"
-        )
+        raise WorkspaceError(other_version(f"rank {peer}", version, "this rank"))
     if kind not in (HEAD, VERDICT) or head_size > _HEAD_MAX or body_size > LINK_MAX_BYTES:
         raise WorkspaceError(
             f"rank {peer} sent a malformed frame (kind {kind}, head {head_size} B, body "
@@ -198,16 +173,13 @@ def decode_head(raw: bytes, peer: int) -> dict[str, Any]:
     return head
 
 
-def out_of_order(peer: int, kind: int, seq: int, awaited_kind: int, awaited_seq: int) -> str:
+def out_of_order(peer: int, kind: int, seq: int, awaited_seq: int) -> str:
     """A frame of a later call, or of the wrong kind: the ranks made different calls."""
     what = {HEAD: "its value", VERDICT: "a verdict"}.get(kind, f"kind {kind}")
     return (
         f"rank {peer} sent {what} for call {seq} while this rank waited for call "
         f"{awaited_seq}: did the ranks call in different orders?"
     )
-
-
-# ---------------------------------------------------------------- opening the link
 
 
 def decide_open(call: Call, infos: Mapping[int, Mapping[str, Any]]) -> str | None:
@@ -219,12 +191,18 @@ def decide_open(call: Call, infos: Mapping[int, Mapping[str, Any]]) -> str | Non
         if info.get("error"):
             return f"{call.kind}: rank {rank} cannot take part in the link: {info['error']}"
         if info.get("version") != WIRE_VERSION:
-            return (
-                f"{call.kind}: rank {rank} speaks dist-workspace wire version "
-                f"{info.get('version')}, receiver rank {call.rank} {WIRE_VERSION}: install "
-                "one dist-workspace version on every rank"
+            return other_version(
+                f"{call.kind}: rank {rank}", info.get("version"), f"receiver rank {call.rank}"
             )
     return None
+
+
+def other_version(who: str, version: object, me: str) -> str:
+    """``who`` runs another wire version than this rank (``me``)."""
+    return (
+        f"{who} speaks dist-workspace wire version {version}, {me} {WIRE_VERSION}: install "
+        "one dist-workspace version on every rank"
+    )
 
 
 def could_not_connect(call: Call, missing: Sequence[int], error: object) -> str:

@@ -1,21 +1,15 @@
 """Shared-memory segments: plain files under /dev/shm, named so leftovers can be found.
 
-Python's ``multiprocessing.shared_memory`` registers every segment with a
-resource_tracker that warns about (and may unlink) segments it did not create; these
-segments are plain ``os.open`` files on the tmpfs instead, so no tracker is involved.
-
-A segment's name is::
+Plain ``os.open`` files on the tmpfs, not ``multiprocessing.shared_memory``, whose
+resource_tracker warns about (and may unlink) segments it did not create. A name::
 
     dist-workspace.{uid}.{job}.{group}.{seq}.r{rank}.{pid}.{start}.{token}
 
-``uid`` is the creator's user id, ``job`` and ``group`` are tags of the job id and of
-the process group (two jobs on one host, or two groups of one job, never collide),
-``seq`` counts exchanges in the group, ``pid`` and ``start`` identify the creating
-process (its start time in clock ticks since boot, so that a reused pid does not look
-alive), and ``token`` is 128 random bits, so no other user or job can guess the name.
-Segments are created with ``O_EXCL | O_NOFOLLOW`` and mode 0600.
-
-The directory is ``/dev/shm`` unless ``DIST_WORKSPACE_SHM_DIR`` names another one.
+``job`` and ``group`` tag the job id and the ranks (jobs and groups never collide),
+``pid`` and ``start`` (clock ticks since boot) identify the creator even after its pid
+is reused, and ``token`` (128 random bits) keeps the name unguessable. Segments are
+created with ``O_EXCL | O_NOFOLLOW`` and mode 0600, in ``/dev/shm`` unless
+``DIST_WORKSPACE_SHM_DIR`` names another directory.
 """
 
 from __future__ import annotations
@@ -76,9 +70,9 @@ class SegmentName:
     def creator_alive(self) -> bool:
         """True unless the process that created the segment is proven gone.
 
-        A segment whose name records no start time (0: ``/proc`` was unreadable for
-        its creator) counts as alive while its pid runs, and every segment counts as
-        alive when this process cannot read ``/proc`` at all, as ``clean`` decides.
+        A start time of 0 (``/proc`` was unreadable for the creator) counts as alive
+        while the pid runs; so does every segment when this process cannot read
+        ``/proc`` at all.
         """
         started = process_start_time(self.pid)
         if started is None:
@@ -86,13 +80,13 @@ class SegmentName:
         return self.start == 0 or started == self.start
 
 
+@dataclasses.dataclass
 class Segment:
     """A segment this process created; it owns it and unlinks it."""
 
-    def __init__(self, path: Path, fd: int, size: int) -> None:
-        self.path = path
-        self.fd = fd
-        self.size = size
+    path: Path
+    fd: int
+    size: int
 
     @property
     def name(self) -> str:
@@ -137,13 +131,10 @@ def _unlinked_on_failure(segment: Segment, rank: int) -> Iterator[None]:
 def create_segment(size: int, *, job: str, group: str, seq: int, rank: int) -> Segment:
     """Creates an empty segment of ``size`` bytes exclusively, to be filled with ``pwrite``.
 
-    First removes this user's segments whose creator is dead
-    (:func:`remove_dead_segments`: a few reads of ``/proc``, little beside the
-    megabytes a segment holds), then refuses a size the file system has no room for.
-    No space is reserved: reserving (``posix_fallocate``) costs as much as writing
-    the pages, and ``pwrite`` into a full tmpfs fails with ``ENOSPC`` (see
-    :func:`too_small`), never a SIGBUS; only writes through a mapping could fault, and
-    segments are never written through one.
+    First sweeps this user's dead segments (:func:`remove_dead_segments`), then refuses
+    a size the file system has no room for. Nothing is reserved: ``posix_fallocate``
+    costs as much as writing, and ``pwrite`` into a full tmpfs fails with ``ENOSPC``,
+    never a SIGBUS (segments are never written through a mapping).
 
     Raises:
         WorkspaceError: Not enough space (naming the bytes needed and free).
@@ -152,7 +143,7 @@ def create_segment(size: int, *, job: str, group: str, seq: int, rank: int) -> S
     remove_dead_segments(directory)
     if size > free_bytes(directory):
         raise too_small(rank, size, directory)
-    pid = os.getpid()  # read per segment: a few reads of /proc beside megabytes of data
+    pid = os.getpid()
     name = (
         f"{SEGMENT_PREFIX}.{os.getuid()}.{job}.{group}.{seq}.r{rank}.{pid}."
         f"{process_start_time(pid) or 0}.{secrets.token_hex(16)}"
@@ -161,7 +152,7 @@ def create_segment(size: int, *, job: str, group: str, seq: int, rank: int) -> S
     path = directory / name
     segment = Segment(path, os.open(path, flags, 0o600), size)
     with _unlinked_on_failure(segment, rank):
-        os.ftruncate(segment.fd, size)  # a sparse file: no page is allocated until written
+        os.ftruncate(segment.fd, size)  # sparse: no page is allocated until written
     return segment
 
 
@@ -169,8 +160,7 @@ def write_segment(record: PreparedRecord, *, job: str, group: str, seq: int, ran
     """A new segment holding ``record``, closed; unlinked again if writing fails.
 
     Raises:
-        WorkspaceError: The shared-memory file system has no room (see :func:`too_small`),
-            also when another process filled it since :func:`create_segment` looked.
+        WorkspaceError: The shared-memory file system has no room (:func:`too_small`).
     """
     segment = create_segment(record.total_size, job=job, group=group, seq=seq, rank=rank)
     with _unlinked_on_failure(segment, rank):
@@ -182,14 +172,9 @@ def write_segment(record: PreparedRecord, *, job: str, group: str, seq: int, ran
 def map_segment(name: str, expected_size: int, where: str) -> mmap.mmap:
     """Maps a peer's segment privately (copy-on-write); no byte is copied or touched.
 
-    Only names of this user's dist-workspace segments are accepted, the file must be
-    a regular file owned by this user of exactly ``expected_size`` bytes, and it is
-    opened without following symlinks. The reader never unlinks it: the creator does.
-
-    The page tables fill as the mapping is first read, 16 pages per fault
-    (fault-around), which costs less than filling them all here and lets a receiver
-    that reads a part pay for that part. Every page exists: the writer filled the
-    whole file with ``pwrite`` before announcing it.
+    Only this user's dist-workspace segments are opened (without following symlinks),
+    and only a regular file of this user of exactly ``expected_size`` bytes is mapped.
+    The reader never unlinks it: the creator does.
 
     Raises:
         WorkspaceError: The name, owner, type or size is not what the writer announced.
@@ -214,48 +199,38 @@ def map_segment(name: str, expected_size: int, where: str) -> mmap.mmap:
         if expected_size == 0:
             return mmap.mmap(-1, 1)
         # Private and writable: a reader may modify its tensors without touching the
-        # writer's pages (copy-on-write) and torch gets a writable buffer.
-        mapping = mmap.mmap(
+        # writer's pages, and torch gets a writable buffer.
+        return mmap.mmap(
             fd, expected_size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
         )
     finally:
         os.close(fd)
-    return mapping
 
 
 def list_segments(directory: Path | None = None) -> list[tuple[Path, SegmentName]]:
     """This user's dist-workspace segments in ``directory`` (default: the shm dir)."""
-    directory = shm_directory() if directory is None else directory
-    found = []
     uid = os.getuid()
+    found = []
     try:
-        entries = list(os.scandir(directory))
+        entries = list(os.scandir(shm_directory() if directory is None else directory))
     except FileNotFoundError:
         return []
     for entry in entries:
-        if not entry.name.startswith(SEGMENT_PREFIX):
-            continue
         parsed = SegmentName.parse(entry.name)
         if parsed is None or parsed.uid != uid:
             continue
-        try:
+        with contextlib.suppress(FileNotFoundError):
             info = entry.stat(follow_symlinks=False)
-        except FileNotFoundError:
-            continue
-        if info.st_uid == uid and stat.S_ISREG(info.st_mode):
-            found.append((Path(entry.path), parsed))
+            if info.st_uid == uid and stat.S_ISREG(info.st_mode):
+                found.append((Path(entry.path), parsed))
     return found
 
 
 def remove_dead_segments(directory: Path | None = None) -> list[Path]:
-    """Unlinks this user's segments whose creating process has ended.
+    """Unlinks this user's segments whose creating process has ended; returns them.
 
-    A live job's segments are never touched: only the creator of a segment, or this
-    function once the creator is gone, removes one. Unlinking a segment a reader
-    still maps is safe: the mapping keeps the memory until it is dropped.
-
-    Returns:
-        The segments removed.
+    A live job's segments are never touched, and unlinking one a reader still maps is
+    safe: the mapping keeps the memory.
     """
     removed = []
     for path, parsed in list_segments(directory):
