@@ -19,10 +19,12 @@ Read from the environment:
     STEP_SECONDS: a simulated training step's duration (default 0.05).
     FAIL_HOST: the workers on the host of this name exit 1 before joining the group,
         in every attempt.
-    STARTED_DIR: each worker marks its start there (``<attempt>.<rank>``); a FAIL_HOST
-        worker fails only once every rank of its attempt has started (bounded by
-        START_WAIT_SECONDS, default 60), so that the peers' ``start`` lines are printed
-        before the failure makes their launchers stop them.
+    STARTED_DIR: each worker marks its start there (a file ``<host>.<pid>``); a
+        FAIL_HOST worker starting for the k-th time fails only once k x WORLD_SIZE
+        starts are marked (bounded by START_WAIT_SECONDS, default 60), so that the
+        peers' ``start`` lines of its round are printed before the failure makes their
+        launchers stop them. Counting starts, not attempts, holds also where a
+        launcher starts a round's workers without counting it as an attempt.
     COLLECTIVE_TIMEOUT: seconds gloo waits for a peer (default 60).
     HANG_RANK: after its first step, this rank waits for ever (a hang, for dist-launch's
         --hang-timeout); its peers block in the next all_reduce.
@@ -52,15 +54,14 @@ ids = (
 say(f"start {ids}")
 started_dir = os.environ.get("STARTED_DIR")
 if started_dir:
-    with open(os.path.join(started_dir, f"{attempt}.{os.environ['RANK']}"), "w"):
+    with open(os.path.join(started_dir, f"{host}.{os.getpid()}"), "w"):
         pass
 if os.environ.get("FAIL_HOST") == host:
     if started_dir:
         deadline = time.monotonic() + float(os.environ.get("START_WAIT_SECONDS", "60"))
-        marks = [f"{attempt}.{r}" for r in range(int(os.environ["WORLD_SIZE"]))]
-        while time.monotonic() < deadline and not all(
-            os.path.exists(os.path.join(started_dir, mark)) for mark in marks
-        ):
+        mine = sum(name.startswith(f"{host}.") for name in os.listdir(started_dir))
+        wanted = mine * int(os.environ["WORLD_SIZE"])
+        while time.monotonic() < deadline and len(os.listdir(started_dir)) < wanted:
             time.sleep(0.05)  # polls files a worker in another network namespace writes
     say(f"failing {ids}", 2)
     sys.exit(1)
