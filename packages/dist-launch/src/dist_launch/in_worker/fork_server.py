@@ -163,8 +163,10 @@ def _become_worker(
     files, rank = bootstrap.worker_setup()
     kind, name = bootstrap.prepare_target(list(request["argv"]))
     proctitle.name_worker(request["argv"], rank)
-    # Last before the script: what it sets before `import torch` must count.
-    import_time_env.apply_at_first_torch_import(imported_with)
+    # Last before the script: what it sets before `import torch` must count (where the
+    # server imported it: otherwise the worker's own import reads the variables).
+    if "torch" in sys.modules:
+        import_time_env.apply_at_first_torch_import(imported_with)
     bootstrap.exit_without_teardown(bootstrap.run_target(kind, name, files, rank))
 
 

@@ -15,11 +15,13 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, Protocol
 
-from dist_launch.in_worker.fork_server import FORWARDED_VARIABLE
+from dist_launch.in_worker.fork_server import FORWARDED_VARIABLE, PRELOAD_VARIABLE
 from dist_launch.in_worker.proctitle import TITLE_ROOM
 from dist_launch.plan.launch_plan import LaunchPlan, WorkerTarget
+from dist_launch.workers.preload import preload_modules
 from dist_launch.workers.terminals import PIPES_ONLY, WorkerTerminals, open_outputs
 
 # How long the server may take to fork one worker and reply (it may still be
@@ -217,7 +219,8 @@ def start_fork_server(plan: LaunchPlan, loop: Loop) -> ForkServerClient | None:
 
     Its environment is :func:`dist_launch.workers.environment.node_environment` of the
     launcher's own (read now: variables read when torch is imported, such as
-    ``OMP_NUM_THREADS``, are the ones every worker shares).
+    ``OMP_NUM_THREADS``, are the ones every worker shares), with the modules to preload
+    (:func:`dist_launch.workers.preload.preload_modules`; reads ``DIST_LAUNCH_PRELOAD``).
     """
     if plan.start_method != "forkserver" or plan.target.no_python:
         return None
@@ -225,4 +228,5 @@ def start_fork_server(plan: LaunchPlan, loop: Loop) -> ForkServerClient | None:
 
     env = node_environment(plan, os.environ)
     env[FORWARDED_VARIABLE] = ",".join(str(signum) for signum in plan.signals_to_forward)
+    env[PRELOAD_VARIABLE] = preload_modules(plan.target, os.environ, Path.cwd())
     return ForkServerClient(env, loop)
