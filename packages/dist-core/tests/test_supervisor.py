@@ -330,6 +330,35 @@ def test_a_rank_killed_by_sigterm_alone_is_still_a_failure_after_a_moment(
     assert outcome.status == "failed" and outcome.root_cause is outcome.ranks[0]
 
 
+def test_ranks_all_dead_of_the_schedulers_signal_wait_for_the_callers_copy(
+    tmp_path: Path,
+) -> None:
+    # Ranks without a handler can all be gone before the caller's copy is read: the
+    # group does not end as failed while that copy may still come.
+    fakes, group = fake_group(tmp_path, 2)
+    with group as supervisor:
+        fakes[0].code = fakes[1].code = -signal.SIGTERM
+        start = time.monotonic()
+        assert supervisor.advance(start) == pytest.approx(start + SIGNAL_RACE_SECONDS)
+        assert not supervisor.finished
+        supervisor.interrupt(signal.SIGTERM, take_stacks=False)
+        supervisor.advance(start + SIGNAL_RACE_SECONDS / 2)
+        outcome = supervisor.outcome()
+    assert (outcome.status, outcome.signum) == ("interrupted", signal.SIGTERM)
+    assert [rank.status for rank in outcome.ranks] == ["stopped", "stopped"]
+
+
+def test_ranks_all_dead_of_sigterm_with_no_copy_coming_failed(tmp_path: Path) -> None:
+    fakes, group = fake_group(tmp_path, 2)
+    with group as supervisor:
+        fakes[0].code = fakes[1].code = -signal.SIGTERM
+        start = time.monotonic()
+        supervisor.advance(start)
+        assert supervisor.advance(start + SIGNAL_RACE_SECONDS) is None
+        outcome = supervisor.outcome()
+    assert outcome.status == "failed" and outcome.root_cause is outcome.ranks[0]
+
+
 def test_only_a_second_sigint_cuts_the_grace_period(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

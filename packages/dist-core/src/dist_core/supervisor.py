@@ -328,6 +328,9 @@ class Supervisor:
         self._signum: int | None = None
         self._deadline: float | None = None
         self._stop_at: float | None = None
+        # Until when a group whose ranks all died of an outside stop signal waits for
+        # the caller's copy before it counts as failed.
+        self._race_until: float | None = None
         self._kill_at: float | None = None
         self._give_up_at: float | None = None
         self._outcome: GroupOutcome | None = None
@@ -648,7 +651,7 @@ class Supervisor:
                 outcome.stop_signal = signum
                 outcome.stopped_at = outcome.ended_at
         if self._status == "failed" and not any(o.status == "failed" for o in self.outcomes):
-            self._status, self._stop_at = None, None
+            self._status, self._stop_at, self._race_until = None, None, None
 
     def _say_who_catches(self, signum: int) -> None:
         """Logs which live ranks handle ``signum`` (they get the grace period to end)."""
@@ -733,6 +736,7 @@ class Supervisor:
             ):
                 # Perhaps the scheduler's signal, whose copy to the caller is on its way.
                 window = max(window, SIGNAL_RACE_SECONDS)
+                self._race_until = now + SIGNAL_RACE_SECONDS
             self._stop_at = now + window
         if self._status is None and deadline is not None and now >= deadline:
             self._status = "timed_out"
@@ -749,6 +753,10 @@ class Supervisor:
             self._kill_at = time.monotonic() + self.grace_period
         live = self._live()
         if not live:
+            race = self._race_until
+            if self._status == "failed" and self._kill_at is None and race and now < race:
+                # Every rank died of a stop signal, fast: the copy may still be on its way.
+                return race
             self._finish()
             return None
         now = time.monotonic()
