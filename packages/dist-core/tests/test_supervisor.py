@@ -260,6 +260,12 @@ def test_a_stop_signal_that_reached_every_rank_is_not_sent_again(workers: Worker
         started = [workers.start(rank, "checkpoint", supervisor) for rank in range(2)]
         assert [read_line(worker) for worker in started] == ["ready", "ready"]
         assert supervisor.notify(signal.SIGUSR1) == [0, 1]  # a notification: nothing stops
+        # Each rank notes it before the SIGTERM comes: a SIGTERM arriving while the
+        # SIGUSR1 handler runs would be noted first (CPython runs it nested).
+        deadline = time.monotonic() + READY_SECONDS
+        while any(_got(workers, rank) != ["SIGUSR1"] for rank in range(2)):
+            assert time.monotonic() < deadline, [_got(workers, rank) for rank in range(2)]
+            time.sleep(0.01)
         for worker in started:
             os.kill(worker.popen.pid, signal.SIGTERM)
         supervisor.interrupt(signal.SIGTERM, take_stacks=False, delivered=True)

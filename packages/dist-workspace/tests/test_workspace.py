@@ -128,12 +128,17 @@ def test_reader_never_sees_a_partial_file(any_dir: Path) -> None:
     workspace.write_configs_and_weights({"v": -1}, {"w": torch.full((50_000,), -1)}, rank=0)
     rounds = 20
     errors: list[BaseException] = []
+    # The writer starts once the reader has read once: otherwise a loaded machine may
+    # let it finish all its rounds before the reader's first read, which then only ever
+    # sees the last version.
+    reading = threading.Event()
 
     def rewrite() -> None:
         # Its own NFSWorkspace: its locks are separate open files, so flock excludes
         # the reader exactly as it would in another process.
         writer = NFSWorkspace(any_dir)
         try:
+            assert reading.wait(60), "the reader never read"
             for version in range(rounds):
                 writer.write_configs_and_weights(
                     {"v": version}, {"w": torch.full((50_000,), version)}, rank=0
@@ -143,13 +148,12 @@ def test_reader_never_sees_a_partial_file(any_dir: Path) -> None:
 
     thread = threading.Thread(target=rewrite)
     thread.start()
-    seen = set()
     deadline = time.monotonic() + 120
-    while (thread.is_alive() or len(seen) < 2) and time.monotonic() < deadline:
+    while thread.is_alive() and time.monotonic() < deadline:
         config, weights = workspace.read_configs_and_weights_from_rank(0)
         assert isinstance(config, dict) and weights is not None
         assert torch.equal(weights["w"], torch.full((50_000,), config["v"]))
-        seen.add(config["v"])
+        reading.set()
     thread.join(60)
     assert not errors and not thread.is_alive()
     # The loop's last read may have come just before the last write: read once more.
