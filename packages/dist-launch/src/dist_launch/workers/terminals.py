@@ -38,6 +38,7 @@ import os
 import signal
 import struct
 import termios
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from dist_launch.output.routing import STREAMS, Stream
@@ -145,7 +146,7 @@ class _Followed:
     fd: int  # a copy of the launcher's end, so that its number is never someone else's
     stream: Stream
     prefix_width: int
-    process_group: int | None
+    process_group: Callable[[], int | None]  # the worker's pid (its group), once known
 
 
 class WindowSizeFollower:
@@ -171,8 +172,19 @@ class WindowSizeFollower:
             os.close(item.fd)
         self._followed.clear()
 
-    def add(self, fd: int, stream: Stream, prefix_width: int, process_group: int | None) -> None:
-        """Follows the pseudo-terminal whose launcher's end is ``fd``."""
+    def add(
+        self,
+        fd: int,
+        stream: Stream,
+        prefix_width: int,
+        process_group: Callable[[], int | None],
+    ) -> None:
+        """Follows the pseudo-terminal whose launcher's end is ``fd``.
+
+        Called as soon as the worker's terminal exists, while ``fd`` is surely open: a
+        worker that ends while the others start has its relay close that end.
+        ``process_group`` is read at each resize (a forked worker's pid arrives later).
+        """
         self._followed.append(_Followed(os.dup(fd), stream, prefix_width, process_group))
 
     def resize(self) -> None:
@@ -184,8 +196,9 @@ class WindowSizeFollower:
                 continue
             with contextlib.suppress(OSError):
                 set_terminal_size(item.fd, size.less_columns(item.prefix_width))
-                if item.process_group is not None:
-                    groups.add(item.process_group)
+                group = item.process_group()
+                if group is not None:
+                    groups.add(group)
         for group in groups:
             with contextlib.suppress(OSError):  # the worker may have ended
                 os.killpg(group, signal.SIGWINCH)

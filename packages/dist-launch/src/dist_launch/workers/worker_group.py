@@ -201,16 +201,16 @@ class WorkerGroup:
             worker, out_fd, err_fd = self._start(rank_env, rank, local_rank, terminals)
             supervisor.add(worker, self.files[rank])
             started.append((worker, out_fd, err_fd, terminals))
+            # Followed before the loop runs again: once it does, a worker that already
+            # ended has its relay close these ends (seen: EBADF starting the next rank).
+            for fd, stream in zip((out_fd, err_fd), STREAMS, strict=True):
+                if terminals.of(stream) is not None:
+                    width = self._prefix_width(local_rank)
+                    self._follower.add(fd, stream, width, _pid_reader(worker))
             self._watch_output(rank, local_rank, out_fd, err_fd, terminals, on_output)
         if self.fork_server is not None:
             forked = [worker for worker, *_ in started if isinstance(worker, ForkedWorker)]
             self.fork_server.wait_until_started(forked)
-        for worker, out_fd, err_fd, terminals in started:
-            for fd, stream in zip((out_fd, err_fd), STREAMS, strict=True):
-                if terminals.of(stream) is not None:
-                    self._follower.add(
-                        fd, stream, self._prefix_width(worker.local_rank), worker.pid
-                    )
         relays = self._relays
         self._timers.append(self.loop.add_timer(lambda now: _flush_partial_lines(relays, now)))
         self._timers.append(self.loop.add_timer(lambda now: supervisor.advance()))
@@ -349,3 +349,8 @@ class WorkerGroup:
                 traceback=record.traceback,
                 timestamp=record.timestamp,
             )
+
+
+def _pid_reader(worker: Worker) -> Callable[[], int | None]:
+    """Reads ``worker``'s pid when called (a forked worker's arrives after its start)."""
+    return lambda: worker.pid
