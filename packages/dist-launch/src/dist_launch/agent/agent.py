@@ -252,6 +252,13 @@ class Agent:
                 )
         if self._fork_server is None:
             self._fork_server = start_fork_server(plan, self.loop)
+        if self._witness is not None and not self._witness.wait_ready():
+            logger.warning(
+                "the signal witness did not start: every stop signal will be passed on "
+                "to the workers, also one a scheduler sent them already"
+            )
+            self._witness.close()
+            self._witness = None
         context = RoundContext(
             node_env,
             self._fork_server,

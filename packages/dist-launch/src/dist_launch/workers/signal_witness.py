@@ -12,7 +12,9 @@ The witness is a tiny Python process (no torch, no site packages; about 15 ms to
 in a process group of its own, as each worker is, so it is signalled exactly when they
 are. Its handlers only exist so that CPython's C-level handler writes each signal's
 number to a pipe the launcher reads (``signal.set_wakeup_fd``), at delivery. It dies
-with the launcher (parent-death signal).
+with the launcher (parent-death signal). The launcher waits for it to be ready before
+it starts any worker: a signal that reached a fast worker before the witness had its
+handlers would kill the witness, and the launcher would pass the signal on a second time.
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ logger = logging.getLogger(__name__)
 # How long the launcher waits for the witness after its own copy of a signal: a
 # scheduler signals every process of the job within a millisecond or so.
 WITNESS_WAIT_SECONDS = 0.5
+# How long the launcher waits for the witness to be ready before the first workers: it
+# starts in about 15 ms, but a loaded machine can take seconds to run a new process.
+WITNESS_READY_SECONDS = 10.0
 
 _WITNESS_CODE = """
 import ctypes, os, signal, sys
@@ -81,6 +86,7 @@ class SignalWitness:
             os.close(write_fd)
         os.set_blocking(self.read_fd, False)
         self._gone = False
+        self.ready = False  # its handlers are installed
         self._seen: list[int] = []
 
     def _read(self, timeout: float) -> None:
@@ -99,7 +105,19 @@ class SignalWitness:
         if not data:
             self._gone = True
             return
+        if 0 in data:
+            self.ready = True
         self._seen.extend(byte for byte in data if byte != 0)  # 0: the witness is ready
+
+    def wait_ready(self, timeout: float = WITNESS_READY_SECONDS) -> bool:
+        """Waits up to ``timeout`` seconds for the witness's handlers; whether it is ready."""
+        deadline = time.monotonic() + timeout
+        while not self.ready and not self._gone:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            self._read(remaining)
+        return self.ready and not self._gone
 
     def saw(self, signum: int, wait: float = WITNESS_WAIT_SECONDS) -> bool:
         """Whether ``signum`` reached the witness (waiting up to ``wait`` seconds).
