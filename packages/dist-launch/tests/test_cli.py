@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 mode, bad = sys.argv[1], int(sys.argv[2])
 dist.init_process_group("gloo")
+dist.barrier()  # every rank's connections made: the others' failure is BAD's alone
 if dist.get_rank() == bad:
     if mode == "raise":
         raise RuntimeError(f"deliberate failure on rank {bad}")

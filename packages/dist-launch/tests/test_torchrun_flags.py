@@ -72,10 +72,19 @@ def test_an_unsupported_flag_is_refused_by_name(tmp_path: Path, allreduce: Path)
 
 def test_log_dir_layout_and_torch_error_file(tmp_path: Path) -> None:
     script = tmp_path / "fails.py"
+    printed = tmp_path / "rank0-printed"
+    # Rank 1 fails only once rank 0 printed: the launcher stops the other ranks at a
+    # failure, and a rank stopped before its print has nothing in its log.
     script.write_text(
-        "import os, sys\nprint('out', os.environ['RANK'])\n"
-        "print('err', os.environ['RANK'], file=sys.stderr)\n"
-        "if os.environ['RANK'] == '1':\n    raise ValueError('bad lr 0.3')\n"
+        "import os, sys, time\nprint('out', os.environ['RANK'], flush=True)\n"
+        "print('err', os.environ['RANK'], file=sys.stderr, flush=True)\n"
+        f"printed = {str(printed)!r}\n"
+        "if os.environ['RANK'] == '0':\n    open(printed, 'w').close()\n"
+        "if os.environ['RANK'] == '1':\n"
+        "    deadline = time.monotonic() + 60\n"
+        "    while not os.path.exists(printed) and time.monotonic() < deadline:\n"
+        "        time.sleep(0.01)\n"
+        "    raise ValueError('bad lr 0.3')\n"
     )
     logs = tmp_path / "logs"
     argv = ["-n", "2", "--log-dir", str(logs), "--rdzv-id", "exp1", str(script)]
@@ -331,6 +340,9 @@ def test_a_static_endpoint_is_the_workers_master_address_as_under_torchrun(
         "import torch.distributed as dist\n"
         "dist.init_process_group('gloo')\n"
         "print('master', os.environ['MASTER_ADDR'], os.environ['MASTER_PORT'], flush=True)\n"
+        # gloo's init returns on one rank before the other's connections are made: a
+        # rank that left at once could close them under it.
+        "dist.barrier()\n"
         "dist.destroy_process_group()\n"
     )
     argv = ["-n", "2", "--rdzv-backend", "static", spelling, f"127.0.0.1:{port}", str(script)]
