@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 import dist_core
-from dist_core.ports import release_port
+from dist_core.ports import LOWEST_DRAWN_PORT, ephemeral_range_start, release_port
 
 CALLERS = 50
 
@@ -117,3 +117,27 @@ def test_port_is_free_sees_a_listener_on_ipv4_and_on_ipv6() -> None:
             server.listen()
             assert not dist_core.port_is_free(port), family
     release_port(port)
+
+
+@pytest.mark.parametrize(
+    ("text", "start"),
+    [("32768\t60999\n", 32768), ("40000 50000", 40000), ("garbage", 32768), (None, 32768)],
+)
+def test_ephemeral_range_start_is_read_from_the_sysctl_text(text: str | None, start: int) -> None:
+    assert ephemeral_range_start(text) == start
+
+
+def test_ports_other_than_the_preferred_lie_below_the_ephemeral_range() -> None:
+    # A port in the ephemeral range can be taken by any outgoing connection or bind to
+    # port 0 (a gloo listener, a store client) before the caller's store binds it.
+    with open("/proc/sys/net/ipv4/ip_local_port_range", encoding="ascii") as file:
+        start = ephemeral_range_start(file.read())
+    if start - LOWEST_DRAWN_PORT < 1000:
+        pytest.skip(f"this host's ephemeral range starts at {start}: no room below it")
+    ports = [dist_core.get_unused_port(0) for _ in range(CALLERS)]
+    try:
+        assert all(LOWEST_DRAWN_PORT <= port < start for port in ports), sorted(ports)
+        assert len(set(ports)) == CALLERS
+    finally:
+        for port in ports:
+            release_port(port)

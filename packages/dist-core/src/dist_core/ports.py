@@ -12,6 +12,14 @@ workers and bind it), or until :func:`release_port`.
 
 On systems without abstract sockets a lock file per port under the temporary
 directory takes its place (held open by the caller, released by the kernel on exit).
+
+Ports other than the preferred one are drawn at random from *below* the kernel's
+ephemeral range (``net.ipv4.ip_local_port_range``, 32768-60999 by default), as
+:func:`dist_core.slurm.slurm_master_port` does: the kernel hands ports in that range to
+every outgoing connection and every bind to port 0 (gloo's listeners, TCPStore
+clients), so an ephemeral port free at this check can be taken by another job's
+connection before the caller's store binds it. Below the range only an explicit bind
+can take it.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import random
 import socket
 import sys
 import tempfile
@@ -31,6 +40,11 @@ logger = logging.getLogger(__name__)
 DEFAULT_PORT = 29500
 RESERVATION_SECONDS = 120.0
 _ATTEMPTS = 200
+# Lowest port drawn: above the registered services most hosts run, and a range of
+# 22,768 ports below the default ephemeral range.
+LOWEST_DRAWN_PORT = 10000
+_EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
+_DEFAULT_EPHEMERAL_LOW = 32768
 
 # A variable, not an inline platform check, so that type checkers on Linux still check
 # the fallback below.
@@ -75,12 +89,45 @@ def port_is_free(port: int) -> bool:
     return True
 
 
+def ephemeral_range_start(text: str | None) -> int:
+    """The first port of the kernel's ephemeral range, from its sysctl file's text.
+
+    Args:
+        text: The content of ``/proc/sys/net/ipv4/ip_local_port_range`` ("32768 60999"),
+            or None where the file could not be read (Linux's default is assumed).
+
+    Returns:
+        The range's first port.
+    """
+    if text is not None:
+        fields = text.split()
+        if len(fields) == 2 and all(field.isdigit() for field in fields):
+            return int(fields[0])
+    return _DEFAULT_EPHEMERAL_LOW
+
+
+def _read_ephemeral_range_start() -> int:
+    try:
+        with open(_EPHEMERAL_RANGE_FILE, encoding="ascii") as file:
+            return ephemeral_range_start(file.read())
+    except OSError:
+        return ephemeral_range_start(None)
+
+
 def _kernel_port() -> int:
     """A port the kernel considers free right now (its ephemeral allocator)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind(("", 0))
         port: int = probe.getsockname()[1]
         return port
+
+
+def _candidate_port(ephemeral_start: int) -> int:
+    """A port to try: random below the ephemeral range, or the kernel's where none is."""
+    if ephemeral_start - LOWEST_DRAWN_PORT < 1000:
+        # A host whose ephemeral range starts low leaves no room below it.
+        return _kernel_port()
+    return random.randrange(LOWEST_DRAWN_PORT, ephemeral_start)
 
 
 def _reserve(port: int) -> socket.socket | IO[bytes] | None:
@@ -123,13 +170,16 @@ def release_port(port: int) -> None:
 def get_unused_port(preferred: int = DEFAULT_PORT) -> int:
     """Returns a TCP port that the caller can bind right away.
 
-    ``preferred`` is returned when it is free and not reserved; otherwise a port from
-    the kernel's ephemeral allocator. The port is reserved host-wide for this process
-    (see the module docstring), so that no other caller of this function on the host,
-    in this process or another, receives it during the reservation, even when both ask
-    at the same moment. A process that does not use this function can still take the
-    port between this check and the caller's bind; callers that bind should handle
-    ``EADDRINUSE`` (dist-launch picks another port and goes on).
+    ``preferred`` is returned when it is free and not reserved; otherwise a random free
+    port below the kernel's ephemeral range (see the module docstring), or from the
+    kernel's allocator on a host whose range leaves no room below it. The port is
+    reserved host-wide for this process (see the module docstring), so that no other
+    caller of this function on the host, in this process or another, receives it during
+    the reservation, even when both ask at the same moment. A process that does not use
+    this function can still bind the port between this check and the caller's bind;
+    callers that bind should handle ``EADDRINUSE`` (dist-launch picks another port and
+    goes on). Reads ``/proc/sys/net/ipv4/ip_local_port_range`` (no environment
+    variables).
 
     Args:
         preferred: The port to try first; 0 for none.
@@ -144,8 +194,9 @@ def get_unused_port(preferred: int = DEFAULT_PORT) -> int:
         now = time.monotonic()
         _expire_old_reservations(now)
         candidates: list[int] = [preferred] if preferred > 0 else []
+        ephemeral_start = _read_ephemeral_range_start()
         for attempt in range(_ATTEMPTS):
-            port = candidates.pop() if candidates else _kernel_port()
+            port = candidates.pop() if candidates else _candidate_port(ephemeral_start)
             if port in _reservations or not port_is_free(port):
                 continue
             holder = _reserve(port)
