@@ -26,7 +26,7 @@ ALLOWED: dict[str, set[str]] = {
     "workers": {"plan", "rendezvous", "output", "in_worker"},
     "agent": {"plan", "rendezvous", "watch", "workers", "diagnostics", "output", "in_worker"},
     "cli": {"agent", "plan", "workers", "output"},
-    "library": {"diagnostics"},
+    "library": {"diagnostics", "output"},
 }
 # Modules of the package itself: its names, its exception, its exit codes, and
 # deprecated aliases.

@@ -169,3 +169,36 @@ def test_a_rank_the_sigterm_reached_before_the_launcher_is_stopped_not_failed(
     assert status == 143, stderr
     assert "failed first" not in stderr, stderr
     assert "dist-launch: interrupted by SIGTERM" in stderr, stderr
+
+
+def test_a_sigkilled_launchers_scratch_directory_is_removed_by_the_next_launcher(
+    tmp_path: Path,
+) -> None:
+    # The OOM killer, a scheduler's SIGKILL after its grace period: no cleanup runs.
+    scratch_parent = tmp_path / "tmp"
+    scratch_parent.mkdir()
+    env = {**os.environ, "TMPDIR": str(scratch_parent)}
+    script = write_script(tmp_path, "wait.py", WAITING_SCRIPT)
+    launcher = subprocess.Popen(
+        [*LAUNCH, "-n", "2", script, str(tmp_path / "never")],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        preexec_fn=default_signal_handling,
+        start_new_session=True,
+    )
+    try:
+        read_ready_pids(launcher, 2)
+        held = [path for path in scratch_parent.iterdir() if (path / ".owner").exists()]
+        assert len(held) == 1, list(scratch_parent.iterdir())
+    finally:
+        launcher.kill()
+        launcher.communicate(timeout=30)
+    assert held[0].exists()  # nothing ran to remove it
+    done = write_script(tmp_path, "done.py", "print('done', flush=True)\n")
+    second = subprocess.run(
+        [*LAUNCH, "-n", "1", done], cwd=tmp_path, env=env, capture_output=True, timeout=120
+    )
+    assert second.returncode == 0, second.stderr
+    assert not held[0].exists()

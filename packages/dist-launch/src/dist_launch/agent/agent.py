@@ -69,6 +69,7 @@ from dist_launch.agent.signal_inbox import DUMP_SIGNAL, SignalInbox
 from dist_launch.diagnostics.failure_class import Fingerprint
 from dist_launch.exit_codes import ExitCode
 from dist_launch.output.log_layout import LogLayout, write_torch_error_file
+from dist_launch.output.scratch import sweep_dead_scratch_dirs
 from dist_launch.plan.launch_plan import LaunchPlan, describe_sources
 from dist_launch.rendezvous.factory import open_rendezvous
 from dist_launch.rendezvous.protocol import Assignment, Rendezvous, RendezvousUsageError
@@ -183,6 +184,7 @@ class Agent:
         self.inbox = SignalInbox((*handled, RESIZE_SIGNAL))
         self.loop.watch(self.inbox.read_fd, self._on_signal)
         self._witness = SignalWitness(handled)
+        sweep_dead_scratch_dirs()
         node_env = node_environment(plan, os.environ)
         if plan.routing.needs_files(range(plan.nproc)):
             self.layout = LogLayout.create(plan.log_dir, plan.run_id)

@@ -25,9 +25,7 @@ import logging
 import multiprocessing as mp
 import os
 import pickle
-import shutil
 import sys
-import tempfile
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,6 +41,7 @@ from dist_core.supervisor import ProcessWorker, Supervisor
 from dist_core.worker_guards import die_quietly_of_sigint, install_worker_guards, record_and_print
 from dist_launch.diagnostics.failure_report import format_report, group_exit_status
 from dist_launch.errors import LaunchError
+from dist_launch.output.scratch import ScratchDir, sweep_dead_scratch_dirs
 
 logger = logging.getLogger(__name__)
 
@@ -329,7 +328,9 @@ def launch_subprocesses(
         else _pack(func, setup, args, kwargs)
     )
     parent_pid = None if cfg.launch_method == "forkserver" else os.getpid()
-    run_dir = tempfile.mkdtemp(prefix="dist-launch-")
+    sweep_dead_scratch_dirs()
+    scratch = ScratchDir()
+    run_dir = scratch.path
     try:
         # The supervisor kills and reaps every worker it holds when the block ends, a
         # failed start or a Ctrl-C (forwarded as SIGINT first) included.
@@ -351,7 +352,7 @@ def launch_subprocesses(
                 )
             outcome = supervisor.run()
     finally:
-        shutil.rmtree(run_dir, ignore_errors=True)
+        scratch.close()
         release_port(cfg.master_port)
     if outcome.status != "succeeded":
         root = outcome.root_cause

@@ -1,1 +1,1 @@
-"""Where output goes: the prefixed line relay, ``--log-dir``'s layout, the launcher's log."""
+"""Where output goes: the relay, ``--log-dir``'s layout, the log, the scratch directories."""

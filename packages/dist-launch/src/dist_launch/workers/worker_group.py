@@ -15,10 +15,8 @@ from __future__ import annotations
 import contextlib
 import os
 import selectors
-import shutil
 import socket
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -31,6 +29,7 @@ from dist_launch.in_worker.bootstrap import PARENT_PID_VARIABLE, RUN_DIR_VARIABL
 from dist_launch.output.line_relay import LineRelay
 from dist_launch.output.log_layout import LogLayout, write_torch_error_file
 from dist_launch.output.routing import STREAMS, Stream
+from dist_launch.output.scratch import ScratchDir
 from dist_launch.plan.launch_plan import LaunchPlan
 from dist_launch.rendezvous.protocol import Assignment
 from dist_launch.workers.environment import rank_environment, worker_environment
@@ -107,7 +106,8 @@ class WorkerGroup:
         self.attempt = attempt
         self.timeout = timeout
         self.routing = plan.routing
-        self.run_dir = tempfile.mkdtemp(prefix="dist-launch-")
+        self._scratch = ScratchDir()
+        self.run_dir = self._scratch.path
         self.files: dict[int, RankFiles] = {}
         # The short name, as torchrun's ${hostname} (r12i0n8, not its FQDN).
         self.hostname = socket.gethostname()
@@ -123,7 +123,7 @@ class WorkerGroup:
     def __enter__(self) -> WorkerGroup:
         stack = self._stack
         # Closed in the reverse order: the timers first, the workers, then what they wrote to.
-        stack.callback(shutil.rmtree, self.run_dir, ignore_errors=True)
+        stack.callback(self._scratch.close)
         stack.callback(self._close_logs)
         stack.callback(self._close_relays)
         stack.enter_context(self._follower)
