@@ -26,7 +26,7 @@ import select
 import subprocess
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 logger = logging.getLogger(__name__)
 
@@ -109,14 +109,18 @@ class SignalWitness:
             self.ready = True
         self._seen.extend(byte for byte in data if byte != 0)  # 0: the witness is ready
 
-    def wait_ready(self, timeout: float = WITNESS_READY_SECONDS) -> bool:
-        """Waits up to ``timeout`` seconds for the witness's handlers; whether it is ready."""
+    def _read_until(self, done: Callable[[], bool], timeout: float) -> None:
+        """Reads until ``done()``, the witness is gone, or ``timeout`` seconds passed."""
         deadline = time.monotonic() + timeout
-        while not self.ready and not self._gone:
+        while not done() and not self._gone:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                break
+                return
             self._read(remaining)
+
+    def wait_ready(self, timeout: float = WITNESS_READY_SECONDS) -> bool:
+        """Waits up to ``timeout`` seconds for the witness's handlers; whether it is ready."""
+        self._read_until(lambda: self.ready, timeout)
         return self.ready and not self._gone
 
     def saw(self, signum: int, wait: float = WITNESS_WAIT_SECONDS) -> bool:
@@ -125,17 +129,13 @@ class SignalWitness:
         Each copy the witness received answers one call: a scheduler's second SIGTERM
         is matched with the launcher's second one.
         """
-        deadline = time.monotonic() + wait
-        while True:
-            if signum in self._seen:
-                self._seen.remove(signum)
-                return True
-            remaining = deadline - time.monotonic()
-            if self._gone or remaining <= 0:
-                if self._gone:
-                    logger.debug("the signal witness is gone: passing %d on", signum)
-                return False
-            self._read(remaining)
+        self._read_until(lambda: signum in self._seen, wait)
+        if signum in self._seen:
+            self._seen.remove(signum)
+            return True
+        if self._gone:
+            logger.debug("the signal witness is gone: passing %d on", signum)
+        return False
 
     def close(self) -> None:
         """Stops the witness and reaps it."""
