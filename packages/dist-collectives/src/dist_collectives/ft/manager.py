@@ -106,10 +106,10 @@ class Manager:
         join_timeout: Form a quorum without a replica that looks alive but did not ask
             to join within this time (torchft's ``join_timeout``; 10 s).
         first_quorum_window: The job's first quorum forms only once no replica has
-            announced itself (built its Manager) for this long, at most ``join_timeout``
-            after this replica asked for it (2 s): replicas started together then begin
-            together, instead of the late ones healing a step later. Later quorums do
-            not wait for it.
+            announced itself (built its Manager) or asked to join for this long, at most
+            ``join_timeout`` after this replica asked for it (2 s): replicas started
+            together then begin together, instead of the late ones healing a step
+            later. Later quorums do not wait for it.
         namespace: Key prefix in the store, to keep several managed groups apart.
         group_rank: This process's rank in its replica group (torchft's name; 0).
         group_world_size: The number of ranks in each replica group (1: a replica is

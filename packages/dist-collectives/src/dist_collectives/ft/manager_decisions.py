@@ -19,7 +19,7 @@ from dist_collectives.ft.errors import ReplicaError
 from dist_collectives.ft.quorum import Quorum
 
 # The values of a step's commit decision in the store; the first write wins.
-COMMIT_SAME = "ok:same"  # committed; nobody announced itself, the next step reuses the quorum
+COMMIT_SAME = "ok:same"  # committed; nobody announced itself or asked to join: reuse the quorum
 COMMIT_FULL = "ok:full"  # committed; the next step forms a quorum in a round
 COMMIT_FAIL = "fail"
 # A failure's cause in the log: its first line, at most this long.
@@ -49,10 +49,10 @@ def commit_proposal(
     """What the voter that cast vote number ``votes`` proposes as the step's decision.
 
     Only the last voter proposes (every rank of every member group votes once): it
-    proposes :data:`COMMIT_SAME` when no replica announced itself since the quorum was
-    decided, as far as ``registry_version`` (the registry version its watcher last
-    read) tells, so that the next step reuses the quorum without a round; else
-    :data:`COMMIT_FULL`.
+    proposes :data:`COMMIT_SAME` when no replica announced itself or asked to join a
+    round since the quorum was decided, as far as ``registry_version`` (the registry
+    version its watcher last read) tells, so that the next step reuses the quorum
+    without a round; else :data:`COMMIT_FULL`.
 
     Returns:
         The proposal, or None when other voters are still to come.

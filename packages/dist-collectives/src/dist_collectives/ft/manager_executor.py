@@ -580,14 +580,14 @@ class ManagerExecutor:
 
         Three store round trips on the way of the step's last voter: its ``add``, its
         ``compare_set`` of the decision, and the others' read of it once their ``wait``
-        ends. The last voter writes ``ok:same`` when no replica announced itself since
-        the quorum was decided, as far as its watcher has read the registry version
-        (every few heartbeat intervals, see the watcher): the next step then
-        reuses the quorum without a round; else it writes ``ok:full``. An error writes
-        ``fail``. The first write wins. A replica that announced itself is thus taken
-        in at the first commit after the voters' watchers saw it, a fraction of a
-        second later (well within ``join_timeout``, which the new replica's round
-        waits for the others).
+        ends. The last voter writes ``ok:same`` when no replica announced itself or asked
+        to join a round since the quorum was decided, as far as its watcher has read the
+        registry version (every few heartbeat intervals, see the watcher): the next step
+        then reuses the quorum without a round; else it writes ``ok:full``. An error
+        writes ``fail``. The first write wins. A replica that announced itself (or waits
+        in a round the members did not join) is thus taken in at the first commit after
+        the voters' watchers saw it, a fraction of a second later (well within
+        ``join_timeout``, which the new replica's round waits for the others).
         """
         key = commit_key(quorum)
         decision: bytes | None = None

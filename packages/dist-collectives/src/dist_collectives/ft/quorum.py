@@ -1,14 +1,15 @@
 """Quorums of live replicas, agreed through a key-value store.
 
 A replica announces itself by beating a counter (``hb/<id>``) and asks for a quorum
-by appending ``<id> <step>`` to the member list of the current *round*. Any replica may
+by appending ``<id> <step>`` to the member list of the current *round* (and bumping
+the registry version, so that members that reuse their quorum hold a round for it). Any replica may
 close a round once every replica it sees alive has joined (or ``join_timeout`` has
 passed since it joined); closing writes the decision with ``compare_set``, so the first
 writer wins and every replica reads the same decision. The round counter then moves
 on, and a replica that arrived too late joins the next round. The job's first round
-also waits until no replica has announced itself for ``first_quorum_window``, so that
-replicas started together begin in one quorum instead of the last ones healing a step
-later.
+also waits until no replica has announced itself (or asked to join) for
+``first_quorum_window``, so that replicas started together begin in one quorum instead
+of the last ones healing a step later.
 
 A replica waits for the decision in one ``wait`` on the store, which the closing
 replica's write ends at once; on a :class:`~dist_collectives.ft.bounded_store.BoundedStore`
@@ -48,8 +49,12 @@ logger = logging.getLogger(__name__)
 # completes a round wakes the waiters at once; the tick only bounds how late a round
 # closes after a replica died.
 ROUND_TICK_SECONDS = 0.1
-# Bumped by every replica that announces itself: a commit that sees it unchanged since
-# the quorum was decided lets the next step reuse the quorum without a round.
+# Bumped by every replica that announces itself and by every request to join a round:
+# a commit that sees it unchanged since the quorum was decided lets the next step reuse
+# the quorum without a round. The joins count too because a replica can announce itself
+# before a round closes and join only after it closed without it (a round closes without
+# a live replica on the join timeout): the members must then hold a round, or it waits
+# in one that nobody else joins.
 REGISTRY_VERSION_KEY = "replicas_version"
 
 
@@ -324,9 +329,10 @@ def round_is_due(
         waited: How long this replica has waited in the round.
         join_timeout: After this long the round closes without replicas that look
             alive but did not join.
-        settled_for: How long since a replica last announced itself.
-        window: The round closes only once no replica announced itself for this long
-            (the job's first round; 0 for the others), or after ``join_timeout``.
+        settled_for: How long since a replica last announced itself or asked to join.
+        window: The round closes only once no replica announced itself or asked to join
+            for this long (the job's first round; 0 for the others), or after
+            ``join_timeout``.
     """
     out_of_time = waited > join_timeout
     everyone_in = set(alive).issubset(members) or out_of_time
@@ -395,7 +401,7 @@ class _Round:
         self.members = _members_of(raw_members)
         self.alive = liveness.alive(registry)
         now = time.monotonic()
-        if version != self._version:  # somebody announced itself: the window starts again
+        if version != self._version:  # somebody announced itself or joined: the window starts again
             self._version, self._version_changed_at = version, now
         due = round_is_due(
             members=self.members,
@@ -492,7 +498,8 @@ def compute_quorum(
         timeout: Give up after this long.
         previous: The last decision this replica saw (saves reading it again).
         first_quorum_window: The job's first round closes only once no replica has
-            announced itself for this long (at most ``join_timeout`` after joining).
+            announced itself or asked to join for this long (at most ``join_timeout``
+            after joining).
         tick: How often the waiting thread checks whether the round is due to close.
         init_sync: Decide, when no member has committed a step, that every member but
             the first heals from it (:attr:`Quorum.init_sync`). The replica that closes
@@ -505,6 +512,10 @@ def compute_quorum(
     round_ = int(store.add("round", 0))
     while True:
         _append(store, f"r{round_}/members", f"{replica_id} {step}\n")
+        # After the append: a closer that reads the version with this bump also reads
+        # this replica among the members (one multi_get), so no decision can count the
+        # bump and leave the replica out.
+        store.add(REGISTRY_VERSION_KEY, 1)
         attempt = _Round(
             round_,
             min_replicas=min_replicas,
