@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
+
 from dist_launch.output.scratch import OWNER_FILE, ScratchDir, sweep_dead_scratch_dirs
 
 
@@ -35,3 +37,13 @@ def test_directories_without_an_owner_file_or_of_another_name_are_left(tmp_path:
 
 def test_a_missing_parent_sweeps_nothing(tmp_path: Path) -> None:
     assert sweep_dead_scratch_dirs(str(tmp_path / "absent")) == []
+
+
+@pytest.mark.timeout(20)
+def test_an_owner_that_is_not_a_regular_file_is_left_without_blocking(tmp_path: Path) -> None:
+    """A FIFO named like the owner file would block an open without O_NONBLOCK for ever."""
+    odd = tmp_path / "dist-launch-fifo"
+    odd.mkdir()
+    os.mkfifo(odd / OWNER_FILE)
+    assert sweep_dead_scratch_dirs(str(tmp_path)) == []
+    assert odd.exists()

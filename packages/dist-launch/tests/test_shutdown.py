@@ -16,6 +16,8 @@ from launcher_nodes import LAUNCH
 from launcher_scripts import WAITING_SCRIPT, read_ready_pids, write_script
 from launcher_signals import default_signal_handling
 
+from dist_launch.output.scratch import OWNER_FILE
+
 pytestmark = [pytest.mark.processes, pytest.mark.timeout(240)]
 
 
@@ -190,7 +192,7 @@ def test_a_sigkilled_launchers_scratch_directory_is_removed_by_the_next_launcher
     )
     try:
         read_ready_pids(launcher, 2)
-        held = [path for path in scratch_parent.iterdir() if (path / ".owner").exists()]
+        held = [path for path in scratch_parent.iterdir() if (path / OWNER_FILE).exists()]
         assert len(held) == 1, list(scratch_parent.iterdir())
     finally:
         launcher.kill()

@@ -17,6 +17,7 @@ import fcntl
 import logging
 import os
 import shutil
+import stat
 import tempfile
 
 logger = logging.getLogger(__name__)
@@ -48,17 +49,24 @@ class ScratchDir:
 
 
 def _owner_is_gone(owner: str) -> bool:
-    """Whether nobody holds ``owner``'s lock (taking it, and keeping it until close)."""
+    """Whether ``owner`` is a regular file whose lock nobody holds (released at once).
+
+    Opened without blocking and without following a link: a FIFO or a device under the
+    owner's name would otherwise hold up every launcher's start.
+    """
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
     try:
-        fd = os.open(owner, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(owner, flags)
     except OSError:
         return False  # no owner file: another version's directory, or one being made
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return False
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
-        os.close(fd)
         return False
-    os.close(fd)  # the directory is removed next; a launcher never reopens it
+    finally:
+        os.close(fd)  # the directory is removed next; a launcher never reopens it
     return True
 
 
