@@ -3,7 +3,9 @@
 Three replica groups of two ranks each train one MLP sharded across the group's ranks
 with torch's FSDP2 (``group_worker.py``); one rank of the last group SIGKILLs itself
 at step 3, the test stops its group's other rank (as the group's launcher would), the
-other groups commit without the group, the group restarts as a whole and heals.
+other groups commit without the group, the group restarts as a whole and heals. The
+restarted group's last rank fails its first load of the healed state after rank 0
+loaded its own, so the group's ranks hold different steps until they heal again.
 
 Shared by ``test_replica_groups.py``, which checks one run, and the soak
 (``benchmarks/ft.py --only soak``), which runs it many times and counts the runs whose
@@ -115,7 +117,9 @@ def run_lose_a_rank_and_rejoin(workdir: Path, port: int) -> ScenarioResult:
         killed = wait_for_the_survivors(store, groups, victim_group)
         for rank in range(GROUP_SIZE):
             out = outs[victim_group, rank]
-            procs[victim_group, rank] = spawn_rank(port, victim_group, rank, out, "--restarted")
+            # Its last rank's first load fails after rank 0 loaded: the group heals again.
+            extra = ["--restarted"] + (["--fail-first-load"] if rank == GROUP_SIZE - 1 else [])
+            procs[victim_group, rank] = spawn_rank(port, victim_group, rank, out, *extra)
         stop_after_the_rejoin(store, groups, victim_group)
         for key, proc in procs.items():
             assert proc.wait(timeout=PROCESS_TIMEOUT) == 0, f"{key} failed"

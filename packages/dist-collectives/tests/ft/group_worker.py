@@ -147,6 +147,11 @@ def main() -> None:
     parser.add_argument("--kill-when-count", type=int, default=3)
     parser.add_argument("--min-replicas", type=int, default=1)
     parser.add_argument("--restarted", action="store_true")
+    parser.add_argument(
+        "--fail-first-load",
+        action="store_true",
+        help="this rank's first load of a healed state fails, once group rank 0 loaded its own",
+    )
     args = parser.parse_args()
     args.out = args.out.format(group=args.group, rank=args.group_rank)
     if attempt > 0:  # restarted by dist-launch: the kill happened in the first attempt
@@ -161,7 +166,8 @@ def main() -> None:
         waiter.wait(["test/restart_ok"], timedelta(seconds=120))
         del waiter
 
-    _init_group(args, attempt if attempt > 0 else int(args.restarted))
+    incarnation = attempt if attempt > 0 else int(args.restarted)
+    _init_group(args, incarnation)
     mesh = init_device_mesh("cpu", (args.group_size,))
     # Every group starts from the same full model; FSDP keeps this rank's shard of it.
     torch.manual_seed(0)
@@ -173,9 +179,20 @@ def main() -> None:
     def state_dict() -> dict[str, Any]:
         return shard_state(model, optimizer)
 
-    def load_state_dict(state: dict[str, Any]) -> None:
-        load_shard_state(model, optimizer, state)
+    loads = f"test/loads/{args.group}/{incarnation}"
+    failed_loads: list[str] = []
 
+    def load_state_dict(state: dict[str, Any]) -> None:
+        if args.fail_first_load and not failed_loads:
+            # After rank 0 of the group loaded its shard: the group's ranks then disagree
+            # on the step they hold, which the group's quorum request must not hide.
+            store.wait([f"{loads}/0"], timedelta(seconds=60))
+            failed_loads.append("failed")
+            raise RuntimeError(f"{args.group}/{args.group_rank}: a load that fails once")
+        load_shard_state(model, optimizer, state)
+        store.add(f"{loads}/{args.group_rank}", 1)
+
+    store = dist.TCPStore("127.0.0.1", args.port, is_master=False, wait_for_workers=False)
     manager = Manager(
         ProcessGroupGloo(timeout=timedelta(seconds=10)),
         load_state_dict=load_state_dict,
@@ -189,7 +206,6 @@ def main() -> None:
         timeout=timedelta(seconds=30),
     )
     me = f"{args.group}/{args.group_rank}"
-    store = dist.TCPStore("127.0.0.1", args.port, is_master=False, wait_for_workers=False)
     generator = torch.Generator().manual_seed(abs(hash(me)) % 2**31)
     log: list[dict[str, Any]] = []
     rejoined = False

@@ -278,3 +278,10 @@ def test_a_long_cause_is_cut_to_a_bounded_length() -> None:
     cause = decide.failure_cause(ValueError("x" * 1000))
     assert len(cause) == decide.CAUSE_CHARS and cause.endswith("...")
     assert decide.failure_cause(KeyError()) == "KeyError: "
+
+
+@pytest.mark.parametrize(("own", "others", "step"), [(7, [7], 7), (7, [0], 0), (3, [5, 4], 3)])
+def test_a_group_asks_with_the_oldest_step_any_of_its_ranks_holds(
+    own: int, others: list[int], step: int
+) -> None:
+    assert decide.group_step(own, others) == step

@@ -251,6 +251,17 @@ def watched_group_ranks(group_rank: int, group_world_size: int) -> range:
     return range(1, group_world_size) if group_rank == 0 else range(1)
 
 
+def group_step(own: int, others: Sequence[int]) -> int:
+    """The step a replica group asks for a quorum with: the oldest any of its ranks holds.
+
+    Args:
+        own: The step of group rank 0, which asks for the group.
+        others: The steps the group's other ranks hold (those whose load of a healed
+            state failed hold an older one than the ranks that loaded it).
+    """
+    return min(own, *others)
+
+
 def broken_group_message(replica_id: str, stale: Sequence[int]) -> str:
     """Why a replica group is out of the quorum: its ranks ``stale`` stopped beating."""
     return (

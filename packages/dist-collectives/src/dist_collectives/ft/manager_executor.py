@@ -69,6 +69,7 @@ from dist_collectives.ft.manager_decisions import (
     describe_action,
     error_key,
     failure_cause,
+    group_step,
     kept_a_failed_quorum,
     lost_since,
     membership_change,
@@ -284,14 +285,22 @@ class ManagerExecutor:
             self.report_error(error)
 
     def _group_quorum(self, request: int, step: int) -> Quorum:
-        """This group's decision: computed by group rank 0, read by the other ranks."""
-        if self._config.group_world_size == 1:
+        """This group's decision: computed by group rank 0, read by the other ranks.
+
+        Rank 0 asks for the group with the oldest step any of its ranks holds: a rank
+        whose load of a healed state failed (or whose step failed before it loaded)
+        holds an older state than a rank that loaded it, and the group must then heal
+        again, every rank of it, or that rank trains on from its old state unseen.
+        """
+        config = self._config
+        if config.group_world_size == 1:
             return self._compute_quorum(step)
         key = self._group_key(request)
         arrived = f"{key}/arrived"
-        if self._config.group_rank > 0:
+        if config.group_rank > 0:
+            self._quorum_store.set(f"{key}/step/{config.group_rank}", str(step))
             # Rank 0 asks for the group only once every rank has asked for this step.
-            if self._quorum_store.add(f"{key}/count", 1) == self._config.group_world_size - 1:
+            if self._quorum_store.add(f"{key}/count", 1) == config.group_world_size - 1:
                 self._quorum_store.set(arrived, "all")
             # The watcher ends the wait if rank 0 stops beating.
             broken = self.state.wait_for_group(awaited_key=key)
@@ -314,7 +323,9 @@ class ManagerExecutor:
             broken = self.state.group_broken
             if broken is not None:
                 raise ReplicaError(broken)
-            quorum = self._compute_quorum(step)
+            others = [f"{key}/step/{rank}" for rank in range(1, config.group_world_size)]
+            steps = [int(raw) for raw in self._quorum_store.multi_get(others)]
+            quorum = self._compute_quorum(group_step(step, steps))
         except Exception as error:
             self._quorum_store.set(key, f"fail:{type(error).__name__}: {error}"[:1000])
             raise
