@@ -120,7 +120,9 @@ def test_a_rank_blocked_in_a_collective_answers_a_request(tmp_path: Path) -> Non
         (fifo,) = scratch.glob("dist-launch-*/rank0.requests")
         answer = fifo.parent / "rank0.records.7.json"
         deadline = time.monotonic() + 60
-        # Rank 0 may not be in the collective yet: ask again until it is.
+        # Rank 0 may not be in the collective yet, and gloo marks the first one completed
+        # from its own thread after the caller's wait returned (see PROBE): ask again
+        # until the records show both, within the deadline.
         while time.monotonic() < deadline:
             fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
             os.write(fd, json.dumps({"id": 7, "kind": "hang"}).encode() + b"\n")
@@ -131,7 +133,7 @@ def test_a_rank_blocked_in_a_collective_answers_a_request(tmp_path: Path) -> Non
             assert answer.exists(), "rank 0's beacon thread did not answer within 10 s"
             records = parse_rank_records(answer.read_bytes(), 0, str(answer))
             default = next(group for group in records.groups.values() if group.is_default)
-            if default.last_enqueued == 2:
+            if (default.last_enqueued, default.last_completed) == (2, 1):
                 break
             answer.unlink()
         assert (default.last_enqueued, default.last_completed) == (2, 1)
