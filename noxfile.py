@@ -212,8 +212,17 @@ def _torch_template(session: nox.Session, *specs: str) -> Path:
     prefetching = _PREFETCHING.pop(template, None)
     if prefetching is not None:
         session.log(f"waiting for the install of {template.name} that prefetch started")
-        if prefetching.wait(timeout=TEMPLATE_INSTALL_SECONDS) != 0:
-            log = template.parent / f"{template.name}.log"
+        log = template.parent / f"{template.name}.log"
+        try:
+            returncode = prefetching.wait(timeout=TEMPLATE_INSTALL_SECONDS)
+        except subprocess.TimeoutExpired:
+            prefetching.kill()
+            prefetching.wait()
+            session.error(
+                f"installing {' '.join(specs)} took over {TEMPLATE_INSTALL_SECONDS} s;"
+                f" pip's output: {log}"
+            )
+        if returncode != 0:
             session.error(f"installing {' '.join(specs)} failed; pip's output: {log}")
     else:
         shutil.rmtree(template, ignore_errors=True)
