@@ -33,14 +33,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import fcntl
 import os
 import re
 import stat
 import struct
-from collections.abc import Iterator
 from pathlib import Path
 
+from dist_core.lock_files import try_lock_file
 from dist_workspace.format import HEADER_DEPTH, MAX_HEADER_BYTES, META_FORMAT
 from dist_workspace.jobid import process_start_time
 from dist_workspace.safejson import JsonRefused, loads
@@ -122,36 +121,8 @@ def lock_is_held(lock: Path) -> bool:
 
     False when the lock file does not exist or is not a regular file.
     """
-    with _try_lock(lock) as taken:
+    with try_lock_file(lock) as taken:
         return taken is False
-
-
-@contextlib.contextmanager
-def _try_lock(lock: Path | None) -> Iterator[bool | None]:
-    """Takes ``lock`` without waiting, for the length of the block.
-
-    Yields True (held by us), False (held elsewhere) or None (no such lock file).
-    """
-    if lock is None:
-        yield None
-        return
-    try:
-        fd = os.open(lock, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-    except OSError:
-        yield None
-        return
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            yield None
-            return
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            yield False
-            return
-        yield True
-    finally:
-        os.close(fd)  # also releases the flock
 
 
 def _plan_directory(directory: Path, plan: CleanPlan, *, nested: bool) -> bool:
@@ -271,7 +242,8 @@ def carry_out(plan: CleanPlan) -> tuple[list[Removal], list[Kept]]:
         if removal.segment is not None and removal.segment.creator_alive():
             skipped.append(Kept(removal.path, "its creator is running"))
             continue
-        with _try_lock(removal.lock) as taken:
+        lock = removal.lock
+        with contextlib.nullcontext(None) if lock is None else try_lock_file(lock) as taken:
             if taken is False:
                 skipped.append(Kept(removal.path, "in use: its lock is held now"))
                 continue

@@ -17,8 +17,9 @@ import fcntl
 import logging
 import os
 import shutil
-import stat
 import tempfile
+
+from dist_core.lock_files import try_lock_file
 
 logger = logging.getLogger(__name__)
 
@@ -48,28 +49,6 @@ class ScratchDir:
             os.close(self._lock_fd)
 
 
-def _owner_is_gone(owner: str) -> bool:
-    """Whether ``owner`` is a regular file whose lock nobody holds (released at once).
-
-    Opened without blocking and without following a link: a FIFO or a device under the
-    owner's name would otherwise hold up every launcher's start.
-    """
-    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
-    try:
-        fd = os.open(owner, flags)
-    except OSError:
-        return False  # no owner file: another version's directory, or one being made
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return False
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        return False
-    finally:
-        os.close(fd)  # the directory is removed next; a launcher never reopens it
-    return True
-
-
 def sweep_dead_scratch_dirs(parent: str | None = None) -> list[str]:
     """Removes the scratch directories of launchers that died; returns their paths.
 
@@ -95,9 +74,11 @@ def sweep_dead_scratch_dirs(parent: str | None = None) -> list[str]:
                 continue
         except OSError:
             continue
-        if _owner_is_gone(os.path.join(entry.path, OWNER_FILE)):
-            shutil.rmtree(entry.path, ignore_errors=True)
-            removed.append(entry.path)
+        # Removed while its lock is ours: a launcher never reopens a directory.
+        with try_lock_file(os.path.join(entry.path, OWNER_FILE)) as owner_gone:
+            if owner_gone:
+                shutil.rmtree(entry.path, ignore_errors=True)
+                removed.append(entry.path)
     if removed:
         logger.info("removed %d scratch directories of launchers that died", len(removed))
     return removed
