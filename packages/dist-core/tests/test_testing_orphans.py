@@ -1,4 +1,4 @@
-"""A test process SIGKILLed while run_ranks runs leaves no worker behind."""
+"""A test process SIGKILLed while run_ranks runs leaves no worker behind, and no litter."""
 
 from __future__ import annotations
 
@@ -25,8 +25,11 @@ SCRIPT = textwrap.dedent(
         Path(directory, str(os.getpid())).touch()
         time.sleep(600)
 
+    def finish(directory):
+        return None
+
     if __name__ == "__main__":
-        run_ranks(park, 2, sys.argv[1], timeout=600)
+        run_ranks(globals()[sys.argv[2]], int(sys.argv[3]), sys.argv[1], timeout=600)
     """
 )
 
@@ -38,7 +41,10 @@ def test_sigkilled_caller_takes_its_workers_down(
     script.write_text(SCRIPT)
     pids_dir = tmp_path / "pids"
     pids_dir.mkdir()
-    caller = subprocess.Popen([sys.executable, str(script), str(pids_dir)])
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    env = {**os.environ, "TMPDIR": str(scratch)}  # where run_ranks keeps its rank files
+    caller = subprocess.Popen([sys.executable, str(script), str(pids_dir), "park", "2"], env=env)
     try:
         deadline = time.monotonic() + 120
         while len(list(pids_dir.iterdir())) < 2 and time.monotonic() < deadline:
@@ -51,6 +57,16 @@ def test_sigkilled_caller_takes_its_workers_down(
         while any(alive(pid) for pid in workers) and time.monotonic() < deadline:
             time.sleep(0.05)  # polling /proc: these are not our children
         assert not [pid for pid in workers if alive(pid)]
+        (left,) = scratch.glob("dist-core-run-ranks-*")  # the killed caller could not
+        # The next caller on the host removes it.
+        subprocess.run(
+            [sys.executable, str(script), str(pids_dir), "finish", "1"],
+            env=env,
+            check=True,
+            timeout=120,
+        )
+        assert not left.exists()
+        assert not list(scratch.glob("dist-core-run-ranks-*"))
     finally:
         if caller.poll() is None:
             caller.kill()

@@ -31,7 +31,6 @@ import dataclasses
 import multiprocessing as mp
 import os
 import pickle
-import tempfile
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -39,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from dist_core.callables import CallableRef
+from dist_core.lock_files import OwnedDir, sweep_dead_dirs
 from dist_core.proc import close_inherited_forkserver_fd, describe_exit
 from dist_core.rank_files import RankFiles, write_error_record
 from dist_core.supervisor import GroupOutcome, ProcessWorker, RankOutcome, Supervisor
@@ -50,6 +50,7 @@ from dist_core.worker_guards import install_worker_guards
 FAILURE_GRACE_SECONDS = 2.0
 # Between SIGTERM and SIGKILL when stopping ranks.
 _TERMINATE_SECONDS = 2.0
+_SCRATCH_PREFIX = "dist-core-run-ranks-"  # the rank files of one call, under TMPDIR
 
 
 class RankFailedError(RuntimeError):
@@ -180,7 +181,9 @@ def run_ranks(
     Each worker sees ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``,
     ``MASTER_ADDR`` (127.0.0.1) and ``MASTER_PORT`` (a free port), plus a copy of the
     caller's ``os.environ`` at the time of the call, and has its default process
-    group initialized with ``backend`` before ``fn`` runs and destroyed after.
+    group initialized with ``backend`` before ``fn`` runs and destroyed after. The
+    ranks' files go to a ``dist-core-run-ranks-*`` directory under ``TMPDIR``, removed
+    at the end; one that a SIGKILLed caller left is removed by the next call.
 
     Args:
         fn: A module-level function (see the module docstring for where it must live).
@@ -209,7 +212,9 @@ def run_ranks(
     context = _context()
     port = get_unused_port()
     deadline = time.monotonic() + timeout
-    with tempfile.TemporaryDirectory(prefix="dist-core-run-ranks-") as scratch:
+    sweep_dead_dirs(_SCRATCH_PREFIX)  # left by callers that were SIGKILLed
+    with OwnedDir(_SCRATCH_PREFIX) as owned:
+        scratch = owned.path
         try:
             with Supervisor(
                 grace_period=_TERMINATE_SECONDS, report_window=FAILURE_GRACE_SECONDS
