@@ -109,6 +109,13 @@ def _modelopt() -> Any | None:
     return distribute
 
 
+def _modelopt_version() -> str | None:
+    """The installed nvidia-modelopt's version, when its export helpers import."""
+    from importlib.metadata import version
+
+    return None if _modelopt() is None else version("nvidia-modelopt")
+
+
 @contextlib.contextmanager
 def _gather(tensor: torch.Tensor, ranks: list[int]) -> Iterator[list[torch.Tensor]]:
     import torch.distributed as dist
@@ -243,6 +250,9 @@ def report(results: dict[str, Any]) -> dict[str, Any]:
     """Prints the table and the ratios; returns what goes into the JSON file."""
     print()
     print(f"the cost of a call ({WORLD} ranks, one host, gloo; ms per call on rank 0)")
+    modelopt_version = _modelopt_version()
+    if modelopt_version is not None:
+        print(f"Model Optimizer: nvidia-modelopt {modelopt_version}")
     header = (
         f"{'workload':<12}{'method':<19}{'call ms':>9}{'+read ms':>10}{'x floor':>9}"
         f"{'store trips/call':>18}"
@@ -303,4 +313,8 @@ def report(results: dict[str, Any]) -> dict[str, Any]:
                     f"{ours / handshake['with_read_ms']:.2f}, {method} / floor "
                     f"{handshake['with_read_ms'] / floor:.2f}"
                 )
-    return {"workloads": data, "targets": {"layer loop": 1.5, "tiny": 2.0}}
+    return {
+        "workloads": data,
+        "targets": {"layer loop": 1.5, "tiny": 2.0},
+        "modelopt_version": modelopt_version,
+    }
