@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import re
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from dist_core import lock_files
 from dist_workspace import NFSWorkspace
 from dist_workspace.cli import main
 from dist_workspace.jobid import process_start_time
@@ -106,6 +108,22 @@ def test_a_file_in_use_is_kept(
         os.close(holder)
     assert main(["clean", str(tmp_path)]) == 0
     assert not path.exists() and not lock.exists()
+
+
+def test_a_lock_that_cannot_be_taken_keeps_its_file(
+    tmp_path: Path, shm: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ENOLCK (an NFS mount without a lock manager): no proof the owner is gone."""
+    workspace = NFSWorkspace(tmp_path)
+    path = workspace.write_configs_and_weights({}, {"w": torch.ones(3)}, rank=0)
+
+    def no_locks(fd: int, operation: int) -> None:
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(lock_files.fcntl, "flock", no_locks)
+    assert main(["clean", str(tmp_path)]) == 0
+    assert f"kept {path}: in use" in capsys.readouterr().out
+    assert path.exists() and Path(f"{path}.lock").exists()
 
 
 def test_symlinks_and_foreign_exchange_directories_are_kept(
