@@ -308,6 +308,65 @@ def test_an_evaluation_pass_longer_than_the_timeout_is_not_a_hang(tmp_path: Path
     assert not list(log_dir.rglob("hang.*"))
 
 
+# examples/quiet_loops.py: healthy loops whose main thread sits in one native call
+# between collectives; each loop's quiet interval is at most 2.5 s.
+QUIET_LOOPS = Path(__file__).resolve().parents[3] / "examples" / "quiet_loops.py"
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize(
+    ("loop", "steps"), [("sleeps", 5), ("queue", 5), ("evaluation", 3), ("checkpoint", 3)]
+)
+def test_a_quiet_loop_whose_collectives_complete_is_not_hung(
+    tmp_path: Path, loop: str, steps: int
+) -> None:
+    # Each loop runs for at least 1.5 times the timeout with one stack and no output:
+    # only its completed collectives show that it makes progress.
+    log_dir = tmp_path / "logs"
+    result = subprocess.run(
+        [*LAUNCH, "-n", "2", "--hang-timeout", "5", "--log-dir", str(log_dir),
+         str(QUIET_LOOPS), loop, str(steps)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=180, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "dist-launch: hang" not in result.stderr
+    assert result.stdout.count(f"finished {loop}") == 2
+    assert not list(log_dir.rglob("hang.*"))
+
+
+# Both ranks complete two all_reduces, then sleep for ever outside any collective.
+STUCK_OUTSIDE = """import time
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+value = torch.ones(1)
+dist.all_reduce(value)
+dist.all_reduce(value)
+time.sleep(100_000)
+"""
+
+
+@pytest.mark.processes
+def test_ranks_stuck_outside_collectives_are_named_with_no_collective_pending(
+    tmp_path: Path,
+) -> None:
+    log_dir = tmp_path / "logs"
+    result = _launch(
+        tmp_path,
+        STUCK_OUTSIDE,
+        "-n", "2", "--hang-timeout", "4", "--log-dir", str(log_dir), "--run-id", "s",
+    )  # fmt: skip
+    assert result.returncode == HUNG, result.stderr
+    assert _verdict(result.stderr) == (
+        "dist-launch: hang: no collective is pending; ranks 0-1 are at train.py:9 in <module>; "
+        "the last collective completed was all_reduce #2 on the default group"
+    ), result.stderr
+    hang = json.loads((log_dir / "s" / "attempt_0" / "hang.json").read_text())
+    assert hang["collective"] is None
+    assert hang["source"] == "flight recorder"
+
+
 @pytest.mark.processes
 def test_an_expired_torch_elastic_timer_is_handled_as_a_hang(tmp_path: Path) -> None:
     result = _launch(

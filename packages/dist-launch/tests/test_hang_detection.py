@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from dist_launch.in_worker.completed_collectives import count_completed
 from dist_launch.plan.hang_policy import (
     AUTO_FACTOR,
     AUTO_FLOOR_SECONDS,
@@ -112,3 +113,26 @@ def test_an_evaluation_pass_is_not_a_hang_though_steps_slow_down_tenfold() -> No
             counter += 1
             watch.saw(0, (counter, 0), t)
             assert not watch.hung(t)
+
+
+def test_completed_collectives_are_progress_though_the_stack_stands_still() -> None:
+    """A rank that sleeps between collectives: only the third counter moves."""
+    watch = QuietWatch(HangPolicy("fixed", 3.0), now=0.0)
+    for t in range(1, 30):
+        watch.saw(0, (1, 0, t // 2), float(t))  # one collective every 2 s
+        assert not watch.hung(float(t))
+    for t in range(30, 33):
+        watch.saw(0, (1, 0, 14), float(t))  # then a collective that never completes
+    assert not watch.hung(30.9)
+    assert watch.hung(31.0)  # quiet since t=28, the last completion
+
+
+def test_torchs_counters_are_read_from_a_dump_without_entries() -> None:
+    dump = (
+        b'{"pg_config":{},"pg_status":{"0":{"last_completed_collective":"12",'
+        b'"last_enqueued_collective":"13","last_started_collective":"-1"},'
+        b'"1":{"last_completed_collective":"-1","last_enqueued_collective":"-1"},'
+        b'"2":{"last_completed_collective":3}},"version":"2.10"}'
+    )
+    assert count_completed(dump) == 15
+    assert count_completed(b"") == 0

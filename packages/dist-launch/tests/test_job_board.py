@@ -62,7 +62,9 @@ def test_a_hang_found_on_one_node_is_found_on_every_node(tmp_path: Path) -> None
         there.publish(time.time() - 10.0)
         there._exchange()
         here._exchange()
-        assert watch.due(now) is None
+        assert watch.due(now) is not None  # suspected: the round asks the ranks' records
+        assert watch.reason is None
+        watch.confirm()  # the records show no sign of life
         assert watch.reason is not None
         assert watch.reason.startswith("no rank of the job made progress")
         here._exchange()  # sends the alarm
@@ -98,3 +100,34 @@ def test_each_node_reads_the_others_reports_once_all_are_there() -> None:
     finally:
         for board in boards:
             board.stop()
+
+
+def test_a_suspicion_tells_no_other_node_until_the_records_confirm_it(tmp_path: Path) -> None:
+    store = FakeStore()
+    here, there = JobBoard(store, 0, 2, IDLE), JobBoard(store, 1, 2, IDLE)
+    watch = HangWatch(HangPolicy("fixed", 3.0), str(tmp_path), "n0 (node 0)", board=here)
+    try:
+        now = time.monotonic()
+        watch.quiet.last_progress = now - 10.0
+        there.publish(time.time() - 10.0)
+        there._exchange()
+        here._exchange()
+        assert watch.due(now) is not None  # suspected, still watching
+        assert watch.suspicion is not None and watch.reason is None
+        here._exchange()
+        assert store.data.get("dist_launch/hang/alarms", b"0") == b"0"
+        # The records showed a collective completed a second ago: not hung.
+        watch.dismiss(now, now - 1.0)
+        assert watch.suspicion is None and watch.reason is None
+        assert not watch.quiet.hung(now + 1.9)
+        # Quiet again for the timeout, and this time the records confirm it.
+        assert watch.due(now + 2.0) is not None
+        assert watch.suspicion is not None
+        watch.confirm()
+        assert watch.reason is not None and watch.reason.startswith("no rank of the job")
+        here._exchange()
+        assert store.data["dist_launch/hang/alarms"] == b"1"
+    finally:
+        here.stop()
+        there.stop()
+        watch.close()

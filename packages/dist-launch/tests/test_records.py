@@ -33,8 +33,11 @@ import sys, time
 import torch
 import torch.distributed as dist
 from dist_launch.diagnostics.flight_records import parse_rank_records
+from dist_launch.in_worker.completed_collectives import CompletedCollectives
 from dist_launch.in_worker.records import collect
 
+counter = CompletedCollectives()
+assert counter.read() is None  # no process group yet
 dist.init_process_group("gloo", init_method=sys.argv[1], rank=0, world_size=1)
 value = torch.ones(4)
 for _ in range(3):
@@ -50,6 +53,8 @@ while True:
     ):
         break
     time.sleep(0.01)
+# What the beacon publishes as progress: every group's completed collectives.
+print("completed", counter.read(), file=sys.stderr)
 sys.stdout.buffer.write(records)
 """
 
@@ -76,6 +81,8 @@ def test_installed_torch_records_gloo_collectives(tmp_path: Path, script: str) -
         return
     assert records.missing is None, f"torch {torch.__version__}: {records.missing}"
     assert records.torch == torch.__version__
+    # 3 all_reduces on the world and a broadcast on the group of one.
+    assert "completed 4\n" in result.stderr.decode()
     default = next(group for group in records.groups.values() if group.is_default)
     assert (default.backend, default.last_enqueued, default.last_completed) == ("gloo", 3, 3)
     assert [default.ops[seq].describe() for seq in (1, 2, 3)] == ["all_reduce [4]"] * 3

@@ -165,3 +165,16 @@ def test_the_real_deadlock_of_three_ranks() -> None:
         "rank 2 waits in all_reduce #2 on group 1"
     )
     assert verdict.desyncs == ()
+
+
+def test_with_no_collective_pending_the_headline_says_so_and_where_each_rank_is() -> None:
+    # Every rank completed all_reduce #3 and then went to sleep outside any collective.
+    records = {r: rank(r, group(3, 3)) for r in (0, 1, 2)}
+    stacks = {0: SLEEPING, 1: SLEEPING, 2: WAITING}
+    verdict = decide_verdict(records, job_ranks=range(3), stacks=stacks)
+    assert verdict.collective is None
+    assert verdict.headline() == (
+        "no collective is pending; ranks 0-1 are at train.py:6 in load_next_batch; "
+        "rank 2 waits in all_reduce at train.py:14; "
+        "the last collective completed was all_reduce #3 on the default group"
+    )

@@ -45,6 +45,7 @@ from dist_launch.diagnostics.flight_records import (
 )
 from dist_launch.diagnostics.hang_json import RankPlace, hang_document
 from dist_launch.diagnostics.hang_report import HangReport
+from dist_launch.diagnostics.records_alive import alive_at
 from dist_launch.diagnostics.stacks import format_stack_dump, without_launcher_frames
 from dist_launch.diagnostics.verdict import decide_verdict
 from dist_launch.output.log_layout import LogLayout, write_torch_error_file
@@ -352,11 +353,11 @@ class Round:
             if requests is not None and plan.slow_ranks is not None:
                 slow = self._slow_rank_watch(plan.slow_ranks, requests, board, group.hostname)
                 stack.callback(loop.remove_timer, loop.add_timer(slow.due))
-            loop.run_until(lambda: group.ended or hang_watch.reason is not None)
+            records, asked_at = self._watch(group, hang_watch, requests)
             collected = None
             if hang_watch.reason is not None and not group.ended:
                 # Nothing is stopped before every rank's records and stack are in hand.
-                collected = self._collect(group, requests, board)
+                collected = self._collect(group, requests, board, records, asked_at)
                 group.interrupt(signal.SIGTERM, take_stacks=False)
                 loop.run_until(lambda: group.ended)
             outcome = group.finish()
@@ -420,28 +421,96 @@ class Round:
             host=host,
         )
 
-    def _collect(
-        self, group: WorkerGroup, requests: RankRequests | None, board: JobBoard | None
-    ) -> Collected:
-        """Every rank's records and stack, this node's and (c10d) the other nodes'."""
-        loop, assignment = self.loop, self.assignment
+    def _watch(
+        self, group: WorkerGroup, hang_watch: HangWatch, requests: RankRequests | None
+    ) -> tuple[dict[int, RankRecords] | None, float]:
+        """Runs the round until it ends or hangs; a suspected hang is checked first.
+
+        The records have the last word before an alarm: the ranks' counters, read again
+        once the beacons have answered (they look before they answer), and the records
+        themselves (:func:`~dist_launch.diagnostics.records_alive.alive_at`). Nothing is
+        signalled meanwhile.
+
+        Returns:
+            The records read for the suspicion that was confirmed, if any, and when
+            they were asked for (monotonic).
+        """
+        loop = self.loop
+        while True:
+            loop.run_until(
+                lambda: (
+                    group.ended or hang_watch.reason is not None or hang_watch.suspicion is not None
+                )
+            )
+            asked_at = time.monotonic()
+            if hang_watch.suspicion is None or group.ended:
+                return None, asked_at
+            records = self._ask_records(requests)
+            now = time.monotonic()
+            if hang_watch.look_again(now):
+                hang_watch.dismiss(now)
+                continue
+            timeout = hang_watch.quiet.timeout()
+            base = self.assignment.base_rank
+            alive = None
+            if records is not None and timeout is not None:
+                alive = alive_at(
+                    records,
+                    ranks=range(base, base + self.plan.nproc),
+                    now_ns=time.time_ns(),
+                    within_s=timeout,
+                )
+            if alive is not None:
+                hang_watch.dismiss(now, now - (time.time_ns() - alive) / 1e9)
+                continue
+            hang_watch.confirm()
+            return records, asked_at
+
+    def _ask_records(self, requests: RankRequests | None) -> dict[int, RankRecords] | None:
+        """This node's ranks' records, waited for at most ``RECORDS_SECONDS``.
+
+        Returns:
+            The records by rank, or None when no rank can be asked or reading failed.
+        """
+        loop = self.loop
         started = time.monotonic()
         request = requests.send("hang") if requests is not None else None
-        records: dict[int, RankRecords] = {}
         if requests is not None and request is not None:
             asked = len(request.asked)
             loop.run_until(
                 lambda: len(requests.answered(request)) >= asked, started + RECORDS_SECONDS
             )
+        if requests is None or request is None:
+            return None
+        parsing = loop.call_in_thread(lambda: requests.read(request), "records-read")
+        loop.run_until(lambda: parsing.done)
+        return parsing.result if parsing.error is None else None
+
+    def _collect(
+        self,
+        group: WorkerGroup,
+        requests: RankRequests | None,
+        board: JobBoard | None,
+        records_read: dict[int, RankRecords] | None,
+        started: float,
+    ) -> Collected:
+        """Every rank's records and stack, this node's and (c10d) the other nodes'.
+
+        Args:
+            group: This node's workers.
+            requests: The ranks' request channel, if they have one.
+            board: The job board (several nodes), if any.
+            records_read: This node's records, when the suspicion's check read them.
+            started: When the records were asked for (monotonic).
+        """
+        assignment = self.assignment
+        if records_read is None:
+            records_read = self._ask_records(requests)
         # faulthandler's stacks once the beacons have answered: a beacon thread caught
         # writing its records was dumped as a frame or two of pathlib, without the
         # beacon's own frame that marks it as the launcher's, and read as the rank's place.
         stacks = group.take_stacks()
-        if requests is not None and request is not None:
-            parsing = loop.call_in_thread(lambda: requests.read(request), "records-read")
-            loop.run_until(lambda: parsing.done)
-            if parsing.error is None:
-                records = parsing.result
+        records: dict[int, RankRecords] = dict(records_read or {})
         base, host = assignment.base_rank, group.hostname
         places: dict[int, RankPlace] = {}
         why = "no Python bootstrap (--no-python)" if self.plan.target.no_python else "none sent"

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 from dist_launch.diagnostics.flight_records import GroupKey, GroupRecords, Op, RankRecords
 from dist_launch.diagnostics.hang_report import describe_place
+from dist_launch.diagnostics.records_alive import latest_completed
 from dist_launch.diagnostics.stacks import format_rank_ranges, group_stacks, main_thread_frames
 
 SOURCE_RECORDS = "flight recorder"
@@ -109,8 +110,11 @@ class HangVerdict:
         unknown: Members of its group that sent no records.
         groups: Every group with a pending collective.
         desyncs: Sequence numbers that ranks recorded as different collectives.
-        places: Where each behind rank is, as the headline says it.
+        places: Where each behind rank is, as the headline says it; with no collective
+            pending, where every rank is.
         missing: Why each rank without records has none.
+        last_completed: With no collective pending, the latest collective the ranks
+            completed (``all_reduce #12 on the default group``), if the records hold it.
     """
 
     source: str
@@ -122,10 +126,13 @@ class HangVerdict:
     desyncs: tuple[Desync, ...] = ()
     places: Mapping[int, str] = field(default_factory=dict)
     missing: Mapping[int, str] = field(default_factory=dict)
+    last_completed: str | None = None
 
     def headline(self) -> str:
         """The verdict's first line (after ``dist-launch: hang: ``)."""
         parts: list[str] = []
+        if self.collective is None and self.source == SOURCE_RECORDS:
+            return self._idle_headline()
         if self.collective is None:
             parts.append(self.source.replace("stacks only: ", "no flight records (", 1) + ")")
             if self.behind:
@@ -151,9 +158,33 @@ class HangVerdict:
             parts.append(f"{ranks_phrase(self.unknown)} sent no records")
         return "; ".join(parts)
 
+    def _idle_headline(self) -> str:
+        """No collective pending: the ranks are stuck outside collectives, and where."""
+        parts = ["no collective is pending"]
+        by_place: dict[str, list[int]] = {}
+        for rank, place in sorted(self.places.items()):
+            by_place.setdefault(place, []).append(rank)
+        for place, ranks in by_place.items():
+            verb = place if len(ranks) == 1 else _plural(place)
+            parts.append(f"{ranks_phrase(ranks)} {verb}")
+        if self.last_completed is not None:
+            parts.append(f"the last collective completed was {self.last_completed}")
+        if self.unknown:
+            parts.append(f"{ranks_phrase(self.unknown)} sent no records")
+        return "; ".join(parts)
+
     def lines(self) -> list[str]:
         """The headline, then one line per desync."""
         return [self.headline(), *(desync.describe() for desync in self.desyncs)]
+
+
+def _plural(place: str) -> str:
+    """``is at x.py:3`` -> ``are at x.py:3``; ``waits in ...`` -> ``wait in ...``."""
+    if place.startswith("is "):
+        return "are " + place.removeprefix("is ")
+    if place.startswith("waits "):
+        return "wait " + place.removeprefix("waits ")
+    return place
 
 
 def _members(
@@ -252,6 +283,24 @@ def _place(
     return "never entered it"
 
 
+def _idle_place(stack: str) -> str:
+    """Where a rank with no collective pending is: ``is at train.py:5 in <module>``."""
+    if not main_thread_frames(stack):
+        return "has no Python stack"
+    place = describe_place(stack)
+    return f"waits {place}" if place.startswith("in ") else f"is at {place}"
+
+
+def _last_completed(records: Mapping[int, RankRecords]) -> str | None:
+    """The latest completed collective the records hold, as the headline names it."""
+    latest = latest_completed(records)
+    if latest is None:
+        return None
+    group, seq, op = latest
+    where = "the default group" if group.is_default else f"group {group.name}"
+    return f"{op.op} #{seq} on {where}"
+
+
 def decide_verdict(
     records: Mapping[int, RankRecords],
     *,
@@ -284,7 +333,9 @@ def decide_verdict(
             SOURCE_RECORDS,
             unknown=unknown_everywhere,
             desyncs=tuple(desyncs),
+            places={rank: _idle_place(stacks[rank]) for rank in sorted(stacks)},
             missing=missing,
+            last_completed=_last_completed(with_records),
         )
     places = {rank: _place(rank, chosen, verdicts, stacks) for rank in chosen.behind}
     return HangVerdict(

@@ -2,23 +2,29 @@
 
 Each worker started by the ``dist-launch`` command shares a small file with its
 launcher (``DIST_LAUNCH_PROGRESS_FILE``, mapped into memory on both sides). It holds
-two counters, each with one writer:
+three counters, each with one writer:
 
 - slot 0, the *stack* counter: a daemon thread started by the bootstrap looks at the
   main thread's Python stack every ``DIST_LAUNCH_PROGRESS_PERIOD`` seconds and adds
   one when it differs from the last look (another place in the code, or the same
   place entered anew), or when the main thread ran Python code meanwhile (see
   :class:`_PythonRunning`);
-- slot 1, the *explicit* counter: :func:`report_progress` adds one.
+- slot 1, the *explicit* counter: :func:`report_progress` adds one;
+- slot 2, the *collectives* counter: the same thread writes, at every look, how many
+  collectives the rank's process groups have completed
+  (:mod:`dist_launch.in_worker.completed_collectives`).
 
-The launcher only asks whether either counter moved. Looking at a stack costs a few
-microseconds per look (no syscall: the counter lives in shared memory), so at the
-default of two looks a second the cost on a training step is far below 1%.
+The launcher only asks whether any counter moved. A look costs a few microseconds for
+the stack and about ten for torch's counters (no syscall: the counters live in shared
+memory), so at the default of two looks a second the cost on a training step is far
+below 1%.
 
-A rank blocked in a collective, a ``sleep``, a lock or a queue keeps one stack and the
-counters stand still; a rank inside one long native call (a matmul, a checkpoint
-write) also stands still until the call returns, which is why the timeout must be
-longer than the longest such call, or the script calls :func:`report_progress`.
+A rank that sleeps between collectives, or waits on its data loader between steps,
+keeps one stack, but its collectives complete: that is progress. A rank blocked in a
+collective that never completes, a ``sleep`` or a lock with no collective completing
+anywhere stands still; so does a rank inside one long native call (a matmul, a
+checkpoint write) until the call returns, which is why the timeout must be longer
+than the longest such call, or the script calls :func:`report_progress`.
 
 The same thread answers the launcher's requests for the rank's collective records
 (``DIST_LAUNCH_REQUESTS``, a FIFO: :mod:`dist_launch.in_worker.records`): it waits on
@@ -39,12 +45,15 @@ import threading
 import time
 from types import FrameType
 
+from dist_launch.in_worker.completed_collectives import CompletedCollectives
 from dist_launch.in_worker.progress_file import (
+    COLLECTIVES_OFFSET,
     EXPLICIT_OFFSET,
     PROGRESS_FILE_VARIABLE,
     PROGRESS_PERIOD_VARIABLE,
     bump_counter,
     map_progress_file,
+    set_counter,
 )
 from dist_launch.in_worker.records import (
     MAX_REQUEST_BYTES,
@@ -148,21 +157,34 @@ def _run_beacon(
 ) -> None:
     last: int | None = None
     running = _PythonRunning(main_id) if shared is not None else None
+    completed = CompletedCollectives()
     wake = threading.Event()  # never set: a wait that sleeps without a busy loop
+
+    def look() -> None:
+        nonlocal last
+        if shared is None or running is None:
+            return
+        frame = sys._current_frames().get(main_id)
+        key = _stack_key(frame)
+        del frame  # hold no frame between looks: it would keep the frame's locals alive
+        if running.since_last_look() or key != last:
+            last = key
+            bump_counter(shared, 0)
+        count = completed.read()
+        if count is not None:
+            set_counter(shared, COLLECTIVES_OFFSET, count)
+
     while True:
-        if shared is not None and running is not None:
-            frame = sys._current_frames().get(main_id)
-            key = _stack_key(frame)
-            del frame  # hold no frame between looks: it would keep the frame's locals alive
-            if running.since_last_look() or key != last:
-                last = key
-                bump_counter(shared, 0)
+        look()
         if requests is None:
             wake.wait(period)
             continue
         fd, path = requests
         ready, _, _ = select.select([fd], [], [], period if shared is not None else None)
         if ready:
+            # The counters are current before the answer exists: a launcher that suspects
+            # a hang reads them again once every rank answered (the records' last word).
+            look()
             _answer_requests(fd, path, rank)
 
 

@@ -3,10 +3,15 @@
 :class:`HangWatch` gives each worker its progress file (:mod:`dist_launch.in_worker.beacon`),
 looks at the counters every ``look_period`` from the supervisor's loop, counts the
 output the launcher relays as progress, and asks :class:`~dist_launch.watch.quiet_watch.QuietWatch`
-whether the group is hung. An expired torch elastic timer
-(:class:`~dist_launch.watch.file_timer.FileTimerWatch`) is a hang too. Either way the
-``on_hang`` callback runs once, with the reason; the caller then takes the stacks and
-stops the group.
+whether the group is hung.
+
+A quiet group is first only *suspected* (:attr:`HangWatch.suspicion`): the round asks
+the ranks for their collective records, and the records have the last word. When
+they show the ranks alive (:meth:`HangWatch.dismiss`) the watch goes on as if nothing
+happened; otherwise :meth:`HangWatch.confirm` raises the alarm (:attr:`HangWatch.reason`),
+and, with several nodes, tells the others on the job board. An expired torch elastic
+timer (:class:`~dist_launch.watch.file_timer.FileTimerWatch`) and another node's alarm
+are hangs at once, with no suspicion first.
 """
 
 from __future__ import annotations
@@ -61,6 +66,7 @@ class HangWatch:
         self.board = board
         self.quiet = QuietWatch(policy, time.monotonic(), longest_quiet)
         self.reason: str | None = None  # why the group was found hung, once it was
+        self.suspicion: str | None = None  # why it looks hung, until the records answer
         self._shared: dict[int, mmap.mmap] = {}
         self._pids: dict[int, int] = {}  # pid -> rank
         self._next_look = 0.0
@@ -102,11 +108,44 @@ class HangWatch:
             if self.board is not None and tell_others:
                 self.board.raise_alarm(reason)
 
+    def confirm(self) -> None:
+        """The records did not show the suspected group alive: it is hung."""
+        if self.suspicion is not None:
+            self._alarm(self.suspicion)
+            self.suspicion = None
+
+    def dismiss(self, now: float, alive_at: float | None = None) -> None:
+        """The records show the suspected group alive: back to watching.
+
+        Args:
+            now: The monotonic clock now.
+            alive_at: When the ranks last showed life (monotonic); ``now`` when None.
+        """
+        logger.debug("not hung after all (%s): the ranks' records show progress", self.suspicion)
+        self.suspicion = None
+        self.quiet.progress(now if alive_at is None else min(now, alive_at))
+        self._next_look = now
+
+    def look_again(self, now: float) -> bool:
+        """Reads the counters once more (the beacons update them before they answer).
+
+        Returns:
+            True when some rank made progress since the last look.
+        """
+        before = self.quiet.last_progress
+        self._look(now)
+        return self.quiet.last_progress > before
+
+    def _look(self, now: float) -> None:
+        for rank, shared in self._shared.items():
+            with contextlib.suppress(ValueError, OSError):
+                self.quiet.saw(rank, read_progress(shared), now)
+
     def due(self, now: float) -> float | None:
         """The supervisor's timer: looks when a look is due; returns when the next one is."""
         if self.reason is not None or (self.timers is None and not self.watches_progress):
             return None
-        if now < self._next_look:
+        if self.suspicion is not None or now < self._next_look:
             return self._next_look
         self._next_look = now + (self.policy.look_period if self.policy.enabled else 0.1)
         if self.timers is not None:
@@ -121,22 +160,19 @@ class HangWatch:
                 return None
         if not self.watches_progress:
             return self._next_look
-        for rank, shared in self._shared.items():
-            with contextlib.suppress(ValueError, OSError):
-                self.quiet.saw(rank, read_progress(shared), now)
+        self._look(now)
         if self.board is not None and self._share(now):
             return None  # another node found the job hung
         if self.quiet.hung(now):
             timeout = self.quiet.timeout()
             assert timeout is not None
             where = "of the job" if self.board is not None else "on this node"
-            self._alarm(
+            self.suspicion = (
                 f"no rank {where} made progress for {self.quiet.quiet_for(now):.0f} s "
                 f"({self.policy.describe()}"
                 + (f": {timeout:g} s" if self.policy.mode == "auto" else "")
                 + ")"
             )
-            return None
         return self._next_look
 
     def _share(self, now: float) -> bool:

@@ -3,16 +3,15 @@
 Pure: no processes, no clock of its own (the caller passes ``now``), so that a test
 feeds it a sequence of samples.
 
-A node's group makes progress when any of its ranks does: its stack counter or its
-explicit counter moved (:mod:`dist_launch.in_worker.beacon`), or it wrote output. The
+A node's group makes progress when any of its ranks does: its stack counter, its
+explicit counter or its count of completed collectives moved
+(:mod:`dist_launch.in_worker.beacon`), or it wrote output. The
 group is hung when none did for the timeout. Judging the group, not each rank, keeps a
 job healthy while rank 0 evaluates or saves a checkpoint and the others wait for it in
 a barrier; a real hang stops every rank, since the others soon wait for the stuck one.
 """
 
 from __future__ import annotations
-
-from collections.abc import Hashable
 
 from dist_launch.plan.hang_policy import AUTO_FACTOR, AUTO_FLOOR_SECONDS, HangPolicy
 
@@ -31,7 +30,7 @@ class QuietWatch:
         self.policy = policy
         self.last_progress = now
         self.longest_quiet = longest_quiet
-        self._seen: dict[int, Hashable] = {}
+        self._seen: dict[int, tuple[int, ...]] = {}
 
     def begin(self, now: float) -> None:
         """A rank was started at ``now``: the quiet clock starts again, nothing learned.
@@ -46,12 +45,15 @@ class QuietWatch:
         self.longest_quiet = max(self.longest_quiet, now - self.last_progress)
         self.last_progress = max(self.last_progress, now)
 
-    def saw(self, rank: int, token: Hashable, now: float) -> None:
-        """A look at ``rank``'s counters: progress when ``token`` differs from the last one."""
-        if self._seen.get(rank) != token:
+    def saw(self, rank: int, counters: tuple[int, ...], now: float) -> None:
+        """A look at ``rank``'s counters: progress when any differs from the last look.
+
+        The first look is progress unless every counter is still zero.
+        """
+        if self._seen.get(rank) != counters:
             first = rank not in self._seen
-            self._seen[rank] = token
-            if not first or token != (0, 0):
+            self._seen[rank] = counters
+            if not first or any(counters):
                 self.progress(now)
 
     def timeout(self) -> float | None:
