@@ -38,9 +38,16 @@ Diagnosis (benchmarks/_lib/diagnose.py):
 - ``slow-rank``: the reported lag of a rank late by 100, 200 and 400 ms, and a balanced
   run that must name no rank.
 
+Quiet jobs (benchmarks/_lib/quiet.py):
+
+- ``look-cost``: one look of a worker's beacon (its stack and torch's count of completed
+  collectives), as a share of a rank's time;
+- ``quiet-soak`` (only when named): every healthy quiet loop of examples/quiet_loops.py
+  20 times beside two busy processes: false alarms counted (``nox -s hang_soak``).
+
 Run: ``python benchmarks/launch.py [--ranks 2 4 8] [--repeat N] [--only PART ...]``
 (``nox -s bench``); the parts are start, crash, netns, rdzv, restart, hang, hang-cost,
-verdict, recorder-cost, slow-rank.
+verdict, recorder-cost, slow-rank, look-cost, and quiet-soak when named.
 The measurements also go to ``docs/_data/bench/launch.json`` (``--json``), which the docs draw as a
 figure; a run of some parts updates only their keys there.
 """
@@ -82,8 +89,10 @@ dist.barrier()
 
 PARTS = (
     "start", "crash", "netns", "rdzv", "restart", "hang", "hang-cost",
-    "verdict", "recorder-cost", "slow-rank",
+    "verdict", "recorder-cost", "slow-rank", "look-cost",
 )  # fmt: skip
+# Run only when named (--only): 16 minutes for the default 80 runs.
+ON_REQUEST = ("quiet-soak",)
 
 
 def _default_rdzv_limit() -> int:
@@ -182,10 +191,17 @@ def main() -> None:
     parser.add_argument(
         "--only",
         nargs="+",
-        choices=PARTS,
+        choices=PARTS + ON_REQUEST,
         default=list(PARTS),
         metavar="PART",
-        help=f"run only these parts ({', '.join(PARTS)}; default: all)",
+        help=f"run only these parts ({', '.join(PARTS + ON_REQUEST)}; default: all but "
+        f"{', '.join(ON_REQUEST)})",
+    )
+    parser.add_argument("--soak-runs", type=int, default=20, help="quiet-soak's runs per loop")
+    parser.add_argument(
+        "--soak-python",
+        default=None,
+        help="quiet-soak: the interpreter whose dist-launch runs (default: this one)",
     )
     parser.add_argument("--rdzv-agents", type=int, nargs="+", default=[8, 64, 256])
     parser.add_argument(
@@ -195,7 +211,7 @@ def main() -> None:
         help="skip rendezvous points with more agents than this "
         "(default: what half the available memory holds at ~120 MiB each)",
     )
-    from _lib import diagnose, hang, multinode
+    from _lib import diagnose, hang, multinode, quiet
     from _lib.results import add_json_argument, write_results
 
     add_json_argument(parser, "launch")
@@ -237,6 +253,12 @@ def main() -> None:
             results.update(diagnose.recorder_cost_part(Path(scratch), env))
         if "slow-rank" in args.only:
             results.update(diagnose.slow_rank_part(Path(scratch), env))
+        if "look-cost" in args.only:
+            results.update(quiet.look_cost_part(Path(scratch), env))
+        if "quiet-soak" in args.only:
+            results.update(
+                quiet.quiet_soak_part(Path(scratch), env, args.soak_runs, args.soak_python)
+            )
     if args.json != "-" and set(args.only) != set(PARTS) and Path(args.json).exists():
         # Some parts only: keep the others' last measurements for the docs' figures.
         kept = json.loads(Path(args.json).read_text())
