@@ -77,6 +77,7 @@ nox.options.sessions = [
     "typecheck",
     "docs",
     "demo",
+    "fast_reuse",
     "summary",
 ]
 
@@ -424,16 +425,81 @@ def tests(session: nox.Session, package: str) -> None:
     _pytest(session, str(PACKAGES_DIR / package / "tests"))
 
 
+_WORK_TREE_CHECK = """
+import json, sys
+from importlib.metadata import distributions
+from pathlib import Path
+packages_dir = Path(sys.argv[1]).resolve()
+bad, found = [], []
+for dist in distributions():
+    name = (dist.metadata["Name"] or "").lower().replace("_", "-")
+    if not name.startswith("dist-"):
+        continue
+    raw = dist.read_text("direct_url.json")
+    info = json.loads(raw) if raw else {}
+    url = info.get("url", "")
+    path = Path(url.removeprefix("file://")).resolve() if url.startswith("file://") else None
+    editable = info.get("dir_info", {}).get("editable", False)
+    if not editable or path != packages_dir / name:
+        bad.append(f"{name} {dist.version} from {url or 'a package index'}")
+    else:
+        found.append(name)
+if bad:
+    sys.exit("dist-* distributions not installed editable from this work tree: " + "; ".join(bad))
+print(f"testing the work tree {packages_dir.parent} ({', '.join(sorted(found))}, editable)")
+"""
+
+
+def _install_work_tree(session: nox.Session) -> None:
+    """Torch (pinned), then every package editable from the work tree, checked.
+
+    With ``-R`` (reuse the venv, install nothing) the editable installs already point at
+    the work tree, so the lane tests the code as it is now; the check says which tree.
+    """
+    venv = Path(session.virtualenv.location)
+    if not any(_site_packages(venv).glob("torch-*.dist-info")):
+        _install_torch(session, TORCH_SPEC)
+    editables = [f"-e{PACKAGES_DIR / package}[test]" for package in PACKAGES]
+    session.install(*editables)
+    session.run("python", "-c", _WORK_TREE_CHECK, str(PACKAGES_DIR), silent=False)
+
+
 @nox.session
 def fast(session: nox.Session) -> None:
     """The fast lane: every in-process test of the four packages (no ``processes`` mark).
 
-    For the edit-test loop; ``nox -R -s fast`` reuses the venv. The root conftest fails
-    any test in it that starts a process, so the lane stays in one process.
+    For the edit-test loop: the packages are installed editable from the work tree, so
+    ``nox -R -s fast`` reuses the venv and still tests the code as it is now. The root
+    conftest fails any test in it that starts a process, so the lane stays in one
+    process.
     """
-    _install_packages(session, PACKAGES, extras="[test]")
+    _install_work_tree(session)
     test_dirs = [str(PACKAGES_DIR / package / "tests") for package in PACKAGES]
     session.run("pytest", "-m", "not processes", "-q", *test_dirs, *session.posargs)
+
+
+# What fast_reuse runs of the fast lane: one quick test, enough to show which code ran.
+_FAST_REUSE_SELECTION = ["-k", "test_hang_timeout_values", "-p", "no:randomly"]
+
+
+@nox.session(python=False)
+@_timed
+def fast_reuse(session: nox.Session) -> None:
+    """The edit-test loop as the README gives it: ``nox -s fast``, then ``nox -R -s fast``.
+
+    Both in a scratch venv directory, on a few tests: the second run must reuse the
+    venv, install nothing, and pass the work-tree check (it failed when the lane
+    installed wheels).
+    """
+    envdir = Path(session.create_tmp()).resolve() / "fast-reuse"
+    shutil.rmtree(envdir, ignore_errors=True)
+    command = [sys.executable, "-m", "nox", "-f", str(ROOT / "noxfile.py"),
+               "--envdir", str(envdir), "-s", "fast"]  # fmt: skip
+    session.run(*command, "--", *_FAST_REUSE_SELECTION, external=True)
+    started = time.monotonic()
+    session.run(*command[:-2], "-R", "-s", "fast", "--", *_FAST_REUSE_SELECTION, external=True)
+    session.log(f"nox -R -s fast took {time.monotonic() - started:.1f} s")
+    shutil.rmtree(envdir, ignore_errors=True)
 
 
 @nox.session
