@@ -1,0 +1,142 @@
+"""Real etcd servers for the tests: one member or several, on loopback, as child processes.
+
+Each member gets its own data directory under the test's temporary directory and two
+free loopback ports (client, peer); every member is stopped by its PID (SIGTERM, then
+SIGKILL) when the context ends, whatever happened. Without the ``etcd`` program the
+tests skip, saying what to install, unless ``DIST_LAUNCH_REQUIRE_ETCD`` is set (``nox -s
+cluster`` sets it, having installed it): then they fail.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+INSTALL = "apt-get install -y etcd-server (etcd 3.4 or later)"
+START_SECONDS = 30.0  # how long a cluster may take to elect a leader
+
+
+def require_etcd() -> str:
+    """The path of ``etcd``; skips the test (fails it under DIST_LAUNCH_REQUIRE_ETCD)."""
+    found = shutil.which("etcd")
+    if found is not None:
+        return found
+    reason = f"needs the etcd server program on PATH ({INSTALL})"
+    if os.environ.get("DIST_LAUNCH_REQUIRE_ETCD"):
+        pytest.fail(f"{reason}: DIST_LAUNCH_REQUIRE_ETCD is set", pytrace=False)
+    pytest.skip(reason)
+
+
+def _free_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+@dataclass
+class EtcdMember:
+    """One running member: its name, client port and process."""
+
+    name: str
+    client_port: int
+    process: subprocess.Popen[bytes]
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.client_port}"
+
+    def kill(self) -> None:
+        """SIGKILL, reaped."""
+        self.process.kill()
+        self.process.wait(10)
+
+
+@dataclass
+class EtcdCluster:
+    """The members of a running cluster."""
+
+    members: list[EtcdMember]
+
+    @property
+    def endpoints(self) -> str:
+        """``--rdzv-endpoint``'s value: every member's client address."""
+        return ",".join(member.endpoint for member in self.members)
+
+
+def _healthy(member: EtcdMember) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://{member.endpoint}/health", timeout=1) as answer:
+            return b'"true"' in answer.read()
+    except OSError:
+        return False
+
+
+def _stop(member: EtcdMember) -> None:
+    if member.process.poll() is None:
+        member.process.terminate()
+        try:
+            member.process.wait(10)
+        except subprocess.TimeoutExpired:
+            member.kill()
+
+
+@contextlib.contextmanager
+def etcd_cluster(directory: Path, size: int = 1) -> Iterator[EtcdCluster]:
+    """Starts ``size`` members on loopback; yields once every one answers healthy.
+
+    Raises:
+        TimeoutError: The cluster was not healthy within :data:`START_SECONDS`.
+    """
+    program = require_etcd()
+    ports = _free_ports(2 * size)
+    names = [f"m{index}" for index in range(size)]
+    peers = ",".join(f"{name}=http://127.0.0.1:{ports[2 * i + 1]}" for i, name in enumerate(names))
+    members: list[EtcdMember] = []
+    try:
+        for index, name in enumerate(names):
+            client, peer = ports[2 * index], ports[2 * index + 1]
+            log = (directory / f"etcd-{name}.log").open("wb")
+            command = [
+                program,
+                f"--name={name}",
+                f"--data-dir={directory / f'etcd-{name}'}",
+                f"--listen-client-urls=http://127.0.0.1:{client}",
+                f"--advertise-client-urls=http://127.0.0.1:{client}",
+                f"--listen-peer-urls=http://127.0.0.1:{peer}",
+                f"--initial-advertise-peer-urls=http://127.0.0.1:{peer}",
+                f"--initial-cluster={peers}",
+                "--initial-cluster-state=new",
+                f"--initial-cluster-token=dist-launch-test-{ports[0]}",
+            ]
+            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+            log.close()
+            members.append(EtcdMember(name, client, process))
+        deadline = time.monotonic() + START_SECONDS
+        while not all(_healthy(member) for member in members):
+            dead = [m.name for m in members if m.process.poll() is not None]
+            if dead or time.monotonic() > deadline:
+                logs = "\n".join(
+                    (directory / f"etcd-{m.name}.log").read_text(errors="replace")[-2000:]
+                    for m in members
+                )
+                raise TimeoutError(f"etcd members not healthy (dead: {dead}):\n{logs}")
+            time.sleep(0.1)  # polling a server's health, not ordering our own threads
+        yield EtcdCluster(members)
+    finally:
+        for member in members:
+            _stop(member)
