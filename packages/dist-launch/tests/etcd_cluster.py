@@ -10,6 +10,7 @@ cluster`` sets it, having installed it): then they fail.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import socket
@@ -19,6 +20,7 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -76,6 +78,31 @@ class EtcdCluster:
     def endpoints(self) -> str:
         """``--rdzv-endpoint``'s value: every member's client address."""
         return ",".join(member.endpoint for member in self.members)
+
+    def leader(self) -> EtcdMember:
+        """The member that leads the cluster now, as the members' status says."""
+        by_id = {_member_id(member): member for member in self.members}
+        for member in self.members:
+            status = _post(member, "maintenance/status")
+            if status is not None and str(status.get("leader")) in by_id:
+                return by_id[str(status["leader"])]
+        raise LookupError("no etcd member names a leader")
+
+
+def _post(member: EtcdMember, path: str) -> dict[str, Any] | None:
+    """etcd's JSON answer to ``/v3/<path>``, or None when the member does not answer."""
+    request = urllib.request.Request(f"http://{member.endpoint}/v3/{path}", data=b"{}")
+    try:
+        with urllib.request.urlopen(request, timeout=5.0) as answer:
+            found: dict[str, Any] = json.loads(answer.read())
+            return found
+    except OSError:
+        return None
+
+
+def _member_id(member: EtcdMember) -> str | None:
+    status = _post(member, "maintenance/status")
+    return None if status is None else str(status["header"]["member_id"])
 
 
 def _healthy(member: EtcdMember) -> bool:

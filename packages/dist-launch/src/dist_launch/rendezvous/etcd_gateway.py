@@ -19,6 +19,7 @@ import json
 import logging
 import ssl
 import threading
+import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -28,6 +29,9 @@ logger = logging.getLogger(__name__)
 
 # etcd's client port, as torchrun's etcd backends default it.
 DEFAULT_ETCD_PORT = 2379
+# The pauses between two rounds of tries while no member answers.
+FIRST_RETRY_SECONDS = 0.1
+LONGEST_RETRY_SECONDS = 1.0
 
 
 class EtcdError(ConnectionError):
@@ -78,6 +82,7 @@ class EtcdGateway:
         protocol: ``http`` or ``https``.
         tls: Certificates for ``https`` (a CA to trust, a client certificate and key).
         timeout: Seconds one request may take on one endpoint.
+        retry_seconds: How long a call tries again while no member answers.
     """
 
     def __init__(
@@ -86,6 +91,7 @@ class EtcdGateway:
         protocol: str = "http",
         tls: EtcdTls | None = None,
         timeout: float = 5.0,
+        retry_seconds: float = 10.0,
     ) -> None:
         if not endpoints:
             raise ValueError("etcd needs at least one endpoint")
@@ -94,9 +100,11 @@ class EtcdGateway:
         self.endpoints = list(endpoints)
         self.protocol = protocol
         self.timeout = timeout
+        self.retry_seconds = retry_seconds
         self._context = self._tls_context(tls or EtcdTls()) if protocol == "https" else None
         self._lock = threading.Lock()
         self._current = 0  # the endpoint that answered last
+        self._answered = False  # whether any member ever answered this client
 
     @staticmethod
     def _tls_context(tls: EtcdTls) -> ssl.SSLContext:
@@ -113,11 +121,37 @@ class EtcdGateway:
     def call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         """POSTs ``body`` to ``/v3/<path>`` on the first member that answers.
 
+        Tries every member in turn; once any member has answered this client, tries
+        them again (0.1 s apart, doubling up to 1 s) until ``retry_seconds`` have
+        passed: while a cluster elects a new leader (about a second after the old one
+        died) every member refuses, and a rendezvous step that fails ends the node's
+        part in the job. A cluster never reached is more likely misnamed: that fails
+        at once.
+
+        A write whose answer was lost (a timeout) may have been applied and is tried
+        again: a compare-and-set then fails and its caller reads the key anew; a
+        counter may count once too often, never too rarely.
+
         Raises:
-            EtcdError: No endpoint answered (each one's error is named), or etcd
-                refused the request (its message).
+            EtcdError: No endpoint answered in time (each one's error is named), or
+                etcd refused the request (its message).
         """
         data = json.dumps(body).encode()
+        deadline = time.monotonic() + self.retry_seconds
+        pause = FIRST_RETRY_SECONDS
+        while True:
+            answer, errors = self._try_each(path, data)
+            if answer is not None:
+                self._answered = True
+                return answer
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._answered:
+                raise EtcdError("no etcd endpoint answered: " + "; ".join(errors))
+            time.sleep(min(pause, left))
+            pause = min(pause * 2, LONGEST_RETRY_SECONDS)
+
+    def _try_each(self, path: str, data: bytes) -> tuple[dict[str, Any] | None, list[str]]:
+        """One try on every member, from the one that answered last; each one's error."""
         with self._lock:
             first = self._current
         errors: list[str] = []
@@ -146,8 +180,8 @@ class EtcdGateway:
                 logger.info("etcd: %s answers now", self._url(index, ""))
                 with self._lock:
                     self._current = index
-            return answer
-        raise EtcdError("no etcd endpoint answered: " + "; ".join(errors))
+            return answer, errors
+        return None, errors
 
     # -- keys -------------------------------------------------------------------------
 
