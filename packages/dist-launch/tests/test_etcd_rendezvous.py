@@ -14,8 +14,10 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 
 import pytest
+from torch._C._distributed_c10d import PrefixStore
 from torch.distributed.elastic.rendezvous import RendezvousClosedError
 
 from dist_launch.plan.build import build_plan
@@ -27,6 +29,7 @@ from dist_launch.rendezvous.etcd import (
     etcd_settings,
 )
 from dist_launch.rendezvous.etcd_gateway import EtcdGateway
+from dist_launch.rendezvous.etcd_store import EtcdStore
 from dist_launch.rendezvous.job_board import JobBoard
 from dist_launch.rendezvous.protocol import Assignment, FailureRecord, RendezvousUsageError
 
@@ -232,3 +235,26 @@ def test_a_dead_first_member_is_passed_over(etcd_endpoint: str) -> None:
     gateway.put(b"dist-launch/test/failover", b"1")
     assert gateway.get(b"dist-launch/test/failover") is not None
     assert gateway.endpoints[gateway._current] == (host, int(port))
+
+
+@pytest.mark.processes
+def test_the_store_keeps_torchs_store_semantics_on_etcd(etcd_endpoint: str, rdzv_id: str) -> None:
+    host, port = etcd_endpoint.split(":")
+    gateway = EtcdGateway([(host, int(port))])
+    store = EtcdStore(gateway, f"dist-launch/{rdzv_id}/store/", timedelta(seconds=0.2))
+    prefixed = PrefixStore("round.0", store)  # as torch hands it to each round
+    prefixed.set("a", "1")
+    assert prefixed.get("a") == b"1"
+    assert (prefixed.add("n", 2), prefixed.add("n", 3), prefixed.add("n", 0)) == (2, 5, 5)
+    assert prefixed.compare_set("a", "1", "2") == b"2"
+    assert prefixed.compare_set("a", "1", "3") == b"2"  # not 1 any more: unchanged
+    assert prefixed.compare_set("new", "", "x") == b"x"  # empty: only when not set
+    assert prefixed.multi_get(["a", "new"]) == [b"2", b"x"]
+    assert prefixed.check(["a", "n"]) and not prefixed.check(["a", "absent"])
+    # torch's PrefixStore does not pass these two on to a store written in Python.
+    assert store.num_keys() == 3
+    assert store.delete_key("round.0/a") and not store.delete_key("round.0/a")
+    with pytest.raises(Exception, match="not set within"):  # torch wraps it
+        prefixed.wait(["a"], timedelta(seconds=0.1))
+    with pytest.raises(Exception, match=r"round\.0/a not set within 0\.2 s"):
+        prefixed.get("a")  # the store's own timeout
