@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import socket
+import ssl
 import subprocess
 import time
 import urllib.request
@@ -50,6 +51,40 @@ def _free_ports(count: int) -> list[int]:
             sock.close()
 
 
+@dataclass(frozen=True)
+class TlsFiles:
+    """A CA, and a certificate and key it signed for 127.0.0.1 (server and client)."""
+
+    cacert: Path
+    cert: Path
+    key: Path
+
+
+def _openssl(*args: str | Path) -> None:
+    subprocess.run(["openssl", *map(str, args)], check=True, capture_output=True)
+
+
+def make_tls_files(directory: Path) -> TlsFiles:
+    """Makes a throwaway CA and one certificate for 127.0.0.1 with ``openssl``.
+
+    Skips the test when ``openssl`` is missing.
+    """
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the openssl program to make test certificates")
+    ca_key, ca, key, csr, cert, ext = (
+        directory / name for name in ("ca.key", "ca.pem", "k.pem", "c.csr", "c.pem", "san.cnf")
+    )
+    ext.write_text("subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth,clientAuth\n")
+    new_key = ["-newkey", "rsa:2048", "-nodes"]
+    _openssl(
+        "req", "-x509", *new_key, "-days", "1", "-subj", "/CN=ca", "-keyout", ca_key, "-out", ca
+    )
+    _openssl("req", *new_key, "-subj", "/CN=127.0.0.1", "-keyout", key, "-out", csr)
+    signed_by_ca: list[str | Path] = ["-CA", ca, "-CAkey", ca_key, "-CAcreateserial", "-days", "1"]
+    _openssl("x509", "-req", "-in", csr, *signed_by_ca, "-extfile", ext, "-out", cert)
+    return TlsFiles(ca, cert, key)
+
+
 @dataclass
 class EtcdMember:
     """One running member: its name, client port and process."""
@@ -57,6 +92,11 @@ class EtcdMember:
     name: str
     client_port: int
     process: subprocess.Popen[bytes]
+    tls: ssl.SSLContext | None = None  # how a client reaches it over https
+
+    @property
+    def url(self) -> str:
+        return f"{'https' if self.tls else 'http'}://{self.endpoint}"
 
     @property
     def endpoint(self) -> str:
@@ -91,9 +131,9 @@ class EtcdCluster:
 
 def _post(member: EtcdMember, path: str) -> dict[str, Any] | None:
     """etcd's JSON answer to ``/v3/<path>``, or None when the member does not answer."""
-    request = urllib.request.Request(f"http://{member.endpoint}/v3/{path}", data=b"{}")
+    request = urllib.request.Request(f"{member.url}/v3/{path}", data=b"{}")
     try:
-        with urllib.request.urlopen(request, timeout=5.0) as answer:
+        with urllib.request.urlopen(request, timeout=5.0, context=member.tls) as answer:
             found: dict[str, Any] = json.loads(answer.read())
             return found
     except OSError:
@@ -107,7 +147,9 @@ def _member_id(member: EtcdMember) -> str | None:
 
 def _healthy(member: EtcdMember) -> bool:
     try:
-        with urllib.request.urlopen(f"http://{member.endpoint}/health", timeout=1) as answer:
+        with urllib.request.urlopen(
+            f"{member.url}/health", timeout=1, context=member.tls
+        ) as answer:
             return b'"true"' in answer.read()
     except OSError:
         return False
@@ -123,8 +165,12 @@ def _stop(member: EtcdMember) -> None:
 
 
 @contextlib.contextmanager
-def etcd_cluster(directory: Path, size: int = 1) -> Iterator[EtcdCluster]:
+def etcd_cluster(
+    directory: Path, size: int = 1, tls: TlsFiles | None = None
+) -> Iterator[EtcdCluster]:
     """Starts ``size`` members on loopback; yields once every one answers healthy.
+
+    With ``tls``, clients must use https and present a certificate the CA signed.
 
     Raises:
         TimeoutError: The cluster was not healthy within :data:`START_SECONDS`.
@@ -134,6 +180,13 @@ def etcd_cluster(directory: Path, size: int = 1) -> Iterator[EtcdCluster]:
     names = [f"m{index}" for index in range(size)]
     peers = ",".join(f"{name}=http://127.0.0.1:{ports[2 * i + 1]}" for i, name in enumerate(names))
     members: list[EtcdMember] = []
+    scheme, client_tls, context = "http", [], None
+    if tls is not None:
+        scheme = "https"
+        client_tls = [f"--cert-file={tls.cert}", f"--key-file={tls.key}"]
+        client_tls += ["--client-cert-auth", f"--trusted-ca-file={tls.cacert}"]
+        context = ssl.create_default_context(cafile=str(tls.cacert))
+        context.load_cert_chain(str(tls.cert), str(tls.key))
     try:
         for index, name in enumerate(names):
             client, peer = ports[2 * index], ports[2 * index + 1]
@@ -142,8 +195,9 @@ def etcd_cluster(directory: Path, size: int = 1) -> Iterator[EtcdCluster]:
                 program,
                 f"--name={name}",
                 f"--data-dir={directory / f'etcd-{name}'}",
-                f"--listen-client-urls=http://127.0.0.1:{client}",
-                f"--advertise-client-urls=http://127.0.0.1:{client}",
+                f"--listen-client-urls={scheme}://127.0.0.1:{client}",
+                f"--advertise-client-urls={scheme}://127.0.0.1:{client}",
+                *client_tls,
                 f"--listen-peer-urls=http://127.0.0.1:{peer}",
                 f"--initial-advertise-peer-urls=http://127.0.0.1:{peer}",
                 f"--initial-cluster={peers}",
@@ -152,7 +206,7 @@ def etcd_cluster(directory: Path, size: int = 1) -> Iterator[EtcdCluster]:
             ]
             process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
             log.close()
-            members.append(EtcdMember(name, client, process))
+            members.append(EtcdMember(name, client, process, context))
         deadline = time.monotonic() + START_SECONDS
         while not all(_healthy(member) for member in members):
             dead = [m.name for m in members if m.process.poll() is not None]

@@ -15,8 +15,10 @@ import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
+from etcd_cluster import etcd_cluster, make_tls_files
 from torch._C._distributed_c10d import PrefixStore
 from torch.distributed.elastic.rendezvous import RendezvousClosedError
 
@@ -258,3 +260,21 @@ def test_the_store_keeps_torchs_store_semantics_on_etcd(etcd_endpoint: str, rdzv
         prefixed.wait(["a"], timedelta(seconds=0.1))
     with pytest.raises(Exception, match=r"round\.0/a not set within 0\.2 s"):
         prefixed.get("a")  # the store's own timeout
+
+
+@pytest.mark.processes
+def test_a_node_reaches_etcd_over_https_with_torchruns_tls_keys(
+    tmp_path: Path, script: str, rdzv_id: str
+) -> None:
+    tls = make_tls_files(tmp_path)
+    conf = f"ca_cert={tls.cacert},ssl_cert={tls.cert},ssl_cert_key={tls.key}"
+    with etcd_cluster(tmp_path, tls=tls) as cluster:
+        plan = etcd_plan(script, cluster.endpoints, rdzv_id, rdzv_conf=conf)
+        rdzv = connect_etcd(plan)
+        try:
+            assert rdzv.next_round().group_world_size == 1
+        finally:
+            rdzv.close()
+        without_cert = etcd_plan(script, cluster.endpoints, uuid.uuid4().hex)
+        with pytest.raises(ConnectionError, match="cannot reach etcd"):
+            connect_etcd(without_cert)  # plain http to an https port
