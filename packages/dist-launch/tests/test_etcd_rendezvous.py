@@ -278,3 +278,22 @@ def test_a_node_reaches_etcd_over_https_with_torchruns_tls_keys(
         without_cert = etcd_plan(script, cluster.endpoints, uuid.uuid4().hex)
         with pytest.raises(ConnectionError, match="cannot reach etcd"):
             connect_etcd(without_cert)  # plain http to an https port
+
+
+@pytest.mark.processes
+def test_a_node_whose_lease_lapsed_takes_a_new_one_at_its_next_round(
+    script: str, etcd_endpoint: str, rdzv_id: str
+) -> None:
+    plan = etcd_plan(script, etcd_endpoint, rdzv_id, rdzv_conf="keep_alive_interval=1")
+    rdzv = connect_etcd(plan)
+    try:
+        rdzv.next_round()
+        old = rdzv.lease.lease
+        rdzv._gateway.revoke_lease(old)  # as etcd ends the lease of a node cut off too long
+        eventually(lambda: rdzv.lease.lapsed, "the renewal finds the lease ended")
+        assert rdzv.lost_nodes() == 1  # its own mark went with the lease
+        rdzv.next_round()
+        assert rdzv.lease.lease != old and not rdzv.lease.lapsed
+        assert rdzv.lost_nodes() == 0
+    finally:
+        rdzv.close()

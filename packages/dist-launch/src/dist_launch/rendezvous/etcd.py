@@ -147,6 +147,9 @@ class EtcdRendezvous(C10dRendezvous):
         holder = getattr(self.handler, "_state_holder", None)
         round_number = getattr(getattr(holder, "state", None), "round", self._rounds)
         self._alive_prefix = f"{job_prefix(self.plan.rdzv_id)}alive/{round_number}/"
+        if self.lease.lapsed:  # cut off for longer than its time to live, now back
+            self.lease.end()
+            self.lease = self.lease.renewed()
         self.lease.bind(self._alive_prefix + str(assignment.group_rank), socket.gethostname())
         return assignment
 

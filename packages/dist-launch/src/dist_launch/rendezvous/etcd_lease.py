@@ -51,6 +51,14 @@ class NodeLease:
                 self.lapsed = True
                 return
 
+    def renewed(self) -> NodeLease:
+        """A new lease like this one (after this one lapsed).
+
+        Raises:
+            EtcdError: etcd did not grant it.
+        """
+        return NodeLease(self._gateway, self.ttl, self._interval)
+
     def bind(self, key: str, value: str) -> None:
         """Sets ``key`` for as long as the lease lives."""
         self._gateway.put(key.encode(), value.encode(), lease=self.lease)
