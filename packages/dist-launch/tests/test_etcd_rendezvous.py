@@ -8,6 +8,7 @@ process, each with its own etcd client and lease, against the one-member etcd of
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 import time
@@ -99,6 +100,15 @@ def test_torchruns_etcd_v2_spelling_is_accepted_and_etcd_needs_an_endpoint(scrip
     assert plan.on_etcd and plan.elastic and plan.rdzv_id == "none"
     with pytest.raises(UsageError, match="needs --rdzv-endpoint"):
         build_plan({"target": script, "rdzv_backend": "etcd"}, environ={})
+
+
+def test_torchruns_etcd_v2_says_it_runs_on_the_v3_api(
+    script: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    plan = etcd_plan(script, f"127.0.0.1:{closed_port()}", "job", rdzv_backend="etcd-v2")
+    with caplog.at_level(logging.INFO), pytest.raises(ConnectionError):
+        connect_etcd(plan)
+    assert "--rdzv-backend etcd-v2 runs on etcd's v3 API" in caplog.text
 
 
 def test_no_etcd_answering_says_what_to_install(script: str) -> None:
