@@ -530,19 +530,25 @@ def integration(session: nox.Session) -> None:
 
 
 # What the real-launcher session installs (Debian), and the programs it needs from them.
-CLUSTER_APT_PACKAGES = ("slurm-wlm", "munge", "openmpi-bin")
+CLUSTER_APT_PACKAGES = ("slurm-wlm", "munge", "openmpi-bin", "etcd-server")
 CLUSTER_PROGRAMS = ("munged", "slurmctld", "slurmd", "srun", "sbatch", "scancel", "mpirun")
+# etcd-server's, for dist-launch's etcd rendezvous tests.
+ETCD_PROGRAMS = ("etcd",)
+# dist-launch's tests of its etcd rendezvous (they start etcd servers themselves).
+ETCD_TESTS = ("test_etcd_rendezvous.py", "test_etcd_survival.py", "test_rendezvous.py")
 
 
 @nox.session
 @_timed
 def cluster(session: nox.Session) -> None:
-    """Real srun, sbatch, scancel and mpirun against a one-host SLURM cluster.
+    """Real srun, sbatch, scancel and mpirun against a one-host SLURM cluster, and etcd.
 
     tests-cluster/ brings the cluster up itself (munged, slurmctld and slurmd as child
     processes, stopped on every exit path). Needs root: the Debian packages are
     installed with apt-get when a program is missing. Without root it is skipped, except
-    in CI (``CI`` set), where it fails. Runs once, on ``TORCH_SPEC``.
+    in CI (``CI`` set), where it fails. Runs once, on ``TORCH_SPEC``. Then dist-launch's
+    etcd rendezvous tests run against the etcd servers they start, required to run
+    (``DIST_LAUNCH_REQUIRE_ETCD``): elsewhere they skip when etcd is not installed.
     """
     if os.geteuid() != 0:
         reason = "needs root (apt-get, and slurmd runs jobs as any user)"
@@ -550,7 +556,8 @@ def cluster(session: nox.Session) -> None:
             session.error(f"nox -s cluster {reason}: CI must run the real launchers")
         session.skip(reason)
     path = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])
-    if any(shutil.which(program, path=path) is None for program in CLUSTER_PROGRAMS):
+    needed = (*CLUSTER_PROGRAMS, *ETCD_PROGRAMS)
+    if any(shutil.which(program, path=path) is None for program in needed):
         apt_env = {"DEBIAN_FRONTEND": "noninteractive"}
         session.run("apt-get", "update", external=True, env=apt_env)
         session.run(
@@ -567,6 +574,17 @@ def cluster(session: nox.Session) -> None:
     # Each xdist worker brings up a cluster of its own (three daemons): two are enough
     # to keep the waiting tests side by side.
     _pytest(session, str(ROOT / "tests-cluster"), workers="2")
+    etcd_tests = [str(PACKAGES_DIR / "dist-launch" / "tests" / name) for name in ETCD_TESTS]
+    _pytest(
+        session,
+        "-m",
+        "processes",
+        "-k",
+        "etcd",
+        *etcd_tests,
+        workers="2",
+        env={"DIST_LAUNCH_REQUIRE_ETCD": "1"},
+    )
 
 
 @nox.session(name="torch")

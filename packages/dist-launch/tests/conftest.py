@@ -1,4 +1,5 @@
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 # Worker functions of the library tests live in a helper module that the worker
@@ -9,6 +10,7 @@ if _HERE not in sys.path:
 
 
 import pytest  # noqa: E402 - after the sys.path set-up above
+from etcd_cluster import etcd_cluster  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -28,3 +30,13 @@ def script(tmp_path: Path) -> str:
     path = tmp_path / "train.py"
     path.write_text("print('hi')\n")
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def etcd_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A one-member etcd on loopback for the whole session (each test its own --rdzv-id).
+
+    Skips without the ``etcd`` program (see :mod:`etcd_cluster`).
+    """
+    with etcd_cluster(tmp_path_factory.mktemp("etcd")) as cluster:
+        yield cluster.endpoints

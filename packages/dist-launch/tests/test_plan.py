@@ -88,8 +88,9 @@ def test_rdzv_conf_parsed(script: str) -> None:
 @pytest.mark.parametrize(
     ("argv", "names"),
     [
-        (["--rdzv-backend", "etcd"], "--rdzv-backend=etcd"),
-        (["--rdzv-backend", "etcd-v2"], "--rdzv-backend=etcd-v2"),
+        (["--rdzv-backend", "zookeeper"], "--rdzv-backend='zookeeper'"),
+        (["--rdzv-backend", "etcd"], "--rdzv-backend etcd needs --rdzv-endpoint"),
+        (["--rdzv-backend", "etcd-v2"], "--rdzv-backend etcd-v2 needs --rdzv-endpoint"),
         (["--rdzv-backend", "c10d"], "--rdzv-endpoint"),
         (["--nnodes", "3:2"], "--nnodes=3:2"),
         (["--nnodes", "2", "--node-rank", "2"], "--node-rank=2"),

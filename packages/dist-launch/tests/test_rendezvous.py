@@ -1,7 +1,10 @@
-"""The rendezvous implementations against a fake store: the shared contract, then each own.
+"""The rendezvous implementations: the shared contract, then each one's own.
 
-No process is started: the c10d rendezvous runs on :mod:`fake_rendezvous`'s
-dict-backed store and handler, several nodes on threads of this process.
+The c10d rendezvous runs on :mod:`fake_rendezvous`'s dict-backed store and handler,
+several nodes on threads of this process, with no process started. The etcd rendezvous
+is held to the same contract against a real etcd server (the ``etcd_endpoint``
+fixture starts one, so those cases are marked ``processes``); its own multi-node tests
+are in ``test_etcd_rendezvous.py``.
 """
 
 from __future__ import annotations
@@ -9,6 +12,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -18,6 +22,7 @@ from fake_rendezvous import FakeJob
 from dist_launch.plan.build import build_plan
 from dist_launch.plan.launch_plan import LaunchPlan
 from dist_launch.rendezvous.c10d import C10dRendezvous, connect_c10d
+from dist_launch.rendezvous.etcd import connect_etcd
 from dist_launch.rendezvous.protocol import (
     Assignment,
     FailureRecord,
@@ -67,10 +72,31 @@ def c10d_one_node(script: str) -> Rendezvous:
     return C10dRendezvous(c10d_plan(script), FakeJob().handler(0))
 
 
-@pytest.fixture(params=[static_one_node, c10d_one_node], ids=["static", "c10d"])
+def etcd_one_node(script: str, endpoint: str) -> Rendezvous:
+    plan = plan_of(
+        script,
+        rdzv_backend="etcd",
+        rdzv_endpoint=endpoint,
+        rdzv_id=uuid.uuid4().hex,
+        nproc_per_node="2",
+    )
+    return connect_etcd(plan)
+
+
+@pytest.fixture(
+    params=[
+        static_one_node,
+        c10d_one_node,
+        pytest.param(etcd_one_node, marks=pytest.mark.processes),
+    ],
+    ids=["static", "c10d", "etcd"],
+)
 def rendezvous(request: pytest.FixtureRequest, script: str) -> Iterator[Rendezvous]:
-    make: Callable[[str], Rendezvous] = request.param
-    rdzv = make(script)
+    if request.param is etcd_one_node:
+        rdzv = etcd_one_node(script, request.getfixturevalue("etcd_endpoint"))
+    else:
+        make: Callable[[str], Rendezvous] = request.param
+        rdzv = make(script)
     yield rdzv
     rdzv.close()
 

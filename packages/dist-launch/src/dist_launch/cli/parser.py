@@ -102,14 +102,16 @@ def build_parser() -> argparse.ArgumentParser:
     # Rendezvous.
     value(
         "rdzv_backend",
-        "static (default; --master-addr/--node-rank) or c10d (torch "
-        "elastic's rendezvous; nodes may join in any order)",
-        metavar="static|c10d",
+        "static (default; --master-addr/--node-rank), c10d (torch "
+        "elastic's rendezvous; nodes may join in any order) or etcd (c10d's, its state "
+        "in etcd: survives any one node; torchrun's etcd-v2 spelling runs on the v3 API)",
+        metavar="static|c10d|etcd",
     )
     value(
         "rdzv_endpoint",
         "HOST[:PORT] of the c10d rendezvous store (port 29400 when left out, as with "
-        "torchrun; under srun: first host of SLURM_JOB_NODELIST)",
+        "torchrun; under srun: first host of SLURM_JOB_NODELIST); with etcd, "
+        "HOST[:PORT],... of its members (port 2379 when left out)",
         metavar="HOST[:PORT]",
     )
     value("rdzv_id", "job id shared by every node of the job", metavar="ID")
@@ -117,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
         "rdzv_conf",
         "rendezvous settings, k=v,... (join_timeout, last_call_timeout, "
         "close_timeout, read_timeout, keep_alive_interval, keep_alive_max_attempt, "
-        "is_host)",
+        "is_host; etcd: protocol, cacert, cert, key)",
         metavar="K=V,...",
     )
     switch(

@@ -50,7 +50,8 @@ from dist_launch.plan.values import (
     parse_slow_ranks,
 )
 
-RDZV_BACKENDS = ("static", "c10d")
+# etcd-v2 is torchrun's name for its etcd backend: accepted, and run on etcd's v3 API.
+RDZV_BACKENDS = ("static", "c10d", "etcd", "etcd-v2")
 # Seconds between SIGTERM and SIGKILL when nothing else says: time for a checkpoint,
 # below SLURM's KillWait and Kubernetes' terminationGracePeriodSeconds (30 s each, from
 # the same SIGTERM), leaving the launcher 5 s to reap, drain output, report and exit
@@ -78,11 +79,6 @@ class _Nodes:
 
 def _rdzv_backend(settings: Settings) -> str:
     backend = settings.text("rdzv_backend").strip().lower()
-    if backend in ("etcd", "etcd-v2"):
-        raise UsageError(
-            f"--rdzv-backend={backend}: etcd rendezvous is deprecated in torch and not "
-            "supported; use --rdzv-backend c10d (an endpoint any node can reach) or static"
-        )
     if backend not in RDZV_BACKENDS:
         raise UsageError(f"--rdzv-backend={backend!r} is not one of {', '.join(RDZV_BACKENDS)}")
     return backend
@@ -125,6 +121,11 @@ def _nodes(
             if port and master_port is None:
                 master_port = parse_int(port, "--rdzv-endpoint port")
                 sources["master_port"] = "--rdzv-endpoint"
+    elif not endpoint and backend != "c10d":
+        raise UsageError(
+            f"--rdzv-backend {backend} needs --rdzv-endpoint HOST:PORT[,HOST:PORT...] "
+            "(the client URLs of the etcd cluster's members)"
+        )
     elif not endpoint:
         if "master_addr" not in slurm:
             raise UsageError(
@@ -262,7 +263,7 @@ def _run_and_rdzv_ids(
     if not run_id:
         one_node = nodes.max_nodes == 1 and not nodes.rdzv_endpoint
         run_id = uuid.uuid4().hex if one_node else "none"
-    if nodes.rdzv_backend == "c10d" and rdzv_id == "none":
+    if nodes.rdzv_backend != "static" and rdzv_id == "none":
         rdzv_id = run_id
     return run_id, rdzv_id
 

@@ -89,8 +89,13 @@ class LaunchPlan:
 
     @property
     def elastic(self) -> bool:
-        """True when nodes meet through torch elastic's c10d rendezvous."""
-        return self.rdzv_backend == "c10d"
+        """True when nodes meet through torch elastic's dynamic rendezvous (c10d, etcd)."""
+        return self.rdzv_backend != "static"
+
+    @property
+    def on_etcd(self) -> bool:
+        """True when the rendezvous lives in etcd (``etcd``, or torchrun's ``etcd-v2``)."""
+        return self.rdzv_backend in ("etcd", "etcd-v2")
 
 
 def describe_sources(plan: LaunchPlan) -> str:
@@ -107,7 +112,7 @@ def describe_sources(plan: LaunchPlan) -> str:
     ]
     if plan.elastic:
         parts.append(
-            f"rdzv=c10d at {plan.rdzv_endpoint} ({s.get('rdzv_endpoint', 'flag')}), "
+            f"rdzv={plan.rdzv_backend} at {plan.rdzv_endpoint} ({s.get('rdzv_endpoint', 'flag')}), "
             f"id {plan.rdzv_id}"
         )
     else:

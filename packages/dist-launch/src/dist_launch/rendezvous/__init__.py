@@ -1,1 +1,1 @@
-"""How the nodes of a job meet (static or c10d), and what the nodes of a round share."""
+"""How the nodes of a job meet (static, c10d or etcd), and what the nodes of a round share."""

@@ -9,7 +9,8 @@ from dist_launch.rendezvous.host_names import (
     is_literal_address,
     wait_until_resolvable,
 )
-from dist_launch.rendezvous.protocol import Rendezvous, RendezvousUsageError
+from dist_launch.rendezvous.protocol import Rendezvous
+from dist_launch.rendezvous.rdzv_conf import conf_seconds
 from dist_launch.rendezvous.static import StaticRendezvous
 
 
@@ -18,6 +19,9 @@ def rendezvous_host(plan: LaunchPlan) -> tuple[str, str]:
     if not plan.elastic:
         return plan.master_addr, plan.sources.get("master_addr", "default")
     endpoint = plan.rdzv_endpoint
+    if plan.on_etcd:
+        # Any member will do; the client moves on from one that does not answer.
+        return "", plan.sources.get("rdzv_endpoint", "flag")
     host, sep, port = endpoint.rpartition(":")
     if is_literal_address(endpoint) or not sep or not port.isdigit():
         host = endpoint  # no port, or an IPv6 address without one
@@ -30,14 +34,7 @@ def join_timeout(plan: LaunchPlan) -> float:
     Raises:
         RendezvousUsageError: It is not a positive number.
     """
-    raw = plan.rdzv_conf.get("join_timeout", str(DEFAULT_JOIN_TIMEOUT))
-    try:
-        seconds = float(raw)
-    except ValueError:
-        seconds = -1.0
-    if seconds <= 0:
-        raise RendezvousUsageError(f"--rdzv-conf join_timeout={raw}: not a positive number")
-    return seconds
+    return conf_seconds(plan.rdzv_conf, "join_timeout", DEFAULT_JOIN_TIMEOUT)
 
 
 def open_rendezvous(plan: LaunchPlan) -> Rendezvous:
@@ -45,18 +42,24 @@ def open_rendezvous(plan: LaunchPlan) -> Rendezvous:
 
     First waits, up to ``join_timeout``, until the rendezvous host's name resolves (a
     pod's headless-service record appears after the pod starts). c10d imports torch and
-    may wait for the endpoint's node (torch's ``read_timeout``); the agent calls this
-    on a thread.
+    may wait for the endpoint's node (torch's ``read_timeout``); etcd's is reached at
+    once or not at all. The agent calls this on a thread.
 
     Raises:
         RendezvousUsageError: A static job's master port is taken on node 0, or the
             join timeout is malformed.
         UnresolvableHostError: The host's name did not resolve in time.
         Exception: torch's errors when the c10d store cannot be reached or served.
+        ConnectionError: No etcd member answered (the message says what to install).
     """
     host, source = rendezvous_host(plan)
     if host:
         wait_until_resolvable(host, source, join_timeout(plan))
+    if plan.on_etcd:
+        # Imported here: it subclasses torch's Store, and only etcd jobs need torch now.
+        from dist_launch.rendezvous.etcd import connect_etcd  # noqa: PLC0415
+
+        return connect_etcd(plan)
     if plan.elastic:
         return connect_c10d(plan)
     return StaticRendezvous.open(plan)

@@ -3,12 +3,14 @@
 A :class:`Rendezvous` forms each round of the job (:meth:`~Rendezvous.next_round`),
 counts failed rounds against ``--max-restarts``, watches for a reason to re-form the
 round while the workers run, and tells the other nodes when this one closes the job.
-Two implementations, chosen by :func:`dist_launch.rendezvous.factory.open_rendezvous`:
+Three implementations, chosen by :func:`dist_launch.rendezvous.factory.open_rendezvous`:
 
 - :class:`~dist_launch.rendezvous.static.StaticRendezvous` (``--rdzv-backend static``):
   every node is told its rank; restarts are counted per node, nothing is shared.
 - :class:`~dist_launch.rendezvous.c10d.C10dRendezvous` (``--rdzv-backend c10d``):
   torch elastic's own c10d rendezvous, with a job-wide restart budget on its store.
+- :class:`~dist_launch.rendezvous.etcd.EtcdRendezvous` (``--rdzv-backend etcd``): the
+  same, its state and store in etcd, so that no node's loss ends the job.
 
 This module holds the interface and the values that cross it; it imports neither
 implementation (as torch elastic's ``RendezvousHandler`` knows none of its backends).

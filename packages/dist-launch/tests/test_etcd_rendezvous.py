@@ -1,0 +1,309 @@
+"""The etcd rendezvous: its settings (no process), then several nodes on a real etcd.
+
+The nodes are real torch ``DynamicRendezvousHandler`` objects on threads of this
+process, each with its own etcd client and lease, against the one-member etcd of the
+``etcd_endpoint`` fixture; the tests that need it start that server and are marked
+``processes``. They mirror test_rendezvous.py's c10d tests, which run on a fake store.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from etcd_cluster import etcd_cluster, make_tls_files
+from torch._C._distributed_c10d import PrefixStore
+from torch.distributed.elastic.rendezvous import RendezvousClosedError
+
+from dist_launch.plan.build import build_plan
+from dist_launch.plan.launch_plan import LaunchPlan, UsageError
+from dist_launch.rendezvous.etcd import (
+    EtcdRendezvous,
+    connect_etcd,
+    etcd_endpoints,
+    etcd_settings,
+)
+from dist_launch.rendezvous.etcd_gateway import EtcdGateway
+from dist_launch.rendezvous.etcd_store import EtcdStore
+from dist_launch.rendezvous.job_board import JobBoard
+from dist_launch.rendezvous.protocol import Assignment, FailureRecord, RendezvousUsageError
+
+BOUND = 30.0  # seconds a round of real handlers may take to form
+
+
+def etcd_plan(script: str, endpoint: str, rdzv_id: str, **flags: str) -> LaunchPlan:
+    values = {
+        "target": script,
+        "rdzv_backend": "etcd",
+        "rdzv_endpoint": endpoint,
+        "rdzv_id": rdzv_id,
+        "nproc_per_node": "2",
+        **flags,
+    }
+    return build_plan(values, environ={})
+
+
+def record(rank: int, group_rank: int, timestamp: float) -> FailureRecord:
+    return FailureRecord(f"host{group_rank}", group_rank, rank, timestamp, f"rank {rank} failed")
+
+
+def closed_port() -> int:
+    """A loopback port nothing listens on (bound, never listening: refused at once)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+    return port
+
+
+# -- settings: no process ----------------------------------------------------------------
+
+
+def test_endpoints_are_torchruns_list_with_etcds_default_port() -> None:
+    given = "http://a:1,b, [::1]:3 ,10.0.0.1"
+    assert etcd_endpoints(given) == [("a", 1), ("b", 2379), ("::1", 3), ("10.0.0.1", 2379)]
+
+
+@pytest.mark.parametrize("endpoint", ["a:x", "a:0", " , "])
+def test_a_malformed_endpoint_is_a_usage_error(endpoint: str) -> None:
+    with pytest.raises(RendezvousUsageError, match="--rdzv-endpoint"):
+        etcd_endpoints(endpoint)
+
+
+def test_torchruns_tls_keys_of_either_etcd_backend_are_read(script: str) -> None:
+    for conf in ("cacert=/ca,cert=/c,key=/k", "ca_cert=/ca,ssl_cert=/c,ssl_cert_key=/k"):
+        settings = etcd_settings(etcd_plan(script, "h:1", "job", rdzv_conf=conf))
+        assert (settings.protocol, settings.tls.cacert, settings.tls.cert) == ("https", "/ca", "/c")
+        assert settings.tls.key == "/k"
+
+
+def test_the_lease_lasts_as_long_as_torchs_keep_alive(script: str) -> None:
+    conf = "keep_alive_interval=2,keep_alive_max_attempt=4,protocol=HTTP"
+    settings = etcd_settings(etcd_plan(script, "h", "job", rdzv_conf=conf))
+    assert (settings.protocol, settings.lease_ttl) == ("http", 8)
+    with pytest.raises(RendezvousUsageError, match="protocol=ftp"):
+        etcd_settings(etcd_plan(script, "h", "job", rdzv_conf="protocol=ftp"))
+
+
+def test_torchruns_etcd_v2_spelling_is_accepted_and_etcd_needs_an_endpoint(script: str) -> None:
+    plan = build_plan(
+        {"target": script, "rdzv_backend": "etcd-v2", "rdzv_endpoint": "h:1", "nnodes": "1:3"},
+        environ={},
+    )
+    assert plan.on_etcd and plan.elastic and plan.rdzv_id == "none"
+    with pytest.raises(UsageError, match="needs --rdzv-endpoint"):
+        build_plan({"target": script, "rdzv_backend": "etcd"}, environ={})
+
+
+def test_torchruns_etcd_v2_says_it_runs_on_the_v3_api(
+    script: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    plan = etcd_plan(script, f"127.0.0.1:{closed_port()}", "job", rdzv_backend="etcd-v2")
+    with caplog.at_level(logging.INFO), pytest.raises(ConnectionError):
+        connect_etcd(plan)
+    assert "--rdzv-backend etcd-v2 runs on etcd's v3 API" in caplog.text
+
+
+def test_no_etcd_answering_says_what_to_install(script: str) -> None:
+    plan = etcd_plan(script, f"127.0.0.1:{closed_port()}", "job")
+    with pytest.raises(ConnectionError, match="apt-get install etcd-server"):
+        connect_etcd(plan)
+
+
+# -- several nodes on a real etcd ----------------------------------------------------------
+
+
+@pytest.fixture
+def rdzv_id() -> str:
+    return uuid.uuid4().hex
+
+
+@pytest.fixture
+def nodes(script: str, etcd_endpoint: str, rdzv_id: str) -> Iterator[list[EtcdRendezvous]]:
+    """Two nodes of one job (the second with 3 workers); closed after the test."""
+    made = [
+        connect_etcd(etcd_plan(script, etcd_endpoint, rdzv_id, nnodes="2", nproc_per_node=n))
+        for n in ("2", "3")
+    ]
+    yield made
+    with ThreadPoolExecutor(len(made)) as pool:  # close() waits for every node to end
+        list(pool.map(EtcdRendezvous.close, made))
+
+
+def join_all(rdzvs: list[EtcdRendezvous]) -> list[Assignment]:
+    with ThreadPoolExecutor(len(rdzvs)) as pool:
+        futures = [pool.submit(rdzv.next_round) for rdzv in rdzvs]
+        return [future.result(timeout=BOUND) for future in futures]
+
+
+def eventually(predicate: Callable[[], bool], what: str) -> None:
+    """Returns once ``predicate()`` holds; fails after :data:`BOUND` seconds.
+
+    Polls: the state it waits for lives in etcd, written by another node's thread.
+    """
+    deadline = time.monotonic() + BOUND
+    while not predicate():
+        assert time.monotonic() < deadline, f"not within {BOUND} s: {what}"
+        threading.Event().wait(0.02)
+
+
+@pytest.mark.processes
+def test_ranks_follow_each_nodes_worker_count(nodes: list[EtcdRendezvous]) -> None:
+    by_node = sorted(join_all(nodes), key=lambda a: a.group_rank)
+    counts = [a.base_rank for a in by_node], {a.world_size for a in by_node}
+    assert counts in (([0, 2], {5}), ([0, 3], {5}))
+    assert len({(a.master_addr, a.master_port) for a in by_node}) == 1
+
+
+@pytest.mark.processes
+def test_a_failed_round_is_counted_once_for_the_whole_job(nodes: list[EtcdRendezvous]) -> None:
+    first, second = join_all(nodes)
+    late = nodes[0].count_failure(record(0, first.group_rank, 200.0))
+    early = nodes[1].count_failure(record(3, second.group_rank, 100.0))
+    assert (late.scope, late.restarts, early.restarts) == ("job", 1, 1)
+    assert early.first_failure.startswith(f"rank 3 on node {second.group_rank}")
+    assert [a.restart_count for a in join_all(nodes)] == [1, 1]
+
+
+@pytest.mark.processes
+def test_closing_reaches_every_node(nodes: list[EtcdRendezvous]) -> None:
+    join_all(nodes)
+    nodes[0].close_job("restart budget spent (0 job-wide)")
+    assert nodes[1].closing_reason() == "restart budget spent (0 job-wide)"
+    # torch's handler re-reads its state at most once a second.
+    eventually(nodes[1].is_closed, "node 1 sees the rendezvous closed")
+    with pytest.raises(RendezvousClosedError):
+        nodes[1].next_round()
+
+
+@pytest.mark.processes
+def test_a_closed_id_is_refused_with_how_to_reuse_it(
+    nodes: list[EtcdRendezvous], script: str, etcd_endpoint: str, rdzv_id: str
+) -> None:
+    join_all(nodes)
+    nodes[0].close_job("done")
+    with pytest.raises(RendezvousUsageError, match=f"etcdctl del --prefix dist-launch/{rdzv_id}/"):
+        connect_etcd(etcd_plan(script, etcd_endpoint, rdzv_id, nnodes="2"))
+
+
+@pytest.mark.processes
+def test_the_exit_barrier_waits_for_the_last_node(nodes: list[EtcdRendezvous]) -> None:
+    join_all(nodes)
+    with ThreadPoolExecutor(1) as pool:
+        first_done = pool.submit(nodes[0].exit_barrier)
+        eventually(lambda: nodes[1].nodes_finished() == 1, "node 0 in the barrier")
+        assert not first_done.done()
+        nodes[1].exit_barrier()
+        first_done.result(timeout=BOUND)
+
+
+@pytest.mark.processes
+def test_a_node_whose_lease_ended_is_lost(nodes: list[EtcdRendezvous]) -> None:
+    join_all(nodes)
+    assert nodes[0].lost_nodes() == 0 and not nodes[0].membership_changing()
+    nodes[1].lease.end()  # what etcd does once a dead node's lease runs out
+    assert nodes[0].lost_nodes() == 1 and nodes[0].membership_changing()
+
+
+@pytest.mark.processes
+def test_the_job_board_travels_through_etcd(nodes: list[EtcdRendezvous]) -> None:
+    join_all(nodes)
+    boards = [node.job_board(0.05) for node in nodes]
+    assert all(isinstance(board, JobBoard) for board in boards)
+    first, second = (board for board in boards if board is not None)
+    try:
+        first.publish(1234.5)
+        first.raise_alarm("no progress for 3 s")
+        second.share("records", "payload of node 1")
+        first.share("records", "payload of node 0")
+        eventually(
+            lambda: (
+                second.latest_elsewhere() is not None
+                and second.alarm_elsewhere() is not None
+                and second.shared("records") is not None
+            ),
+            "node 1 saw node 0's progress, alarm and payload",
+        )
+    finally:
+        first.stop()
+        second.stop()
+    assert second.latest_elsewhere() == 1234.5
+    assert (second.alarm_elsewhere() or "").endswith("no progress for 3 s")
+    assert second.shared("records") == {first.node: "payload of node 0"}
+
+
+@pytest.mark.processes
+def test_a_dead_first_member_is_passed_over(etcd_endpoint: str) -> None:
+    dead = ("127.0.0.1", closed_port())
+    host, port = etcd_endpoint.split(":")
+    gateway = EtcdGateway([dead, (host, int(port))])
+    gateway.put(b"dist-launch/test/failover", b"1")
+    assert gateway.get(b"dist-launch/test/failover") is not None
+    assert gateway.endpoints[gateway._current] == (host, int(port))
+
+
+@pytest.mark.processes
+def test_the_store_keeps_torchs_store_semantics_on_etcd(etcd_endpoint: str, rdzv_id: str) -> None:
+    host, port = etcd_endpoint.split(":")
+    gateway = EtcdGateway([(host, int(port))])
+    store = EtcdStore(gateway, f"dist-launch/{rdzv_id}/store/", timedelta(seconds=0.2))
+    prefixed = PrefixStore("round.0", store)  # as torch hands it to each round
+    prefixed.set("a", "1")
+    assert prefixed.get("a") == b"1"
+    assert (prefixed.add("n", 2), prefixed.add("n", 3), prefixed.add("n", 0)) == (2, 5, 5)
+    assert prefixed.compare_set("a", "1", "2") == b"2"
+    assert prefixed.compare_set("a", "1", "3") == b"2"  # not 1 any more: unchanged
+    assert prefixed.compare_set("new", "", "x") == b"x"  # empty: only when not set
+    assert prefixed.multi_get(["a", "new"]) == [b"2", b"x"]
+    assert prefixed.check(["a", "n"]) and not prefixed.check(["a", "absent"])
+    # torch's PrefixStore does not pass these two on to a store written in Python.
+    assert store.num_keys() == 3
+    assert store.delete_key("round.0/a") and not store.delete_key("round.0/a")
+    with pytest.raises(Exception, match="not set within"):  # torch wraps it
+        prefixed.wait(["a"], timedelta(seconds=0.1))
+    with pytest.raises(Exception, match=r"round\.0/a not set within 0\.2 s"):
+        prefixed.get("a")  # the store's own timeout
+
+
+@pytest.mark.processes
+def test_a_node_reaches_etcd_over_https_with_torchruns_tls_keys(
+    tmp_path: Path, script: str, rdzv_id: str
+) -> None:
+    tls = make_tls_files(tmp_path)
+    conf = f"ca_cert={tls.cacert},ssl_cert={tls.cert},ssl_cert_key={tls.key}"
+    with etcd_cluster(tmp_path, tls=tls) as cluster:
+        plan = etcd_plan(script, cluster.endpoints, rdzv_id, rdzv_conf=conf)
+        rdzv = connect_etcd(plan)
+        try:
+            assert rdzv.next_round().group_world_size == 1
+        finally:
+            rdzv.close()
+        without_cert = etcd_plan(script, cluster.endpoints, uuid.uuid4().hex)
+        with pytest.raises(ConnectionError, match="cannot reach etcd"):
+            connect_etcd(without_cert)  # plain http to an https port
+
+
+@pytest.mark.processes
+def test_a_node_whose_lease_lapsed_takes_a_new_one_at_its_next_round(
+    script: str, etcd_endpoint: str, rdzv_id: str
+) -> None:
+    plan = etcd_plan(script, etcd_endpoint, rdzv_id, rdzv_conf="keep_alive_interval=1")
+    rdzv = connect_etcd(plan)
+    try:
+        rdzv.next_round()
+        old = rdzv.lease.lease
+        rdzv._gateway.revoke_lease(old)  # as etcd ends the lease of a node cut off too long
+        eventually(lambda: rdzv.lease.lapsed, "the renewal finds the lease ended")
+        assert rdzv.lost_nodes() == 1  # its own mark went with the lease
+        rdzv.next_round()
+        assert rdzv.lease.lease != old and not rdzv.lease.lapsed
+        assert rdzv.lost_nodes() == 0
+    finally:
+        rdzv.close()
