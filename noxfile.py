@@ -416,13 +416,19 @@ def prefetch(session: nox.Session) -> None:
             session.log(f"installing {spec} into {template} in the background")
 
 
+# Scenarios the cluster session runs once, on TORCH_SPEC (three launchers and three etcd
+# members for half a minute): the package and other-torch sessions leave them out.
+ONCE_IN_CLUSTER = (PACKAGES_DIR / "dist-launch" / "tests" / "test_etcd_survival.py",)
+_NOT_ONCE_IN_CLUSTER = [f"--ignore={path}" for path in ONCE_IN_CLUSTER]
+
+
 @nox.session
 @nox.parametrize("package", PACKAGES, ids=PACKAGES)
 @_timed
 def tests(session: nox.Session, package: str) -> None:
     """One package's tests, in a venv holding only that package and what it declares."""
     _install_packages(session, [package], extras="[test]")
-    _pytest(session, str(PACKAGES_DIR / package / "tests"))
+    _pytest(session, str(PACKAGES_DIR / package / "tests"), *_NOT_ONCE_IN_CLUSTER)
 
 
 _WORK_TREE_CHECK = """
@@ -608,7 +614,7 @@ def other_torch(session: nox.Session, version: str) -> None:
     order = ["dist-collectives", "dist-launch", "dist-workspace", "dist-core"]
     packages = sorted(PACKAGES, key=lambda name: order.index(name) if name in order else 0)
     test_dirs = [str(PACKAGES_DIR / package / "tests") for package in packages]
-    _pytest(session, str(ROOT / "tests-integration"), *test_dirs)
+    _pytest(session, str(ROOT / "tests-integration"), *test_dirs, *_NOT_ONCE_IN_CLUSTER)
 
 
 @nox.session
