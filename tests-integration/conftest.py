@@ -64,11 +64,12 @@ class Host:
         )  # fmt: skip
         return [int(pid) for pid in listed.stdout.split()]
 
-    def kill_everything(self) -> None:
-        """SIGKILLs every process of this host, as if the machine had lost power."""
+    def kill_everything(self, signum: int = signal.SIGKILL) -> None:
+        """Signals every process of this host: SIGKILL, as if the machine had lost power;
+        SIGTERM, as a scheduler stops (preempts) every process of a node's job step."""
         for pid in self.processes():
             with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+                os.kill(pid, signum)
 
 
 @dataclasses.dataclass(frozen=True)

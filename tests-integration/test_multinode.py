@@ -275,14 +275,22 @@ def test_c10d_configured_by_pet_variables_alone(two_hosts: tuple[Host, Host], jo
 
 
 def start_three_stepping(
-    job: Job, net: Network, conf: str, finish: Path, collective_timeout: int
+    job: Job,
+    net: Network,
+    conf: str,
+    finish: Path,
+    collective_timeout: int,
+    *,
+    max_restarts: int = 1,
+    extra_env: dict[str, str] | None = None,
 ) -> list[Node]:
     """Three nodes of one c10d job under ``2:3``, once each has stepped in a group of 3.
 
     Steps go on until the group breaks; workers started once ``finish`` exists finish.
     """
-    flags = c10d_flags(net.hosts[0], "2:3", 1, max_restarts=1, conf=conf)
+    flags = c10d_flags(net.hosts[0], "2:3", 1, max_restarts=max_restarts, conf=conf)
     env = {"FINISH_FILE": str(finish), "STEPS": "5", "COLLECTIVE_TIMEOUT": str(collective_timeout)}
+    env.update(extra_env or {})
     nodes = [job.start(host, flags, env) for host in net.hosts]
     job.wait_for(
         "every node stepping in one group of 3",
@@ -317,6 +325,38 @@ def test_killed_node_leaves_the_rest_to_restart_and_finish(
     # Whether the survivors count the death as a failure (their collectives broke
     # first) or as a membership change (the rendezvous saw the node gone first) is a
     # race, under either launcher: the test asks only that they go on without it.
+
+
+def test_a_preempted_node_leaves_and_the_rest_go_on_without_spending_a_restart(
+    hosts: Callable[[int], Network], dist_launch_job: Job, tmp_path: Path
+) -> None:
+    """One node of a spot pool is preempted: SIGTERM to every process of it, as SLURM does.
+
+    It checkpoints and exits 143; the others re-form without it (``--max-restarts 0``:
+    a counted failure would end the job) and finish, their checkpoints kept too.
+    """
+    job = dist_launch_job
+    net = hosts(3)
+    finish = tmp_path / "node-preempted"
+    checkpoints = tmp_path / "checkpoints"
+    checkpoints.mkdir()
+    nodes = start_three_stepping(
+        job, net, FAST_EVICTION, finish, collective_timeout=30, max_restarts=0,
+        extra_env={"CHECKPOINT_DIR": str(checkpoints)},
+    )  # fmt: skip
+    preempted = net.hosts[2]
+    preempted.kill_everything(signal.SIGTERM)
+    assert job.wait_exits([nodes[2]]) == [143], job.outputs()
+    job.wait_for(
+        "the other two stepping in a group of 2",
+        lambda: any(e.world == 2 for e in job.events("step")),
+    )
+    finish.touch()
+    assert_the_first_two_finish_alone(job, nodes, net)
+    assert {e.attempt for e in job.events("done")} == {0}, job.outputs()  # no restart spent
+    saved = sorted(path.name for path in checkpoints.iterdir())
+    assert f"{preempted.name}.rank2.attempt0" in saved, (saved, job.outputs())
+    assert "the other nodes go on without it" in nodes[2].output, job.outputs()
 
 
 def test_cut_node_is_left_out_and_the_rest_finish(

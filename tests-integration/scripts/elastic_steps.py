@@ -28,10 +28,13 @@ Read from the environment:
     COLLECTIVE_TIMEOUT: seconds gloo waits for a peer (default 60).
     HANG_RANK: after its first step, this rank waits for ever (a hang, for dist-launch's
         --hang-timeout); its peers block in the next all_reduce.
+    CHECKPOINT_DIR: on SIGTERM a worker writes its checkpoint there (a file
+        ``<host>.rank<r>.attempt<a>`` holding its last step) and exits 143.
 """
 
 import datetime
 import os
+import signal
 import socket
 import sys
 import time
@@ -52,6 +55,18 @@ ids = (
     f"group_rank={os.environ.get('GROUP_RANK', '?')} world={os.environ['WORLD_SIZE']}"
 )
 say(f"start {ids}")
+step = 0
+checkpoint_dir = os.environ.get("CHECKPOINT_DIR")
+if checkpoint_dir:
+
+    def save_and_exit(signum: int, frame: object) -> None:
+        name = f"{host}.rank{os.environ['RANK']}.attempt{attempt}"
+        with open(os.path.join(checkpoint_dir, name), "w") as checkpoint:
+            checkpoint.write(str(step))
+        say(f"checkpoint {ids} step={step}")
+        os._exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, save_and_exit)
 started_dir = os.environ.get("STARTED_DIR")
 if started_dir:
     with open(os.path.join(started_dir, f"{host}.{os.getpid()}"), "w"):
@@ -78,7 +93,6 @@ finishing |= finish_attempt is not None and attempt >= int(finish_attempt)
 finishing |= finish_world is not None and world >= int(finish_world)
 steps = int(os.environ.get("STEPS", "3")) if finishing else int(os.environ.get("MAX_STEPS", "1000"))
 pause = float(os.environ.get("STEP_SECONDS", "0.05"))
-step = 0
 while step < steps:
     step += 1
     if not finishing and finish_file and os.path.exists(finish_file):

@@ -51,6 +51,7 @@ def decide(
     interrupted: int | None = None,
     port_retries: int = 0,
     membership_changing: bool = False,
+    can_leave: bool = False,
 ) -> Action:
     return decide_next(
         round_result,
@@ -60,6 +61,7 @@ def decide(
         node_rank=1,
         host="h",
         max_restarts=2,
+        can_leave=can_leave,
     )
 
 
@@ -83,6 +85,15 @@ ROWS: list[tuple[str, RoundResult, dict[str, object], Action]] = [
         End(
             RunOutcome("interrupted", GROUP, signum=signal.SIGINT),
             close_job="node h was interrupted by SIGINT",
+        ),
+    ),
+    (
+        "preempted-node-of-an-elastic-job",
+        result("failed", record=CAUSE),
+        {"interrupted": signal.SIGTERM, "can_leave": True},
+        End(
+            RunOutcome("interrupted", GROUP, signum=signal.SIGTERM),
+            leave="node h was interrupted by SIGTERM; the other nodes go on without it",
         ),
     ),
     (

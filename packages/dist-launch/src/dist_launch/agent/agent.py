@@ -85,6 +85,11 @@ PROG = "dist-launch"
 RESIZE_SIGNAL = signal.SIGWINCH
 
 
+# How long a node whose ranks only lost their peers waits for the rendezvous to show
+# a node leaving (or lost) before it counts the round as failed.
+MEMBERSHIP_SETTLE_SECONDS = 1.0
+
+
 def _say(message: str) -> None:
     print(f"{PROG}: {message}", file=sys.stderr, flush=True)
 
@@ -111,6 +116,7 @@ class Agent:
         self._interrupted: int | None = None  # the first stopping signal received
         self._timers: FileTimerWatch | None = None  # torch elastic's timer server
         self._witness: SignalWitness | None = None  # which signals reached the workers
+        self._leaving: Pending[None] | None = None  # this node leaving an elastic job
         self.layout: LogLayout | None = None
         # torchrun's parent-facing error file: where this launcher reports its own end.
         self._error_file = os.environ.get("TORCHELASTIC_ERROR_FILE") or None
@@ -131,6 +137,7 @@ class Agent:
                 delivered = self._reached_the_workers(signum)
                 if self._interrupted is None:
                     self._interrupted = signum
+                    self._leave_early(signum)
                 if self._round is not None:
                     self._round.interrupt(signum, delivered=delivered)
 
@@ -157,6 +164,29 @@ class Agent:
             logger.info("passed %s on to rank(s) %s", name, ranks)
         else:
             logger.info("%s: no workers are running; not passed on", name)
+
+    def _leave_early(self, signum: int) -> None:
+        """A stopped node of an elastic job leaves at once, before its workers end.
+
+        Its workers' peers on the other nodes fail as soon as the workers exit; when
+        the others' launchers look, the rendezvous already shows this node gone, so
+        they re-form without it and count no failure (a preemption of one node).
+        """
+        rdzv = self._rdzv
+        if rdzv is None or self._round is None or not rdzv.can_leave():
+            return
+        why = f"node {socket.gethostname()} was interrupted by {signal.Signals(signum).name}"
+        self._start_leaving(rdzv, f"{why}; the other nodes go on without it")
+
+    def _start_leaving(self, rdzv: Rendezvous, why: str) -> None:
+        if self._leaving is None:
+            self._leaving = self.loop.call_in_thread(lambda: rdzv.leave(why), "rendezvous-leave")
+
+    def _finish_leaving(self) -> None:
+        """Waits for the leave (bounded: it is bounded itself) to be written."""
+        leaving = self._leaving
+        if leaving is not None:
+            self.loop.run_until(lambda: leaving.done)
 
     def _received(self) -> int | None:
         """The first stopping signal received (set by the signal callback, on the loop)."""
@@ -274,8 +304,12 @@ class Agent:
         signum = self._interrupted
         assert signum is not None
         if rdzv is not None:
-            name = signal.Signals(signum).name
-            rdzv.close_job(f"node {socket.gethostname()} was interrupted by {name}")
+            why = f"node {socket.gethostname()} was interrupted by {signal.Signals(signum).name}"
+            if rdzv.can_leave():
+                self._start_leaving(rdzv, f"{why}; the other nodes go on without it")
+                self._finish_leaving()
+            else:
+                rdzv.close_job(why)
         return RunOutcome("interrupted", signum=signum)
 
     def _join(self, rdzv: Rendezvous) -> Assignment | RunOutcome:
@@ -335,10 +369,11 @@ class Agent:
                 result,
                 interrupted=self._received(),
                 port_retries=port_retries,
-                membership_changing=needs_membership(result) and rdzv.membership_changing(),
+                membership_changing=needs_membership(result) and self._membership_changes(rdzv),
                 node_rank=joined.group_rank,
                 host=socket.gethostname(),
                 max_restarts=plan.max_restarts,
+                can_leave=rdzv.can_leave(),
             )
             if isinstance(action, ReplacePort):
                 replaced = rdzv.replace_master_port()
@@ -351,6 +386,21 @@ class Agent:
             if ended is not None:
                 return ended
 
+    def _membership_changes(self, rdzv: Rendezvous) -> bool:
+        """Whether nodes join, left or were lost, waiting a moment for a leaving node.
+
+        This node's ranks only lost their peers; a preempted node says it leaves as its
+        stop signal arrives, but its workers may end (and break this node's
+        collectives) a moment before its word is in the store. Signals are served
+        meanwhile.
+        """
+        deadline = time.monotonic() + MEMBERSHIP_SETTLE_SECONDS
+        while not rdzv.membership_changing():
+            if time.monotonic() >= deadline or self._interrupted is not None:
+                return False
+            self.loop.run_until(lambda: False, min(deadline, time.monotonic() + 0.1))
+        return True
+
     def carry_out(self, action: Action, rdzv: Rendezvous) -> RunOutcome | None:
         """Does what ``action`` says; returns how the run ended, or None for the next round."""
         if isinstance(action, CountFailure):
@@ -362,6 +412,9 @@ class Agent:
         if isinstance(action, End):
             if action.close_job is not None:
                 rdzv.close_job(action.close_job)
+            if action.leave is not None:
+                self._start_leaving(rdzv, action.leave)
+                self._finish_leaving()
             return action.outcome
         if isinstance(action, ExitBarrier):
             rdzv.exit_barrier()

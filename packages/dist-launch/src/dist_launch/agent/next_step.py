@@ -14,7 +14,9 @@ The rows, in order:
 the round ended ...                            action
 =============================================  =========================================
 with every rank succeeded                      :class:`ExitBarrier`, then the run succeeds
-after the launcher got a stopping signal       :class:`End` ``interrupted``, the job closed
+after the launcher got a stopping signal       :class:`End` ``interrupted``: this node leaves
+                                               an elastic job that keeps its minimum
+                                               without it, else the job is closed
 without starting its workers                   :class:`End` ``start_failed``
 hung (``--hang-timeout``, a torch elastic       :class:`CountFailure`, then ``hung``
 timer)
@@ -60,10 +62,15 @@ _RESTARTING = {
 
 @dataclass(frozen=True)
 class End:
-    """The run ends with ``outcome``; with ``close_job``, every node is told why first."""
+    """The run ends with ``outcome``.
+
+    With ``close_job``, every node is told why first; with ``leave``, this node leaves
+    the job and the others go on without it (a preempted node of an elastic job).
+    """
 
     outcome: RunOutcome
     close_job: str | None = None
+    leave: str | None = None
 
 
 @dataclass(frozen=True)
@@ -131,6 +138,7 @@ def decide_next(
     node_rank: int,
     host: str,
     max_restarts: int,
+    can_leave: bool = False,
 ) -> Action:
     """The agent's next action after a round (the rows in the module docstring).
 
@@ -143,16 +151,19 @@ def decide_next(
         node_rank: This node's rank in the round.
         host: This node's host name.
         max_restarts: ``--max-restarts``.
+        can_leave: Whether the job goes on without this node (an elastic rendezvous
+            whose round keeps its minimum without it).
     """
     group = result.group
     if result.ending == "succeeded":
         return ExitBarrier(RunOutcome("succeeded", group))
     if interrupted is not None:
-        name = signal.Signals(interrupted).name
-        return End(
-            RunOutcome("interrupted", group, signum=interrupted),
-            close_job=f"node {host} was interrupted by {name}",
-        )
+        why = f"node {host} was interrupted by {signal.Signals(interrupted).name}"
+        outcome = RunOutcome("interrupted", group, signum=interrupted)
+        if can_leave:
+            # A preempted node of an elastic job: the others re-form without it.
+            return End(outcome, leave=f"{why}; the other nodes go on without it")
+        return End(outcome, close_job=why)
     if result.ending == "start_failed":
         return End(RunOutcome("start_failed", message=result.message))
     if result.ending == "hung":

@@ -52,6 +52,8 @@ ENDED_WAIT_SECONDS = 15.0
 CAUSE_WAIT_SECONDS = 5.0
 # How often that wait reads the round's records.
 CAUSE_POLL_SECONDS = 0.1
+# How long a leaving node may take to take itself out of torch's rendezvous state.
+LEAVE_SECONDS = 10.0
 
 
 class RendezvousStore(Protocol):
@@ -205,6 +207,7 @@ class C10dRendezvous:
         self._prefix = f"dist_launch/{plan.rdzv_id}/"
         self._rounds = 0
         self.cause_wait_seconds = CAUSE_WAIT_SECONDS
+        self._left = False  # this node left the job (preempted): close() closes nothing
 
     # -- rounds -----------------------------------------------------------------------
 
@@ -262,11 +265,17 @@ class C10dRendezvous:
         return MembershipWatch(self, interval, on_change, self.keep_alive_interval)
 
     def membership_changing(self) -> bool:
-        """True when nodes wait to join or were lost (False when the store is silent)."""
+        """True when nodes wait to join, left or were lost (False when the store is silent)."""
         try:
-            return self.nodes_waiting() > 0 or self.lost_nodes() > 0
+            return self.nodes_left() > 0 or self.nodes_waiting() > 0 or self.lost_nodes() > 0
         except Exception:
             return False
+
+    def nodes_left(self) -> int:
+        """Nodes of the current round that left the job (:meth:`leave`)."""
+        if self._round_store is None:
+            return 0
+        return int(self._round_store.add("dist_launch/left", 0))
 
     def replace_master_port(self) -> tuple[int, int] | None:
         """None: torch's rendezvous chose the master port, not this launcher."""
@@ -372,6 +381,47 @@ class C10dRendezvous:
         with contextlib.suppress(Exception):
             self.handler.set_closed()
 
+    def can_leave(self) -> bool:
+        """True when the job is elastic and its round keeps ``MIN`` nodes without this one."""
+        assignment = self.assignment
+        return (
+            self.plan.min_nodes < self.plan.max_nodes
+            and assignment is not None
+            and assignment.group_world_size - 1 >= self.plan.min_nodes
+        )
+
+    def leave(self, why: str) -> None:
+        """Takes this node out of torch's rendezvous at once, closing nothing.
+
+        torch's own exit operation (the one a node runs before it joins the next round)
+        removes it from the round's participants, so the others' membership watch sees
+        it gone within its interval instead of after the keep-alive
+        (``keep_alive_interval * keep_alive_max_attempt``); its heartbeats stop. The
+        others re-form without it and count nothing. Where torch's private API moved,
+        the keep-alive drops the node all the same, later.
+        """
+        self._left = True
+        logger.info("leaving the job: %s", why)
+        if self._round_store is not None:
+            # First, in one store call: the others may look before torch's exit is done.
+            with contextlib.suppress(Exception):
+                self._round_store.add("dist_launch/left", 1)
+        handler = self.handler
+        try:
+            from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (  # noqa: PLC0415
+                _RendezvousExitOp,
+            )
+
+            handler._stop_heartbeats()
+            handler._op_executor.run(_RendezvousExitOp(), time.monotonic() + LEAVE_SECONDS)
+        except Exception as error:
+            logger.warning(
+                "could not take this node out of the rendezvous (%s: %s): the other nodes "
+                "drop it once its heartbeats are missed",
+                type(error).__name__,
+                error,
+            )
+
     def closing_reason(self) -> str | None:
         """What the node that closed the job said, if it said anything."""
         if self._job_store is None:
@@ -412,6 +462,11 @@ class C10dRendezvous:
         :data:`ENDED_WAIT_SECONDS`; a node whose store is already gone stops waiting at
         once.
         """
+        if self._left:
+            # torch's shutdown() would close the rendezvous for the nodes that go on.
+            with contextlib.suppress(Exception):
+                self.handler._stop_heartbeats()
+            return
         waited = self._every_node("ended", ENDED_WAIT_SECONDS)
         if waited is not None:
             logger.info("not every node had ended %.1f s after this one (%s)", *waited)

@@ -165,6 +165,22 @@ class Rendezvous(Protocol):
     def close_job(self, why: str) -> None:
         """Stops the job on every node, saying ``why``; never raises."""
 
+    def can_leave(self) -> bool:
+        """Whether this node may leave the job while the others go on without it.
+
+        True on an elastic rendezvous (``--nnodes MIN:MAX``) whose current round keeps
+        at least ``MIN`` nodes without this one; a stopped node then leaves
+        (:meth:`leave`) instead of closing the job.
+        """
+
+    def leave(self, why: str) -> None:
+        """Leaves the job for good (preempted), saying ``why``; never raises.
+
+        The others re-form without this node, and nothing is counted against the
+        restart budget. :meth:`close` then releases what is left without closing the
+        job.
+        """
+
     def closing_reason(self) -> str | None:
         """What the node that closed the job said, if one did."""
 

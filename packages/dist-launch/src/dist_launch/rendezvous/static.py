@@ -106,6 +106,13 @@ class StaticRendezvous:
     def close_job(self, why: str) -> None:
         """Nothing to tell: static nodes share no store."""
 
+    def can_leave(self) -> bool:
+        """False: a static job has a fixed set of nodes."""
+        return False
+
+    def leave(self, why: str) -> None:
+        """Nothing to leave: the other nodes' ranks lose their peers and fail."""
+
     def closing_reason(self) -> str | None:
         """None: no node can close a static job for the others."""
         return None
