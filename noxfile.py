@@ -465,8 +465,11 @@ def _install_work_tree(session: nox.Session) -> None:
     venv = Path(session.virtualenv.location)
     if not any(_site_packages(venv).glob("torch-*.dist-info")):
         _install_torch(session, TORCH_SPEC)
+    # One build backend in the venv for the four editable builds, instead of four
+    # isolated build environments (about 40 s of the lane's first run here).
+    session.install("hatchling>=1.18", "editables")
     editables = [f"-e{PACKAGES_DIR / package}[test]" for package in PACKAGES]
-    session.install(*editables)
+    session.install("--no-build-isolation", *editables)
     session.run("python", "-c", _WORK_TREE_CHECK, str(PACKAGES_DIR), silent=False)
 
 
