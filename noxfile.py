@@ -748,6 +748,20 @@ def soak(session: nox.Session) -> None:
     session.run("python", str(ROOT / "benchmarks" / "ft.py"), "--only", "soak", *session.posargs)
 
 
+@nox.session
+def hang_soak(session: nox.Session) -> None:
+    """False alarms of the hang detection on healthy quiet loops. Not a default session.
+
+    ``benchmarks/launch.py --only quiet-soak``: every loop of examples/quiet_loops.py 20
+    times under ``--hang-timeout 5`` with two busy processes beside it (about 12 s a run
+    on a quiet 2-core machine; ``nox -s hang_soak -- --soak-runs 5`` for fewer). Writes
+    the counts to docs/_data/bench/launch.json.
+    """
+    _install_packages(session, ["dist-launch"])
+    session.run("python", str(ROOT / "benchmarks" / "launch.py"), "--only", "quiet-soak",
+                *session.posargs)  # fmt: skip
+
+
 # torchft's own tests of its process groups, run against dist_collectives.ft through
 # an import-only shim written at run time (no torchft code is committed here).
 TORCHFT_SPEC = "torchft==0.2.0"
