@@ -443,9 +443,11 @@ class Round:
                 )
             )
             asked_at = time.monotonic()
-            if hang_watch.suspicion is None or group.ended:
+            if hang_watch.suspicion is None:
                 return None, asked_at
-            records = self._ask_records(requests)
+            records = None if group.ended else self._ask_records(requests)
+            if group.ended:
+                return None, asked_at  # the workers ended (meanwhile): their outcome says how
             now = time.monotonic()
             if hang_watch.look_again(now):
                 hang_watch.dismiss(now)
