@@ -181,6 +181,8 @@ for _ in range(5):
     dump(includeCollectives=True, onlyActive=False)
     best = min(best, time.perf_counter() - started)
 print(f"per_op {per_op:.9f} dump {best:.6f}", flush=True)
+# Without it gloo's threads can outlive the interpreter's teardown: std::terminate.
+dist.destroy_process_group()
 """
 
 
