@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import os
 import signal
-import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -37,6 +36,7 @@ from dist_launch.output.routing import OutputRouting, parse_local_ranks_filter
 from dist_launch.plan.hang_policy import HangPolicy, parse_hang_timeout
 from dist_launch.plan.kubernetes import check_kubernetes_settings, kubernetes_settings
 from dist_launch.plan.launch_plan import LaunchPlan, UsageError, WorkerTarget
+from dist_launch.plan.run_identity import NO_RDZV_ID, choose_run_id
 from dist_launch.plan.slurm import slurm_restart_count, slurm_settings
 from dist_launch.plan.sources import Settings, default_settings, flag_settings, pet_settings
 from dist_launch.plan.values import (
@@ -254,15 +254,25 @@ def _slow_ranks(settings: Settings) -> float | None:
 
 
 def _run_and_rdzv_ids(
-    values: Mapping[str, object], settings: Settings, nodes: _Nodes
+    values: Mapping[str, object],
+    settings: Settings,
+    nodes: _Nodes,
+    env: Mapping[str, str],
+    sources: dict[str, str],
 ) -> tuple[str, str]:
-    """``TORCHELASTIC_RUN_ID`` and the rendezvous id."""
+    """``TORCHELASTIC_RUN_ID`` and the rendezvous id; records the run id's source."""
     rdzv_id = settings.text("rdzv_id")
-    run_id = str(values.get("run_id") or "") or (rdzv_id if rdzv_id != "none" else "")
-    if not run_id:
-        one_node = nodes.max_nodes == 1 and not nodes.rdzv_endpoint
-        run_id = uuid.uuid4().hex if one_node else "none"
-    if nodes.rdzv_backend == "c10d" and rdzv_id == "none":
+    run_id, source = choose_run_id(
+        given=str(values.get("run_id") or ""),
+        rdzv_id=rdzv_id,
+        several_nodes=nodes.max_nodes > 1 or bool(nodes.rdzv_endpoint),
+        environ=env,
+        elastic=nodes.rdzv_backend == "c10d",
+        master_addr=nodes.master_addr,
+        rdzv_endpoint=nodes.rdzv_endpoint,
+    )
+    sources["run_id"] = source
+    if nodes.rdzv_backend == "c10d" and rdzv_id == NO_RDZV_ID:
         rdzv_id = run_id
     return run_id, rdzv_id
 
@@ -294,7 +304,9 @@ def build_plan(
             :func:`~dist_launch.plan.slurm.slurm_settings`, a pod's of
             :func:`~dist_launch.plan.kubernetes.kubernetes_settings`, and
             ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` and
-            ``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE`` as torchrun does.
+            ``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE`` as torchrun does, and for the run
+            id ``SLURM_JOB_ID``, ``SLURM_STEP_ID`` and ``KUBERNETES_SERVICE_HOST``
+            (:func:`~dist_launch.plan.run_identity.choose_run_id`).
 
     Raises:
         UsageError: A value is malformed or out of range, or a flag cannot be honoured;
@@ -315,7 +327,7 @@ def build_plan(
     _refuse_unsupported(values, settings)
     target = _target(values, settings)
     raw_timeout = values.get("timeout")
-    run_id, rdzv_id = _run_and_rdzv_ids(values, settings, nodes)
+    run_id, rdzv_id = _run_and_rdzv_ids(values, settings, nodes, env, sources)
     handle, forward = _signals(settings)
     restart_base = slurm_restart_count(env)
     if restart_base:

@@ -117,6 +117,8 @@ def describe_sources(plan: LaunchPlan) -> str:
             f"master={plan.master_addr}:{port} ({s.get('master_addr', 'default')}; "
             f"port {s.get('master_port', 'default')})"
         )
+    if plan.max_nodes > 1:
+        parts.append(f"run_id={plan.run_id} ({s.get('run_id', 'default')})")
     if plan.restart_base:
         parts.append(f"restarts so far={plan.restart_base} ({s.get('restart_base', 'default')})")
     return ", ".join(parts)
