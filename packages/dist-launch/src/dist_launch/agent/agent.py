@@ -71,6 +71,7 @@ from dist_launch.exit_codes import ExitCode
 from dist_launch.output.log_layout import LogLayout, write_torch_error_file
 from dist_launch.output.scratch import sweep_dead_scratch_dirs
 from dist_launch.plan.launch_plan import LaunchPlan, describe_sources
+from dist_launch.plan.run_identity import node_log_folder
 from dist_launch.rendezvous.factory import open_rendezvous
 from dist_launch.rendezvous.protocol import Assignment, Rendezvous, RendezvousUsageError
 from dist_launch.watch.file_timer import FileTimerWatch, file_timer_requested
@@ -187,8 +188,14 @@ class Agent:
         sweep_dead_scratch_dirs()
         node_env = node_environment(plan, os.environ)
         if plan.routing.needs_files(range(plan.nproc)):
-            self.layout = LogLayout.create(plan.log_dir, plan.run_id)
-            logger.info("logs of this run: %s", self.layout.run_dir)
+            folder = node_log_folder(
+                several_nodes=plan.max_nodes > 1,
+                elastic=plan.elastic,
+                node_rank=plan.node_rank,
+                host=socket.gethostname(),
+            )
+            self.layout = LogLayout.create(plan.log_dir, plan.run_id, folder)
+            logger.info("logs of this run: %s", self.layout.launcher_dir)
         try:
             # Reported before the cleanup below, which may wait for a silent store.
             outcome = self._run(node_env)
@@ -216,7 +223,7 @@ class Agent:
         """
         if code == ExitCode.SUCCESS:
             return
-        paths = [] if self.layout is None else [self.layout.run_dir / "error.json"]
+        paths = [] if self.layout is None else [self.layout.launcher_dir / "error.json"]
         if self._error_file is not None:
             paths.append(Path(self._error_file))
         message, traceback, timestamp = error_file_fields(outcome)

@@ -153,7 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
     value(
         "log_dir",
         "write each rank's output and error.json to DIR/<run_id>/attempt_<n>/"
-        "<local_rank>/ (torchrun's layout; a re-run never overwrites)",
+        "<local_rank>/ (torchrun's layout; on several nodes DIR/<run_id>/<node>/...; a "
+        "re-run never overwrites)",
         metavar="DIR",
     )
     value(
@@ -265,7 +266,10 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS|off",
     )
     value(
-        "run_id", "TORCHELASTIC_RUN_ID (default: --rdzv-id, else random on one node)", metavar="ID"
+        "run_id",
+        "TORCHELASTIC_RUN_ID (default: --rdzv-id, else the SLURM step or the pod's job on "
+        "several nodes, else random on one node)",
+        metavar="ID",
     )
     parser.add_argument(
         "target",
