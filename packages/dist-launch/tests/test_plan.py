@@ -301,6 +301,29 @@ def test_one_node_keeps_a_run_id_of_its_own(script: str) -> None:
     assert plan_of(["--nnodes", "2", "--node-rank", "1", script]).run_id == "none"
 
 
+def test_rendezvous_timeouts_are_torchs_unless_rdzv_conf_sets_them(script: str) -> None:
+    default = plan_of([script]).rdzv_timeouts
+    assert (default.join, default.last_call, default.close, default.read) == (600, 30, 30, 60)
+    assert default.node_dead_after == 15
+    conf = "read_timeout=7,join_timeout=20,keep_alive_interval=2,keep_alive_max_attempt=4"
+    given = plan_of(["--rdzv-conf", conf, script]).rdzv_timeouts
+    assert (given.read, given.join, given.node_dead_after) == (7, 20, 8)
+    assert given.round_forms_within == 20 + 30
+
+
+@pytest.mark.parametrize(
+    ("conf", "named"),
+    [
+        ("read_timeout=0", "read_timeout=0"),
+        ("join_timeout=soon", "join_timeout=soon"),
+        ("keep_alive_max_attempt=1.5", "keep_alive_max_attempt=1.5"),
+    ],
+)
+def test_a_malformed_rendezvous_timeout_is_named(script: str, conf: str, named: str) -> None:
+    with pytest.raises(UsageError, match=f"--rdzv-conf {named}"):
+        plan_of(["--rdzv-conf", conf, script])
+
+
 def test_shutdown_timeout_is_the_grace_period(script: str) -> None:
     assert plan_of(["--shutdown-timeout", "7", script]).grace_period == 7
     assert plan_of([script], {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "9"}).grace_period == 9

@@ -36,6 +36,7 @@ from dist_launch.output.routing import OutputRouting, parse_local_ranks_filter
 from dist_launch.plan.hang_policy import HangPolicy, parse_hang_timeout
 from dist_launch.plan.kubernetes import check_kubernetes_settings, kubernetes_settings
 from dist_launch.plan.launch_plan import LaunchPlan, UsageError, WorkerTarget
+from dist_launch.plan.rdzv_timeouts import RendezvousTimeouts, parse_rendezvous_timeouts
 from dist_launch.plan.run_identity import NO_RDZV_ID, choose_run_id
 from dist_launch.plan.slurm import slurm_restart_count, slurm_settings
 from dist_launch.plan.sources import Settings, default_settings, flag_settings, pet_settings
@@ -277,6 +278,13 @@ def _run_and_rdzv_ids(
     return run_id, rdzv_id
 
 
+def _rdzv_timeouts(rdzv_conf: Mapping[str, str]) -> RendezvousTimeouts:
+    try:
+        return parse_rendezvous_timeouts(rdzv_conf)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+
+
 def _routing(settings: Settings, env: Mapping[str, str]) -> OutputRouting:
     try:
         return OutputRouting.for_flags(
@@ -329,6 +337,7 @@ def build_plan(
     raw_timeout = values.get("timeout")
     run_id, rdzv_id = _run_and_rdzv_ids(values, settings, nodes, env, sources)
     handle, forward = _signals(settings)
+    rdzv_conf = parse_rdzv_conf(settings.text("rdzv_conf"))
     restart_base = slurm_restart_count(env)
     if restart_base:
         sources["restart_base"] = "SLURM_RESTART_COUNT"
@@ -341,7 +350,8 @@ def build_plan(
         rdzv_backend=nodes.rdzv_backend,
         rdzv_endpoint=nodes.rdzv_endpoint,
         rdzv_id=rdzv_id,
-        rdzv_conf=parse_rdzv_conf(settings.text("rdzv_conf")),
+        rdzv_conf=rdzv_conf,
+        rdzv_timeouts=_rdzv_timeouts(rdzv_conf),
         master_addr=nodes.master_addr,
         master_port=nodes.master_port,
         local_addr=settings.get("local_addr"),

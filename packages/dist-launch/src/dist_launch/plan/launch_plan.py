@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from dist_launch.output.routing import OutputRouting
 from dist_launch.plan.hang_policy import DEFAULT_HANG_TIMEOUT, HangPolicy, parse_hang_timeout
+from dist_launch.plan.rdzv_timeouts import RendezvousTimeouts
 
 
 class UsageError(Exception):
@@ -76,6 +77,8 @@ class LaunchPlan:
     restart_base: int = 0
     # --slow-ranks: the slow-rank report's window in seconds; None when off.
     slow_ranks: float | None = 60.0
+    # torch's rendezvous timeouts (--rdzv-conf), its defaults where not given.
+    rdzv_timeouts: RendezvousTimeouts = field(default_factory=RendezvousTimeouts)
 
     @property
     def nnodes(self) -> int:

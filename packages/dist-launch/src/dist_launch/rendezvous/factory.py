@@ -4,12 +4,8 @@ from __future__ import annotations
 
 from dist_launch.plan.launch_plan import LaunchPlan
 from dist_launch.rendezvous.c10d import connect_c10d
-from dist_launch.rendezvous.host_names import (
-    DEFAULT_JOIN_TIMEOUT,
-    is_literal_address,
-    wait_until_resolvable,
-)
-from dist_launch.rendezvous.protocol import Rendezvous, RendezvousUsageError
+from dist_launch.rendezvous.host_names import is_literal_address, wait_until_resolvable
+from dist_launch.rendezvous.protocol import Rendezvous
 from dist_launch.rendezvous.static import StaticRendezvous
 
 
@@ -25,19 +21,8 @@ def rendezvous_host(plan: LaunchPlan) -> tuple[str, str]:
 
 
 def join_timeout(plan: LaunchPlan) -> float:
-    """``--rdzv-conf join_timeout`` (seconds), torchrun's 600 when not given.
-
-    Raises:
-        RendezvousUsageError: It is not a positive number.
-    """
-    raw = plan.rdzv_conf.get("join_timeout", str(DEFAULT_JOIN_TIMEOUT))
-    try:
-        seconds = float(raw)
-    except ValueError:
-        seconds = -1.0
-    if seconds <= 0:
-        raise RendezvousUsageError(f"--rdzv-conf join_timeout={raw}: not a positive number")
-    return seconds
+    """``--rdzv-conf join_timeout`` (seconds), torchrun's 600 when not given."""
+    return plan.rdzv_timeouts.join
 
 
 def open_rendezvous(plan: LaunchPlan) -> Rendezvous:
@@ -49,8 +34,7 @@ def open_rendezvous(plan: LaunchPlan) -> Rendezvous:
     on a thread.
 
     Raises:
-        RendezvousUsageError: A static job's master port is taken on node 0, or the
-            join timeout is malformed.
+        RendezvousUsageError: A static job's master port is taken on node 0.
         UnresolvableHostError: The host's name did not resolve in time.
         Exception: torch's errors when the c10d store cannot be reached or served.
     """
