@@ -242,9 +242,9 @@ def build_parser() -> argparse.ArgumentParser:
     value(
         "grace_period",
         "seconds between SIGTERM and SIGKILL, after a failure or a stop from outside: "
-        "a rank that handles SIGTERM has this long to checkpoint (default 25, below "
-        "SLURM's KillWait and Kubernetes' terminationGracePeriodSeconds; or "
-        "TORCH_ELASTIC_SHUTDOWN_TIMEOUT)",
+        "a rank that handles SIGTERM has this long to checkpoint (default 25, or 5 s "
+        "less than the scheduler's kill wait where that is known and shorter: SLURM's "
+        "KillWait, DIST_LAUNCH_KILL_WAIT; or TORCH_ELASTIC_SHUTDOWN_TIMEOUT)",
         metavar="SECONDS",
     )
     value("timeout", "stop the job after this long, showing where each rank was", metavar="SECONDS")
@@ -264,6 +264,11 @@ def build_parser() -> argparse.ArgumentParser:
         "late, from torch's flight recorder: a warning on the launcher's log and a line "
         "in slow_ranks.jsonl in the log directory; off: no report",
         metavar="SECONDS|off",
+    )
+    switch(
+        "verbose",
+        "print the timeout budget at start: every wait of the run, its value and where it "
+        "came from (also in the run's error.json)",
     )
     value(
         "run_id",

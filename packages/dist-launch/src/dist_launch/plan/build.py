@@ -192,19 +192,26 @@ def _target(values: Mapping[str, object], settings: Settings) -> WorkerTarget:
 
 def _grace_period(
     values: Mapping[str, object], settings: Settings, env: Mapping[str, str]
-) -> float:
-    """``--grace-period`` > ``--shutdown-timeout`` (or its PET_) > torch elastic's variable."""
+) -> tuple[float, str]:
+    """``--grace-period`` > ``--shutdown-timeout`` (or its PET_) > torch elastic's variable.
+
+    Returns:
+        The seconds, and where they came from (``default`` when nothing said).
+    """
     given = values.get("grace_period")
     if given is not None:
-        return parse_positive_float(str(given), "--grace-period")
+        return parse_positive_float(str(given), "--grace-period"), "--grace-period"
     shutdown = settings.get("shutdown_timeout")
     if shutdown is not None:
-        return parse_positive_float(shutdown, "--shutdown-timeout")
+        source = settings.source("shutdown_timeout")
+        where = "--shutdown-timeout" if source == "flag" else source
+        return parse_positive_float(shutdown, "--shutdown-timeout"), where
     if env.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT"):
-        return parse_positive_float(
+        seconds = parse_positive_float(
             env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"], "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
         )
-    return DEFAULT_GRACE_PERIOD
+        return seconds, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
+    return DEFAULT_GRACE_PERIOD, "default"
 
 
 # Signals a worker cannot be sent to notify it: uncatchable, or the launcher's own.
@@ -338,6 +345,7 @@ def build_plan(
     run_id, rdzv_id = _run_and_rdzv_ids(values, settings, nodes, env, sources)
     handle, forward = _signals(settings)
     rdzv_conf = parse_rdzv_conf(settings.text("rdzv_conf"))
+    grace_period, sources["grace_period"] = _grace_period(values, settings, env)
     restart_base = slurm_restart_count(env)
     if restart_base:
         sources["restart_base"] = "SLURM_RESTART_COUNT"
@@ -366,7 +374,7 @@ def build_plan(
         signals_to_handle=handle,
         signals_to_forward=forward,
         restart_base=restart_base,
-        grace_period=_grace_period(values, settings, env),
+        grace_period=grace_period,
         timeout=None
         if raw_timeout is None
         else parse_positive_float(str(raw_timeout), "--timeout"),
@@ -376,4 +384,5 @@ def build_plan(
         sources=sources,
         hang_policy=_hang_policy(settings),
         slow_ranks=_slow_ranks(settings),
+        verbose=settings.switch("verbose"),
     )

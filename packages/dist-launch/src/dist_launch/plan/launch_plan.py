@@ -79,6 +79,8 @@ class LaunchPlan:
     slow_ranks: float | None = 60.0
     # torch's rendezvous timeouts (--rdzv-conf), its defaults where not given.
     rdzv_timeouts: RendezvousTimeouts = field(default_factory=RendezvousTimeouts)
+    # --verbose: the timeout budget at start.
+    verbose: bool = False
 
     @property
     def nnodes(self) -> int:
