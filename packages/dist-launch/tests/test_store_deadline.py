@@ -165,6 +165,8 @@ def test_each_store_call_ends_within_its_deadline_when_the_server_is_silent(
     _, error = _ends_within(lambda: CALLS[name](store), 1.0 + 0.5 + BOUND)
     assert isinstance(error, StoreDeadlineError), error
     assert server.address in str(error)
+    if name == "wait":  # its own timeout first, then the store's deadline to say so
+        assert "within 1.5 s (the wait's 0.5 s + read_timeout)" in str(error)
 
 
 def _record() -> FailureRecord:

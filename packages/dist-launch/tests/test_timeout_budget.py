@@ -235,10 +235,10 @@ def _launch(tmp_path: Path, argv: list[str], **env: str) -> tuple[int, str]:
 @pytest.mark.timeout(240)
 def test_verbose_prints_the_budget_and_error_json_holds_it(tmp_path: Path) -> None:
     argv = ["--verbose", "--log-dir", "logs", "--run-id", "r", "--no-python", "false"]
-    done = _launch(tmp_path, argv, DIST_LAUNCH_KILL_WAIT="10")
-    assert done.returncode == 1, done.stderr
-    assert "timeout budget:" in done.stderr
-    assert "grace period 5 s: the scheduler's SIGKILL comes 10 s after its SIGTERM" in (done.stderr)
+    status, stderr = _launch(tmp_path, argv, DIST_LAUNCH_KILL_WAIT="10")
+    assert status == 1, stderr
+    assert "timeout budget:" in stderr
+    assert "grace period 5 s: the scheduler's SIGKILL comes 10 s after its SIGTERM" in stderr
     extra = json.loads((tmp_path / "logs/r/error.json").read_text())["message"]["extraInfo"]
     assert extra["timeouts"]["grace_period"]["seconds"] == 5
     assert extra["timeouts"]["kill_wait"] == {"seconds": 10, "source": "DIST_LAUNCH_KILL_WAIT"}

@@ -55,6 +55,8 @@ CAUSE_WAIT_SECONDS = 5.0
 CAUSE_POLL_SECONDS = 0.1
 # How much longer than torch's read_timeout connecting to the store may take.
 CONNECT_SLACK_SECONDS = 10.0
+# What bounds closing torch's rendezvous (it waits up to close_timeout itself).
+CLOSING_DEADLINE = "close_timeout + read_timeout"
 
 
 def is_local_address(host: str) -> bool:
@@ -126,7 +128,10 @@ def connect_c10d(plan: LaunchPlan) -> C10dRendezvous:
         # torch retries a refused connection for read_timeout itself, with a clearer
         # error than ours: the deadline only ends a connection that stays silent.
         handler = connecting.run(
-            "the connection", lambda: _torch_handler(plan), timeouts.read + CONNECT_SLACK_SECONDS
+            "the connection",
+            lambda: _torch_handler(plan),
+            timeouts.read + CONNECT_SLACK_SECONDS,
+            f"read_timeout + {CONNECT_SLACK_SECONDS:g} s",
         )
         return C10dRendezvous(plan, handler)
     except Exception as error:
@@ -219,6 +224,7 @@ class C10dRendezvous:
             "joining the next round",
             self.handler.next_rendezvous,
             self.timeouts.round_forms_within + self.timeouts.read,
+            "join_timeout + last_call_timeout + read_timeout",
         )
         store = BoundedStore(info.store, self.deadline)
         self._round_store = store
@@ -372,7 +378,9 @@ class C10dRendezvous:
             with contextlib.suppress(Exception):
                 self._round_store.set("dist_launch/all_succeeded", "closed")
         with contextlib.suppress(Exception):
-            self.deadline.run("set_closed", self.handler.set_closed, self._closing_seconds)
+            self.deadline.run(
+                "set_closed", self.handler.set_closed, self._closing_seconds, CLOSING_DEADLINE
+            )
 
     @property
     def _closing_seconds(self) -> float:
@@ -423,7 +431,9 @@ class C10dRendezvous:
         if waited is not None:
             logger.info("not every node had ended %.1f s after this one (%s)", *waited)
         with contextlib.suppress(Exception):
-            self.deadline.run("shutdown", self.handler.shutdown, self._closing_seconds)
+            self.deadline.run(
+                "shutdown", self.handler.shutdown, self._closing_seconds, CLOSING_DEADLINE
+            )
 
     def _every_node(self, event: str, seconds: float) -> tuple[float, Exception] | None:
         """Counts ``event`` for this node; waits until every node of the round has.

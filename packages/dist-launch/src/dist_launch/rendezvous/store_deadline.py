@@ -70,18 +70,26 @@ class StoreDeadline:
     Args:
         address: The store's ``host:port``, for the errors.
         seconds: The deadline of a call that names none (torch's ``read_timeout``).
-        what: How the errors name the setting behind ``seconds``.
+        setting: How the errors name the setting behind ``seconds``.
     """
 
-    def __init__(self, address: str, seconds: float, what: str = "read_timeout") -> None:
+    def __init__(self, address: str, seconds: float, setting: str = "read_timeout") -> None:
         self.address = address
         self.seconds = seconds
-        self._setting = what
+        self.setting = setting
         self._lock = threading.Lock()
         self._blocked: dict[int, tuple[str, float]] = {}  # id -> (call, started)
 
-    def run(self, what: str, call: Callable[[], T], seconds: float | None = None) -> T:
+    def run(
+        self, what: str, call: Callable[[], T], seconds: float | None = None, why: str = ""
+    ) -> T:
         """``call()``, or :class:`StoreDeadlineError` after ``seconds`` (or the default).
+
+        Args:
+            what: The call, as the error names it (``add('dist_launch/failed')``).
+            call: The call.
+            seconds: Its deadline, when not the default.
+            why: Which settings make ``seconds``, as the error names them.
 
         Raises:
             StoreDeadlineError: The call did not return in time, or an earlier call is
@@ -110,7 +118,7 @@ class StoreDeadline:
             if pending.late:
                 raise StoreDeadlineError(
                     f"the rendezvous store at {self.address} did not answer {what} within "
-                    f"{deadline:g} s ({self._setting})"
+                    f"{deadline:g} s ({why or self.setting})"
                 )
         if pending.error is not None:
             raise pending.error
@@ -167,4 +175,5 @@ class BoundedStore:
             f"wait({keys!r})",
             lambda: self.store.wait(keys, timeout),
             seconds=timeout.total_seconds() + self.deadline.seconds,
+            why=f"the wait's {timeout.total_seconds():g} s + {self.deadline.setting}",
         )
