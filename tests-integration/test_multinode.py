@@ -542,7 +542,8 @@ def test_hang_on_one_node_names_the_node_and_rank(
             r"ranks 0-2 wait in it; rank 3 is at elastic_steps\.py:\d+ in <module>",
             each.output,
         ), job.outputs()
-        (path,) = (tmp_path / each.host.name).glob("hang/attempt_0/hang.json")
+        # Several nodes: each writes its own folder (c10d: its host name) in the run's.
+        (path,) = (tmp_path / each.host.name).glob(f"hang/{each.host.name}/attempt_0/hang.json")
         hang = json.loads(path.read_text())
         assert sorted(hang["ranks"]) == ["0", "1", "2", "3"], hang
         assert (hang["waiting"], hang["behind"], hang["unknown"]) == ([0, 1, 2], [3], [])

@@ -54,6 +54,12 @@ class FakeStore:
         self.wait([key])
         return self.data[key]
 
+    def wait_for_value(self, key: str, value: bytes) -> None:
+        """Waits (bounded) until ``key`` holds ``value``: a counter reached, not only made."""
+        with self._changed:
+            if not self._changed.wait_for(lambda: self.data.get(key) == value, WAIT_SECONDS):
+                raise TimeoutError(f"{key} is {self.data.get(key)!r}, not {value!r}")
+
     def multi_get(self, keys: list[str]) -> list[bytes]:
         self.wait(keys)
         return [self.data[key] for key in keys]

@@ -48,3 +48,17 @@ def run_nodes(
         for node in nodes:
             node.kill()
             node.wait(30)
+
+
+def run_launcher(cwd: Path, *argv: str, env: dict[str, str] | None = None) -> tuple[int, str]:
+    """Runs one ``dist_launch`` to its end (at most 120 s); its status and stderr."""
+    done = subprocess.run(
+        [*LAUNCH, *argv],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env=env,
+    )
+    return done.returncode, done.stderr

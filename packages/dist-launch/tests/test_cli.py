@@ -258,6 +258,36 @@ def test_two_launchers_form_one_group(tmp_path: Path) -> None:
     assert "[rank2]: env RANK=2 LOCAL_RANK=0 GROUP_RANK=1 NODE_RANK=1" in outputs[1][0]
 
 
+def test_two_nodes_of_one_srun_step_log_one_run_in_a_shared_log_dir(tmp_path: Path) -> None:
+    # What srun gives each node's task (SLURM_JOB_NODELIST names this host): the run id
+    # comes from the step, and each node writes a folder of its own in the run's.
+    script = write_script(tmp_path, "train.py", TORCHRUN_SCRIPT)
+    step = {
+        "SLURM_JOB_ID": "777",
+        "SLURM_STEP_ID": "0",
+        "SLURM_NNODES": "2",
+        "SLURM_NTASKS": "2",
+        "SLURM_JOB_NODELIST": "localhost",
+    }
+    envs = [
+        {**os.environ, **step, "SLURM_NODEID": str(node), "SLURM_PROCID": str(node)}
+        for node in (0, 1)
+    ]
+    argv = ["-n", "2", "--master-port", str(get_unused_port()), "--log-dir", "logs", script]
+    nodes, outputs = run_nodes([argv, argv], tmp_path, timeout=150, envs=envs)
+    for node, (_, stderr) in zip(nodes, outputs, strict=True):
+        assert node.returncode == 0, stderr
+        assert "earlier run" not in stderr
+    logs = tmp_path / "logs"
+    assert [p.name for p in logs.iterdir()] == ["777.0"]
+    assert sorted(p.name for p in (logs / "777.0").iterdir()) == ["node0", "node1"]
+    for node in (0, 1):
+        for local_rank in (0, 1):
+            stdout = (logs / f"777.0/node{node}/attempt_0/{local_rank}/stdout.log").read_text()
+            assert f"RANK={2 * node + local_rank} " in stdout
+            assert "TORCHELASTIC_RUN_ID=777.0 " in stdout
+
+
 def test_max_restarts_succeeds_on_the_second_attempt(tmp_path: Path) -> None:
     script = write_script(
         tmp_path,

@@ -15,7 +15,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from launcher_nodes import LAUNCH
+from launcher_nodes import LAUNCH, run_launcher
 from launcher_scripts import WAITING_SCRIPT, read_ready_pids, write_script
 
 from dist_launch import ExitCode
@@ -28,16 +28,7 @@ FAST = ["--start-method", "spawn", "-n", "2"]
 
 
 def launch(tmp_path: Path, *argv: str, env: dict[str, str] | None = None) -> tuple[int, str]:
-    done = subprocess.run(
-        [*LAUNCH, *argv],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-        env=env,
-    )
-    return done.returncode, done.stderr
+    return run_launcher(tmp_path, *argv, env=env)
 
 
 def run_error(log_dir: Path, run_id: str) -> dict[str, object]:

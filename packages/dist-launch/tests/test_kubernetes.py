@@ -90,6 +90,27 @@ def test_leaderworkerset_leader_is_the_master(script: str) -> None:
     assert plan.sources["master_addr"] == "LWS_LEADER_ADDRESS"
 
 
+@pytest.mark.parametrize(
+    ("variables", "flags", "run_id"),
+    [
+        ({"MASTER_ADDR": "job-master-0", "RANK": "1", "WORLD_SIZE": "2"}, (), "job-master-0"),
+        ({"PET_NNODES": "2", "PET_MASTER_ADDR": "tj-node-0-0.tj"}, (), "tj-node-0-0.tj"),
+        ({"LWS_LEADER_ADDRESS": "lws-0.lws", "LWS_GROUP_SIZE": "2"}, (), "lws-0.lws"),
+        (
+            {"PET_NNODES": "1:2", "PET_RDZV_BACKEND": "c10d", "PET_RDZV_ENDPOINT": "tj-0:29400"},
+            (),
+            "tj-0",
+        ),
+        ({"PET_NNODES": "2", "PET_MASTER_ADDR": "h"}, ("--rdzv-id", "given"), "given"),
+    ],
+)
+def test_pods_of_one_job_share_a_run_id_named_after_its_master(
+    script: str, variables: dict[str, str], flags: tuple[str, ...], run_id: str
+) -> None:
+    ids = {plan_in_pod(script, variables, *flags).run_id for _ in range(2)}
+    assert ids == {run_id}
+
+
 def test_flags_pet_and_slurm_win_over_a_pods_variables(script: str) -> None:
     old = {"MASTER_ADDR": "job-master-0", "RANK": "2", "WORLD_SIZE": "3"}
     plan = plan_in_pod(

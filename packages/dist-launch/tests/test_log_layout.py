@@ -25,7 +25,7 @@ from dist_launch.output.routing import (
 
 def test_paths_follow_torchruns_layout(tmp_path: Path) -> None:
     layout = LogLayout.create(tmp_path / "logs", "job7")
-    assert layout.run_dir == tmp_path / "logs" / "job7"
+    assert layout.launcher_dir == tmp_path / "logs" / "job7"
     assert layout.stdout(0, 1) == tmp_path / "logs/job7/attempt_0/1/stdout.log"
     assert layout.stderr(2, 0) == tmp_path / "logs/job7/attempt_2/0/stderr.log"
     assert layout.error_file(1, 3) == tmp_path / "logs/job7/attempt_1/3/error.json"
@@ -48,12 +48,37 @@ def test_a_rerun_with_the_same_id_never_overwrites_the_earlier_one(tmp_path: Pat
     first.stdout(0, 0).write_text("first run")
     second = LogLayout.create(tmp_path, "none")
     third = LogLayout.create(tmp_path, "none")
-    assert (second.run_dir.name, third.run_dir.name) == ("none_1", "none_2")
+    assert (second.launcher_dir.name, third.launcher_dir.name) == ("none_1", "none_2")
     assert first.stdout(0, 0).read_text() == "first run"
 
 
+def test_nodes_of_one_run_share_its_directory_each_in_a_folder_of_its_own(
+    tmp_path: Path,
+) -> None:
+    node0 = LogLayout.create(tmp_path, "1234.0", "node0")
+    node1 = LogLayout.create(tmp_path, "1234.0", "node1")
+    assert node0.stdout(0, 1) == tmp_path / "1234.0/node0/attempt_0/1/stdout.log"
+    assert node1.error_file(2, 0) == tmp_path / "1234.0/node1/attempt_2/0/error.json"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["1234.0"]  # one run
+
+
+def test_a_rerun_of_a_node_never_overwrites_its_earlier_folder(tmp_path: Path) -> None:
+    first = LogLayout.create(tmp_path, "job", "node1")
+    first.create_attempt(0, range(1))
+    first.stdout(0, 0).write_text("first run")
+    again = LogLayout.create(tmp_path, "job", "node1")  # a requeued SLURM job, same id
+    assert again.launcher_dir == tmp_path / "job" / "node1_1"
+    assert first.stdout(0, 0).read_text() == "first run"
+
+
+@pytest.mark.parametrize("folder", ["", "..", "a/b"])
+def test_node_folder_that_cannot_name_a_directory_is_refused(tmp_path: Path, folder: str) -> None:
+    with pytest.raises(ValueError, match="node folder"):
+        LogLayout.create(tmp_path, "run", folder)
+
+
 def _claim(log_dir: str, queue: multiprocessing.Queue[str]) -> None:
-    queue.put(str(LogLayout.create(log_dir, "same").run_dir))
+    queue.put(str(LogLayout.create(log_dir, "same").launcher_dir))
 
 
 @pytest.mark.processes
@@ -76,9 +101,9 @@ def test_no_log_dir_means_a_fresh_temporary_directory(
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     monkeypatch.setattr("tempfile.tempdir", None)  # tempfile caches TMPDIR
     a, b = LogLayout.create(None, "r"), LogLayout.create(None, "r")
-    assert a.run_dir.parent != b.run_dir.parent
-    assert a.run_dir.parent.parent == tmp_path
-    assert a.run_dir.parent.name.startswith("dist-launch-logs-")
+    assert a.launcher_dir.parent != b.launcher_dir.parent
+    assert a.launcher_dir.parent.parent == tmp_path
+    assert a.launcher_dir.parent.name.startswith("dist-launch-logs-")
 
 
 @pytest.mark.parametrize("run_id", ["", ".", "..", "a/b"])

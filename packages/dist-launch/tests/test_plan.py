@@ -279,6 +279,52 @@ def test_a_requeued_jobs_restart_count_is_where_the_workers_count_from(script: s
     assert worker_environment(plan, round_, {})["TORCHELASTIC_RESTART_COUNT"] == "3"
 
 
+def test_launchers_of_one_srun_step_share_its_run_id(script: str) -> None:
+    plans = [plan_of([script], {**SRUN, "SLURM_NODEID": str(n)}) for n in range(3)]
+    assert {p.run_id for p in plans} == {"4242.0"}
+    assert plans[0].sources["run_id"] == "SLURM_JOB_ID.SLURM_STEP_ID"
+    assert "run_id=4242.0 (SLURM_JOB_ID.SLURM_STEP_ID)" in describe_sources(plans[0])
+    c10d = plan_of(["--rdzv-backend", "c10d", script], SRUN)
+    assert c10d.run_id == c10d.rdzv_id == "4242.0"  # the rendezvous is the step's too
+
+
+def test_run_id_and_rdzv_id_win_over_slurms(script: str) -> None:
+    assert plan_of(["--rdzv-id", "mine", script], SRUN).run_id == "mine"
+    assert plan_of(["--run-id", "r", "--rdzv-id", "mine", script], SRUN).run_id == "r"
+    assert plan_of([script], {**SRUN, "PET_RDZV_ID": "pet"}).run_id == "pet"
+
+
+def test_one_node_keeps_a_run_id_of_its_own(script: str) -> None:
+    one = {**SRUN, "SLURM_NNODES": "1", "SLURM_JOB_NUM_NODES": "1", "SLURM_NTASKS": "1"}
+    one["SLURM_NODEID"] = "0"
+    first, second = plan_of([script], one), plan_of([script], one)
+    assert first.run_id != second.run_id and len(first.run_id) == 32  # random, as before
+    assert plan_of(["--nnodes", "2", "--node-rank", "1", script]).run_id == "none"
+
+
+def test_rendezvous_timeouts_are_torchs_unless_rdzv_conf_sets_them(script: str) -> None:
+    default = plan_of([script]).rdzv_timeouts
+    assert (default.join, default.last_call, default.close, default.read) == (600, 30, 30, 60)
+    assert default.node_dead_after == 15
+    conf = "read_timeout=7,join_timeout=20,keep_alive_interval=2,keep_alive_max_attempt=4"
+    given = plan_of(["--rdzv-conf", conf, script]).rdzv_timeouts
+    assert (given.read, given.join, given.node_dead_after) == (7, 20, 8)
+    assert given.round_forms_within == 20 + 30
+
+
+@pytest.mark.parametrize(
+    ("conf", "named"),
+    [
+        ("read_timeout=0", "read_timeout=0"),
+        ("join_timeout=soon", "join_timeout=soon"),
+        ("keep_alive_max_attempt=1.5", "keep_alive_max_attempt=1.5"),
+    ],
+)
+def test_a_malformed_rendezvous_timeout_is_named(script: str, conf: str, named: str) -> None:
+    with pytest.raises(UsageError, match=f"--rdzv-conf {named}"):
+        plan_of(["--rdzv-conf", conf, script])
+
+
 def test_shutdown_timeout_is_the_grace_period(script: str) -> None:
     assert plan_of(["--shutdown-timeout", "7", script]).grace_period == 7
     assert plan_of([script], {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "9"}).grace_period == 9

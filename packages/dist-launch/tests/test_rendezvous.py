@@ -312,7 +312,8 @@ def test_c10d_counts_the_nodes_whose_workers_finished(script: str) -> None:
     assert nodes[0].nodes_finished() == 0
     with ThreadPoolExecutor(1) as pool:
         second_done = pool.submit(nodes[1].exit_barrier)
-        job.store.wait([ROUND_0 + "dist_launch/succeeded"])  # node 1 is in the barrier
+        # node 1 is in the barrier (node 0's first look made the counter, at 0)
+        job.store.wait_for_value(ROUND_0 + "dist_launch/succeeded", b"1")
         assert nodes[0].nodes_finished() == 1
         nodes[0].exit_barrier()
         second_done.result(timeout=BOUND)

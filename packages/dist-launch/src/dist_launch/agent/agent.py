@@ -46,6 +46,7 @@ import signal
 import socket
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -70,7 +71,10 @@ from dist_launch.diagnostics.failure_class import Fingerprint
 from dist_launch.exit_codes import ExitCode
 from dist_launch.output.log_layout import LogLayout, write_torch_error_file
 from dist_launch.output.scratch import sweep_dead_scratch_dirs
-from dist_launch.plan.launch_plan import LaunchPlan, describe_sources
+from dist_launch.plan.kill_wait import read_kill_wait
+from dist_launch.plan.launch_plan import LaunchPlan, UsageError, describe_sources
+from dist_launch.plan.run_identity import node_log_folder
+from dist_launch.plan.timeout_budget import TimeoutBudget, pg_timeout, timeout_budget
 from dist_launch.rendezvous.factory import open_rendezvous
 from dist_launch.rendezvous.protocol import Assignment, Rendezvous, RendezvousUsageError
 from dist_launch.watch.file_timer import FileTimerWatch, file_timer_requested
@@ -120,6 +124,7 @@ class Agent:
         self.layout: LogLayout | None = None
         # torchrun's parent-facing error file: where this launcher reports its own end.
         self._error_file = os.environ.get("TORCHELASTIC_ERROR_FILE") or None
+        self._budget: TimeoutBudget | None = None  # the run's clocks, once read
 
     # -- signals ----------------------------------------------------------------------
 
@@ -217,8 +222,14 @@ class Agent:
         sweep_dead_scratch_dirs()
         node_env = node_environment(plan, os.environ)
         if plan.routing.needs_files(range(plan.nproc)):
-            self.layout = LogLayout.create(plan.log_dir, plan.run_id)
-            logger.info("logs of this run: %s", self.layout.run_dir)
+            folder = node_log_folder(
+                several_nodes=plan.max_nodes > 1,
+                elastic=plan.elastic,
+                node_rank=plan.node_rank,
+                host=socket.gethostname(),
+            )
+            self.layout = LogLayout.create(plan.log_dir, plan.run_id, folder)
+            logger.info("logs of this run: %s", self.layout.launcher_dir)
         try:
             # Reported before the cleanup below, which may wait for a silent store.
             outcome = self._run(node_env)
@@ -246,11 +257,13 @@ class Agent:
         """
         if code == ExitCode.SUCCESS:
             return
-        paths = [] if self.layout is None else [self.layout.run_dir / "error.json"]
+        paths = [] if self.layout is None else [self.layout.launcher_dir / "error.json"]
         if self._error_file is not None:
             paths.append(Path(self._error_file))
         message, traceback, timestamp = error_file_fields(outcome)
-        extra = {"exit_code": int(code), "exit_class": code.name}
+        extra: dict[str, object] = {"exit_code": int(code), "exit_class": code.name}
+        if self._budget is not None:
+            extra["timeouts"] = self._budget.as_json()
         for path in paths:
             try:
                 write_torch_error_file(
@@ -259,7 +272,43 @@ class Agent:
             except OSError as error:
                 logger.warning("could not write %s: %s", path, error)
 
+    def _check_timeouts(self) -> RunOutcome | None:
+        """Reads the timeout budget, says what is wrong, and takes its grace period.
+
+        Reads ``DIST_LAUNCH_KILL_WAIT``, ``DIST_LAUNCH_PG_TIMEOUT`` and the variables
+        of :func:`~dist_launch.plan.kill_wait.read_kill_wait` and
+        :func:`~dist_launch.plan.timeout_budget.pg_timeout`.
+
+        Returns:
+            A usage outcome when an inversion guarantees a bad ending; else None.
+        """
+        try:
+            budget = timeout_budget(self.plan, pg_timeout(os.environ), read_kill_wait(os.environ))
+        except UsageError as error:
+            return RunOutcome("usage", message=f"error: {error}")
+        self._budget = budget
+        if self.plan.verbose:
+            for line in budget.lines():
+                logger.info("%s", line)
+        for warning in budget.problems.warnings:
+            logger.warning("%s", warning)
+        if budget.problems.errors:
+            return RunOutcome(
+                "usage", message="\n".join(f"error: {e}" for e in budget.problems.errors)
+            )
+        if budget.grace_period != self.plan.grace_period:
+            logger.info(
+                "grace period %g s: the scheduler's SIGKILL comes %g s after its SIGTERM",
+                budget.grace_period,
+                next(w.seconds for w in budget.waits if w.key == "kill_wait"),
+            )
+            self.plan = replace(self.plan, grace_period=budget.grace_period)
+        return None
+
     def _run(self, node_env: dict[str, str]) -> RunOutcome:
+        refused = self._check_timeouts()
+        if refused is not None:
+            return refused
         plan = self.plan
         # Connecting may wait for the endpoint's node (torch's read_timeout): on a
         # thread, so that Ctrl-C is served meanwhile.

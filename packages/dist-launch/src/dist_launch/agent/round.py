@@ -416,7 +416,7 @@ class Round:
             job_ranks=range(self.assignment.world_size),
             nodes={base + i: self.assignment.group_rank for i in range(self.plan.nproc)},
             board=board,
-            log_file=None if layout is None else layout.run_dir / SLOW_RANKS_FILE,
+            log_file=None if layout is None else layout.launcher_dir / SLOW_RANKS_FILE,
             attempt=self.attempt,
             host=host,
         )

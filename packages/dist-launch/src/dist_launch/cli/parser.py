@@ -155,7 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
     value(
         "log_dir",
         "write each rank's output and error.json to DIR/<run_id>/attempt_<n>/"
-        "<local_rank>/ (torchrun's layout; a re-run never overwrites)",
+        "<local_rank>/ (torchrun's layout; on several nodes DIR/<run_id>/<node>/...; a "
+        "re-run never overwrites)",
         metavar="DIR",
     )
     value(
@@ -243,9 +244,9 @@ def build_parser() -> argparse.ArgumentParser:
     value(
         "grace_period",
         "seconds between SIGTERM and SIGKILL, after a failure or a stop from outside: "
-        "a rank that handles SIGTERM has this long to checkpoint (default 25, below "
-        "SLURM's KillWait and Kubernetes' terminationGracePeriodSeconds; or "
-        "TORCH_ELASTIC_SHUTDOWN_TIMEOUT)",
+        "a rank that handles SIGTERM has this long to checkpoint (default 25, or 5 s "
+        "less than the scheduler's kill wait where that is known and shorter: SLURM's "
+        "KillWait, DIST_LAUNCH_KILL_WAIT; or TORCH_ELASTIC_SHUTDOWN_TIMEOUT)",
         metavar="SECONDS",
     )
     value("timeout", "stop the job after this long, showing where each rank was", metavar="SECONDS")
@@ -266,8 +267,16 @@ def build_parser() -> argparse.ArgumentParser:
         "in slow_ranks.jsonl in the log directory; off: no report",
         metavar="SECONDS|off",
     )
+    switch(
+        "verbose",
+        "print the timeout budget at start: every wait of the run, its value and where it "
+        "came from (also in the run's error.json)",
+    )
     value(
-        "run_id", "TORCHELASTIC_RUN_ID (default: --rdzv-id, else random on one node)", metavar="ID"
+        "run_id",
+        "TORCHELASTIC_RUN_ID (default: --rdzv-id, else the SLURM step or the pod's job on "
+        "several nodes, else random on one node)",
+        metavar="ID",
     )
     parser.add_argument(
         "target",

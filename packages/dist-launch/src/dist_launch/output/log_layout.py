@@ -1,10 +1,16 @@
 """Where ``--log-dir`` puts each rank's output, and its error file in torch's format.
 
-The layout is torchrun's::
+On one node the layout is torchrun's::
 
     <log_dir>/<run_id>/attempt_<n>/<local_rank>/stdout.log
                                                /stderr.log
                                                /error.json
+
+On several nodes, whose launchers share the run id and may share ``log_dir`` (a
+network file system), each launcher writes into a folder of its own inside the run's
+directory, named by :func:`dist_launch.plan.run_identity.node_log_folder`::
+
+    <log_dir>/<run_id>/<node>/attempt_<n>/<local_rank>/stdout.log ...
 
 ``<n>`` counts the restarts of the run (attempt_0, attempt_1, ...), as
 ``TORCHELASTIC_RESTART_COUNT`` does, and ``error.json`` is written in the format of
@@ -15,7 +21,10 @@ A re-run never overwrites an earlier one. torch 2.13 achieves that by naming the
 directory ``<run_id>_<random>`` every time; we keep the plain ``<run_id>`` for the first
 run with that id, so that its logs are where one looks for them, and name a later run
 with the same id ``<run_id>_1``, ``<run_id>_2``, ... (the first free one, claimed with
-an atomic ``mkdir``, so two launchers started at once never share a directory).
+an atomic ``mkdir``, so two launchers started at once never share a directory). On
+several nodes the run's directory is shared on purpose, and the claim is of the
+node's folder instead: ``<node>``, then ``<node>_1``, ... (a requeued job, a re-run
+with the same id).
 Without ``--log-dir``, a layout is only needed when ``--redirects``/``--tee`` send
 something to a file; like torchrun, the launcher then uses a fresh directory under the
 system's temporary directory (see :meth:`LogLayout.create`) and says where it is.
@@ -37,60 +46,84 @@ logger = logging.getLogger(__name__)
 _MAX_RUN_DIRS = 1000
 
 
+def _claim(parent: Path, name: str, what: str) -> Path:
+    """Makes ``parent/name``, else the first free ``name_1``, ``name_2``, ... (atomic).
+
+    Raises:
+        FileExistsError: ``_MAX_RUN_DIRS`` of them exist already.
+    """
+    for index in range(_MAX_RUN_DIRS):
+        path = parent / (name if index == 0 else f"{name}_{index}")
+        try:
+            path.mkdir()
+        except FileExistsError:
+            continue
+        if index:
+            logger.info("%s holds %s; this run logs to %s", parent / name, what, path)
+        return path
+    raise FileExistsError(
+        f"{parent} holds {_MAX_RUN_DIRS} runs named {name!r} already: remove old ones "
+        "or choose another --rdzv-id"
+    )
+
+
 @dataclass(frozen=True)
 class LogLayout:
-    """The log files of one run, inside its own directory ``run_dir``.
+    """The log files of one launcher, inside its own directory ``launcher_dir``.
 
-    Build it with :meth:`create`, which chooses and makes ``run_dir``; the paths
-    below are pure functions of ``run_dir``, the attempt and the local rank.
+    Build it with :meth:`create`, which chooses and makes ``launcher_dir``: the run's
+    directory on one node, this node's folder in it on several. The paths below are
+    pure functions of ``launcher_dir``, the attempt and the local rank.
     """
 
-    run_dir: Path
+    launcher_dir: Path
 
     @classmethod
-    def create(cls, log_dir: str | os.PathLike[str] | None, run_id: str) -> LogLayout:
-        """Makes a fresh run directory for ``run_id`` in ``log_dir`` (made if missing).
+    def create(
+        cls,
+        log_dir: str | os.PathLike[str] | None,
+        run_id: str,
+        node_folder: str | None = None,
+    ) -> LogLayout:
+        """Makes a fresh directory for this launcher's logs of ``run_id`` in ``log_dir``.
 
         Args:
-            log_dir: The ``--log-dir`` value; None for a new directory under the
-                system's temporary directory (``TMPDIR``, read by :mod:`tempfile`).
-            run_id: The run id (``--rdzv-id``); it names the run directory.
+            log_dir: The ``--log-dir`` value (made if missing); None for a new
+                directory under the system's temporary directory (``TMPDIR``, read by
+                :mod:`tempfile`).
+            run_id: The run id; it names the run directory.
+            node_folder: This node's folder in the run directory, shared by the
+                nodes of the job; None on one node (the run directory is the
+                launcher's own).
 
         Raises:
-            ValueError: ``run_id`` cannot name a directory.
+            ValueError: ``run_id`` or ``node_folder`` cannot name a directory.
             NotADirectoryError: ``log_dir`` is a file.
-            FileExistsError: ``_MAX_RUN_DIRS`` runs with that id exist already.
+            FileExistsError: ``_MAX_RUN_DIRS`` runs with that id (of that node) exist
+                already.
         """
-        if not run_id or run_id in (".", "..") or "/" in run_id or "\0" in run_id:
+        if not _names_a_directory(run_id):
             raise ValueError(
                 f"run id {run_id!r} cannot name a log directory: it must be a non-empty "
                 "name without '/' (choose another --rdzv-id)"
             )
+        if node_folder is not None and not _names_a_directory(node_folder):
+            raise ValueError(f"node folder {node_folder!r} cannot name a log directory")
         base = Path(tempfile.mkdtemp(prefix="dist-launch-logs-") if log_dir is None else log_dir)
         if base.is_file():
             raise NotADirectoryError(f"--log-dir {str(base)!r} is a file, not a directory")
         base.mkdir(parents=True, exist_ok=True)
-        for index in range(_MAX_RUN_DIRS):
-            run_dir = base / (run_id if index == 0 else f"{run_id}_{index}")
-            try:
-                run_dir.mkdir()
-            except FileExistsError:
-                continue
-            if index:
-                logger.info(
-                    "%s holds an earlier run's logs; this run logs to %s", base / run_id, run_dir
-                )
-            return cls(run_dir)
-        raise FileExistsError(
-            f"{base} holds {_MAX_RUN_DIRS} runs named {run_id!r} already: remove old ones "
-            "or choose another --rdzv-id"
-        )
+        if node_folder is None:
+            return cls(_claim(base, run_id, "an earlier run's logs"))
+        run_dir = base / run_id
+        run_dir.mkdir(exist_ok=True)  # shared by the job's nodes
+        return cls(_claim(run_dir, node_folder, "an earlier run's logs of this node"))
 
     def attempt_dir(self, attempt: int) -> Path:
         """The directory of restart number ``attempt`` (0 for the first start)."""
         if attempt < 0:
             raise ValueError(f"attempt {attempt}: restarts are counted from 0")
-        return self.run_dir / f"attempt_{attempt}"
+        return self.launcher_dir / f"attempt_{attempt}"
 
     def rank_dir(self, attempt: int, local_rank: int) -> Path:
         """The directory of one local rank's files in one attempt."""
@@ -121,6 +154,10 @@ class LogLayout:
         for local_rank in local_ranks:
             self.rank_dir(attempt, local_rank).mkdir()
         return path
+
+
+def _names_a_directory(name: str) -> bool:
+    return bool(name) and name not in (".", "..") and "/" not in name and "\0" not in name
 
 
 def write_torch_error_file(

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import os
 import signal
-import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -37,6 +36,8 @@ from dist_launch.output.routing import OutputRouting, parse_local_ranks_filter
 from dist_launch.plan.hang_policy import HangPolicy, parse_hang_timeout
 from dist_launch.plan.kubernetes import check_kubernetes_settings, kubernetes_settings
 from dist_launch.plan.launch_plan import LaunchPlan, UsageError, WorkerTarget
+from dist_launch.plan.rdzv_timeouts import RendezvousTimeouts, parse_rendezvous_timeouts
+from dist_launch.plan.run_identity import NO_RDZV_ID, choose_run_id
 from dist_launch.plan.slurm import slurm_restart_count, slurm_settings
 from dist_launch.plan.sources import Settings, default_settings, flag_settings, pet_settings
 from dist_launch.plan.values import (
@@ -192,19 +193,26 @@ def _target(values: Mapping[str, object], settings: Settings) -> WorkerTarget:
 
 def _grace_period(
     values: Mapping[str, object], settings: Settings, env: Mapping[str, str]
-) -> float:
-    """``--grace-period`` > ``--shutdown-timeout`` (or its PET_) > torch elastic's variable."""
+) -> tuple[float, str]:
+    """``--grace-period`` > ``--shutdown-timeout`` (or its PET_) > torch elastic's variable.
+
+    Returns:
+        The seconds, and where they came from (``default`` when nothing said).
+    """
     given = values.get("grace_period")
     if given is not None:
-        return parse_positive_float(str(given), "--grace-period")
+        return parse_positive_float(str(given), "--grace-period"), "--grace-period"
     shutdown = settings.get("shutdown_timeout")
     if shutdown is not None:
-        return parse_positive_float(shutdown, "--shutdown-timeout")
+        source = settings.source("shutdown_timeout")
+        where = "--shutdown-timeout" if source == "flag" else source
+        return parse_positive_float(shutdown, "--shutdown-timeout"), where
     if env.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT"):
-        return parse_positive_float(
+        seconds = parse_positive_float(
             env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"], "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
         )
-    return DEFAULT_GRACE_PERIOD
+        return seconds, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
+    return DEFAULT_GRACE_PERIOD, "default"
 
 
 # Signals a worker cannot be sent to notify it: uncatchable, or the launcher's own.
@@ -255,17 +263,34 @@ def _slow_ranks(settings: Settings) -> float | None:
 
 
 def _run_and_rdzv_ids(
-    values: Mapping[str, object], settings: Settings, nodes: _Nodes
+    values: Mapping[str, object],
+    settings: Settings,
+    nodes: _Nodes,
+    env: Mapping[str, str],
+    sources: dict[str, str],
 ) -> tuple[str, str]:
-    """``TORCHELASTIC_RUN_ID`` and the rendezvous id."""
+    """``TORCHELASTIC_RUN_ID`` and the rendezvous id; records the run id's source."""
     rdzv_id = settings.text("rdzv_id")
-    run_id = str(values.get("run_id") or "") or (rdzv_id if rdzv_id != "none" else "")
-    if not run_id:
-        one_node = nodes.max_nodes == 1 and not nodes.rdzv_endpoint
-        run_id = uuid.uuid4().hex if one_node else "none"
-    if nodes.rdzv_backend != "static" and rdzv_id == "none":
+    run_id, source = choose_run_id(
+        given=str(values.get("run_id") or ""),
+        rdzv_id=rdzv_id,
+        several_nodes=nodes.max_nodes > 1 or bool(nodes.rdzv_endpoint),
+        environ=env,
+        elastic=nodes.rdzv_backend != "static",
+        master_addr=nodes.master_addr,
+        rdzv_endpoint=nodes.rdzv_endpoint,
+    )
+    sources["run_id"] = source
+    if nodes.rdzv_backend != "static" and rdzv_id == NO_RDZV_ID:
         rdzv_id = run_id
     return run_id, rdzv_id
+
+
+def _rdzv_timeouts(rdzv_conf: Mapping[str, str]) -> RendezvousTimeouts:
+    try:
+        return parse_rendezvous_timeouts(rdzv_conf)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
 
 
 def _routing(settings: Settings, env: Mapping[str, str]) -> OutputRouting:
@@ -295,7 +320,9 @@ def build_plan(
             :func:`~dist_launch.plan.slurm.slurm_settings`, a pod's of
             :func:`~dist_launch.plan.kubernetes.kubernetes_settings`, and
             ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` and
-            ``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE`` as torchrun does.
+            ``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE`` as torchrun does, and for the run
+            id ``SLURM_JOB_ID``, ``SLURM_STEP_ID`` and ``KUBERNETES_SERVICE_HOST``
+            (:func:`~dist_launch.plan.run_identity.choose_run_id`).
 
     Raises:
         UsageError: A value is malformed or out of range, or a flag cannot be honoured;
@@ -316,8 +343,10 @@ def build_plan(
     _refuse_unsupported(values, settings)
     target = _target(values, settings)
     raw_timeout = values.get("timeout")
-    run_id, rdzv_id = _run_and_rdzv_ids(values, settings, nodes)
+    run_id, rdzv_id = _run_and_rdzv_ids(values, settings, nodes, env, sources)
     handle, forward = _signals(settings)
+    rdzv_conf = parse_rdzv_conf(settings.text("rdzv_conf"))
+    grace_period, sources["grace_period"] = _grace_period(values, settings, env)
     restart_base = slurm_restart_count(env)
     if restart_base:
         sources["restart_base"] = "SLURM_RESTART_COUNT"
@@ -330,7 +359,8 @@ def build_plan(
         rdzv_backend=nodes.rdzv_backend,
         rdzv_endpoint=nodes.rdzv_endpoint,
         rdzv_id=rdzv_id,
-        rdzv_conf=parse_rdzv_conf(settings.text("rdzv_conf")),
+        rdzv_conf=rdzv_conf,
+        rdzv_timeouts=_rdzv_timeouts(rdzv_conf),
         master_addr=nodes.master_addr,
         master_port=nodes.master_port,
         local_addr=settings.get("local_addr"),
@@ -345,7 +375,7 @@ def build_plan(
         signals_to_handle=handle,
         signals_to_forward=forward,
         restart_base=restart_base,
-        grace_period=_grace_period(values, settings, env),
+        grace_period=grace_period,
         timeout=None
         if raw_timeout is None
         else parse_positive_float(str(raw_timeout), "--timeout"),
@@ -355,4 +385,5 @@ def build_plan(
         sources=sources,
         hang_policy=_hang_policy(settings),
         slow_ranks=_slow_ranks(settings),
+        verbose=settings.switch("verbose"),
     )

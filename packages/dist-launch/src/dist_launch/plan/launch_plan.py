@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from dist_launch.output.routing import OutputRouting
 from dist_launch.plan.hang_policy import DEFAULT_HANG_TIMEOUT, HangPolicy, parse_hang_timeout
+from dist_launch.plan.rdzv_timeouts import RendezvousTimeouts
 
 
 class UsageError(Exception):
@@ -76,6 +77,10 @@ class LaunchPlan:
     restart_base: int = 0
     # --slow-ranks: the slow-rank report's window in seconds; None when off.
     slow_ranks: float | None = 60.0
+    # torch's rendezvous timeouts (--rdzv-conf), its defaults where not given.
+    rdzv_timeouts: RendezvousTimeouts = field(default_factory=RendezvousTimeouts)
+    # --verbose: the timeout budget at start.
+    verbose: bool = False
 
     @property
     def nnodes(self) -> int:
@@ -122,6 +127,8 @@ def describe_sources(plan: LaunchPlan) -> str:
             f"master={plan.master_addr}:{port} ({s.get('master_addr', 'default')}; "
             f"port {s.get('master_port', 'default')})"
         )
+    if plan.max_nodes > 1:
+        parts.append(f"run_id={plan.run_id} ({s.get('run_id', 'default')})")
     if plan.restart_base:
         parts.append(f"restarts so far={plan.restart_base} ({s.get('restart_base', 'default')})")
     return ", ".join(parts)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Mapping
 
 from dist_launch.plan.launch_plan import UsageError
 
@@ -28,6 +29,24 @@ def parse_positive_float(value: str, flag: str) -> float:
     if number <= 0:
         raise UsageError(f"{flag}={value} must be positive")
     return number
+
+
+def seconds_from_variable(environ: Mapping[str, str], name: str) -> float | None:
+    """The variable ``name`` as a positive, finite number of seconds; None when unset.
+
+    Raises:
+        UsageError: It is set to something else; the message names it and its value.
+    """
+    raw = environ.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = -1.0
+    if not 0 < seconds < float("inf"):
+        raise UsageError(f"{name}={raw!r}: not a positive number of seconds")
+    return seconds
 
 
 def parse_nnodes(value: str) -> tuple[int, int]:

@@ -26,7 +26,7 @@ import socket
 import time
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Protocol
+from typing import Any
 
 from dist_launch.plan.launch_plan import LaunchPlan
 from dist_launch.rendezvous.job_board import JobBoard
@@ -38,6 +38,7 @@ from dist_launch.rendezvous.protocol import (
     RoundChange,
     RoundWatch,
 )
+from dist_launch.rendezvous.store_deadline import BoundedStore, RendezvousStore, StoreDeadline
 
 logger = logging.getLogger(__name__)
 
@@ -54,28 +55,10 @@ CAUSE_WAIT_SECONDS = 5.0
 CAUSE_POLL_SECONDS = 0.1
 # How long a leaving node may take to take itself out of torch's rendezvous state.
 LEAVE_SECONDS = 10.0
-
-
-class RendezvousStore(Protocol):
-    """The methods of torch's ``Store`` this module uses (tests pass a dict-backed one)."""
-
-    def set(self, key: str, value: str) -> None:
-        """Sets ``key``."""
-
-    def get(self, key: str) -> bytes:
-        """The value of ``key``; waits for it (bounded by the store's timeout)."""
-
-    def add(self, key: str, amount: int) -> int:
-        """Adds ``amount`` to the counter ``key`` (0 when new); returns the new value."""
-
-    def check(self, keys: list[str]) -> bool:
-        """True when every key is set."""
-
-    def multi_get(self, keys: list[str]) -> list[bytes]:
-        """The values of ``keys``; waits for them."""
-
-    def wait(self, keys: list[str], timeout: timedelta) -> None:
-        """Waits until every key is set; raises after ``timeout``."""
+# How much longer than torch's read_timeout connecting to the store may take.
+CONNECT_SLACK_SECONDS = 10.0
+# What bounds closing torch's rendezvous (it waits up to close_timeout itself).
+CLOSING_DEADLINE = "close_timeout + read_timeout"
 
 
 def is_local_address(host: str) -> bool:
@@ -134,14 +117,25 @@ def connect_c10d(plan: LaunchPlan) -> C10dRendezvous:
     launcher's own environment so that rank 0's worker hosts the workers' store (as
     with ``env://``) instead of the agent, whose store outlives the workers.
 
-    Connecting may wait for the endpoint's node (torch's ``read_timeout``).
+    Connecting may wait for the endpoint's node (torch's ``read_timeout``, and
+    :data:`CONNECT_SLACK_SECONDS` more at most).
 
     Raises:
         ConnectionError: The store cannot be reached or served; the message names the
             endpoint and torch's error.
     """
+    timeouts = plan.rdzv_timeouts
+    connecting = StoreDeadline(plan.rdzv_endpoint, timeouts.read)
     try:
-        return C10dRendezvous(plan, _torch_handler(plan))
+        # torch retries a refused connection for read_timeout itself, with a clearer
+        # error than ours: the deadline only ends a connection that stays silent.
+        handler = connecting.run(
+            "the connection",
+            lambda: _torch_handler(plan),
+            timeouts.read + CONNECT_SLACK_SECONDS,
+            f"read_timeout + {CONNECT_SLACK_SECONDS:g} s",
+        )
+        return C10dRendezvous(plan, handler)
     except Exception as error:
         raise ConnectionError(
             f"cannot reach the rendezvous at {plan.rdzv_endpoint}: {error}"
@@ -192,6 +186,13 @@ def _torch_handler(plan: LaunchPlan) -> Any:
 class C10dRendezvous:
     """The :class:`~dist_launch.rendezvous.protocol.Rendezvous` of an elastic job.
 
+    Every call to the store, and to torch's handler (which calls the store), has a
+    deadline (:mod:`dist_launch.rendezvous.store_deadline`): torch's ``read_timeout``
+    for one operation, the round's join and last call for :meth:`next_round`, the
+    close timeout for closing. A store that stops answering ends each of them with a
+    :class:`~dist_launch.rendezvous.store_deadline.StoreDeadlineError` naming its
+    address.
+
     Args:
         plan: The launch plan; reads no environment variable.
         handler: torch elastic's ``RendezvousHandler`` (:func:`connect_c10d`), or a
@@ -201,6 +202,8 @@ class C10dRendezvous:
     def __init__(self, plan: LaunchPlan, handler: Any) -> None:
         self.plan = plan
         self.handler = handler
+        self.timeouts = plan.rdzv_timeouts
+        self.deadline = StoreDeadline(plan.rdzv_endpoint, self.timeouts.read)
         self._round_store: RendezvousStore | None = None
         self._job_store: RendezvousStore | None = None
         self.assignment: Assignment | None = None
@@ -218,12 +221,18 @@ class C10dRendezvous:
             torch's RendezvousClosedError: The job was closed (its budget spent, or a
                 node stopped it).
             torch's RendezvousTimeoutError: Too few nodes joined within join_timeout.
+            StoreDeadlineError: The store stopped answering.
         """
-        info = self.handler.next_rendezvous()
-        store: RendezvousStore = info.store
+        info = self.deadline.run(
+            "joining the next round",
+            self.handler.next_rendezvous,
+            self.timeouts.round_forms_within + self.timeouts.read,
+            "join_timeout + last_call_timeout + read_timeout",
+        )
+        store = BoundedStore(info.store, self.deadline)
         self._round_store = store
         # torch hands out the round's PrefixStore; the job's counters live beneath it.
-        job_store: RendezvousStore = getattr(store, "underlying_store", store)
+        job_store = BoundedStore(getattr(info.store, "underlying_store", info.store), self.deadline)
         self._job_store = job_store
         group_rank, nodes = info.rank, info.world_size
         store.set(f"dist_launch/nproc/{group_rank}", str(self.plan.nproc))
@@ -283,7 +292,7 @@ class C10dRendezvous:
 
     def nodes_waiting(self) -> int:
         """Nodes waiting to join a next round (late or restarted ones)."""
-        return int(self.handler.num_nodes_waiting())
+        return int(self.deadline.run("num_nodes_waiting", self.handler.num_nodes_waiting))
 
     def nodes_finished(self) -> int:
         """Nodes of the current round whose workers all succeeded (in the exit barrier)."""
@@ -294,10 +303,7 @@ class C10dRendezvous:
     @property
     def keep_alive_interval(self) -> float:
         """Seconds between torch's heartbeats (``--rdzv-conf keep_alive_interval``, 5)."""
-        try:
-            return float(self.plan.rdzv_conf.get("keep_alive_interval", "5"))
-        except ValueError:
-            return 5.0
+        return self.timeouts.keep_alive_interval
 
     def lost_nodes(self) -> int:
         """Nodes of the current round that torch's keep-alive has since declared dead.
@@ -317,7 +323,7 @@ class C10dRendezvous:
 
     def is_closed(self) -> bool:
         """True once a node closed the job."""
-        return bool(self.handler.is_closed())
+        return bool(self.deadline.run("is_closed", self.handler.is_closed))
 
     # -- failures ---------------------------------------------------------------------
 
@@ -329,6 +335,8 @@ class C10dRendezvous:
         node's log names the same first failure.
 
         Raises:
+            StoreDeadlineError: The store did not answer a call within
+                ``read_timeout``; names the store's address.
             Exception: torch's store errors (the store's node is gone).
         """
         assert self._round_store is not None and self._job_store is not None
@@ -379,7 +387,14 @@ class C10dRendezvous:
             with contextlib.suppress(Exception):
                 self._round_store.set("dist_launch/all_succeeded", "closed")
         with contextlib.suppress(Exception):
-            self.handler.set_closed()
+            self.deadline.run(
+                "set_closed", self.handler.set_closed, self._closing_seconds, CLOSING_DEADLINE
+            )
+
+    @property
+    def _closing_seconds(self) -> float:
+        """The deadline of closing torch's rendezvous: its close timeout, then a read."""
+        return self.timeouts.close + self.timeouts.read
 
     def can_leave(self) -> bool:
         """True when the job is elastic and its round keeps ``MIN`` nodes without this one."""
@@ -471,7 +486,9 @@ class C10dRendezvous:
         if waited is not None:
             logger.info("not every node had ended %.1f s after this one (%s)", *waited)
         with contextlib.suppress(Exception):
-            self.handler.shutdown()
+            self.deadline.run(
+                "shutdown", self.handler.shutdown, self._closing_seconds, CLOSING_DEADLINE
+            )
 
     def _every_node(self, event: str, seconds: float) -> tuple[float, Exception] | None:
         """Counts ``event`` for this node; waits until every node of the round has.

@@ -4,13 +4,8 @@ from __future__ import annotations
 
 from dist_launch.plan.launch_plan import LaunchPlan
 from dist_launch.rendezvous.c10d import connect_c10d
-from dist_launch.rendezvous.host_names import (
-    DEFAULT_JOIN_TIMEOUT,
-    is_literal_address,
-    wait_until_resolvable,
-)
+from dist_launch.rendezvous.host_names import is_literal_address, wait_until_resolvable
 from dist_launch.rendezvous.protocol import Rendezvous
-from dist_launch.rendezvous.rdzv_conf import conf_seconds
 from dist_launch.rendezvous.static import StaticRendezvous
 
 
@@ -29,12 +24,8 @@ def rendezvous_host(plan: LaunchPlan) -> tuple[str, str]:
 
 
 def join_timeout(plan: LaunchPlan) -> float:
-    """``--rdzv-conf join_timeout`` (seconds), torchrun's 600 when not given.
-
-    Raises:
-        RendezvousUsageError: It is not a positive number.
-    """
-    return conf_seconds(plan.rdzv_conf, "join_timeout", DEFAULT_JOIN_TIMEOUT)
+    """``--rdzv-conf join_timeout`` (seconds), torchrun's 600 when not given."""
+    return plan.rdzv_timeouts.join
 
 
 def open_rendezvous(plan: LaunchPlan) -> Rendezvous:
@@ -46,8 +37,7 @@ def open_rendezvous(plan: LaunchPlan) -> Rendezvous:
     once or not at all. The agent calls this on a thread.
 
     Raises:
-        RendezvousUsageError: A static job's master port is taken on node 0, or the
-            join timeout is malformed.
+        RendezvousUsageError: A static job's master port is taken on node 0.
         UnresolvableHostError: The host's name did not resolve in time.
         Exception: torch's errors when the c10d store cannot be reached or served.
         ConnectionError: No etcd member answered (the message says what to install).

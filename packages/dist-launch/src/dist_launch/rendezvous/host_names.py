@@ -20,8 +20,6 @@ logger = logging.getLogger(__name__)
 # The first retry, and the longest wait between two (doubling in between).
 FIRST_RETRY_SECONDS = 0.1
 LONGEST_RETRY_SECONDS = 2.0
-# torchrun's c10d join_timeout: how long a node may wait for the others to appear.
-DEFAULT_JOIN_TIMEOUT = 600.0
 
 Resolver = Callable[[str], object]
 
