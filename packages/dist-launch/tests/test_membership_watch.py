@@ -44,6 +44,9 @@ class FakeMembership:
             return 0
         return self.finished
 
+    def lost_store(self, error: Exception, since: float) -> str:
+        return f"node0 stopped answering ({error})"
+
 
 def first_change(membership: FakeMembership, lost_after: float = 0.0) -> list[RoundChange]:
     changes: list[RoundChange] = []
@@ -68,7 +71,7 @@ def test_a_silent_store_is_reported_with_its_error() -> None:
     membership.error = TimeoutError("read timed out")
     (change,) = first_change(membership)
     assert change.kind == "unreachable"
-    assert str(change) == "unreachable: the rendezvous store does not answer (read timed out)"
+    assert str(change) == "unreachable: node0 stopped answering (read timed out)"
 
 
 def test_waiting_nodes_are_reported() -> None:

@@ -359,3 +359,16 @@ def test_c10d_unreachable_endpoint_names_it(script: str) -> None:
     plan = plan_of(script, rdzv_backend="c10d", rdzv_endpoint="node0:notaport", nproc_per_node="1")
     with pytest.raises(ConnectionError, match="cannot reach the rendezvous at node0:notaport"):
         connect_c10d(plan)
+
+
+def test_a_lost_c10d_store_is_named_by_its_node_with_the_way_out(script: str) -> None:
+    plan = plan_of(
+        script, nnodes="1:2", rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:29400", rdzv_id="j"
+    )
+    rdzv = C10dRendezvous(plan, handler=object())
+    at = 1_800_000_000.0
+    text = rdzv.lost_store(TimeoutError("no answer"), at)
+    assert text.startswith("127.0.0.1, which served the rendezvous, stopped answering at ")
+    assert time.strftime("%H:%M:%S", time.localtime(at)) in text
+    way_out = "a job survives the loss of any node with --rdzv-backend etcd"
+    assert text.endswith(f"(no answer); {way_out}")

@@ -290,6 +290,23 @@ class C10dRendezvous:
         """None: torch's rendezvous chose the master port, not this launcher."""
         return None
 
+    def lost_store(self, error: Exception, since: float) -> str:
+        """Names the node that served the store, when it stopped answering, and the way out.
+
+        ``node0 (10.0.0.1:29400), which served the rendezvous, stopped answering at
+        12:00:03 (...); a job survives the loss of any node with --rdzv-backend etcd``.
+        """
+        host, port = c10d_host_and_port(self.plan.rdzv_endpoint)
+        address = host
+        with contextlib.suppress(OSError):
+            address = socket.gethostbyname(host)
+        where = host if address == host else f"{host} ({address}:{port})"
+        at = time.strftime("%H:%M:%S", time.localtime(since))
+        return (
+            f"{where}, which served the rendezvous, stopped answering at {at} ({error}); "
+            "a job survives the loss of any node with --rdzv-backend etcd"
+        )
+
     def nodes_waiting(self) -> int:
         """Nodes waiting to join a next round (late or restarted ones)."""
         return int(self.deadline.run("num_nodes_waiting", self.handler.num_nodes_waiting))

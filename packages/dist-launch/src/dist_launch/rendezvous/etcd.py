@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -140,6 +141,14 @@ class EtcdRendezvous(C10dRendezvous):
         self._gateway = gateway
         self.lease = lease
         self._alive_prefix: str | None = None
+
+    def lost_store(self, error: Exception, since: float) -> str:
+        """No etcd member answered: names the members and when they stopped."""
+        at = time.strftime("%H:%M:%S", time.localtime(since))
+        return (
+            f"no etcd member of {self.plan.rdzv_endpoint} answered since {at} ({error}); "
+            "this node is cut off from the job's majority and stops its workers"
+        )
 
     def next_round(self) -> Assignment:
         """Joins the next round and marks this node alive in it, bound to its lease."""

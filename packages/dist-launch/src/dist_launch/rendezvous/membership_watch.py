@@ -35,6 +35,9 @@ class Membership(Protocol):
     def nodes_finished(self) -> int:
         """Nodes of the current round whose workers all succeeded."""
 
+    def lost_store(self, error: Exception, since: float) -> str:
+        """Why the round ends when the store stopped answering at ``since`` (wall clock)."""
+
 
 class MembershipWatch:
     """Polls ``membership`` every ``interval`` seconds on a daemon thread.
@@ -74,7 +77,7 @@ class MembershipWatch:
         except Exception as error:  # torch's store errors vary
             # Each store operation already waited torch's read_timeout: the store's
             # node is gone, or this node's network is.
-            return RoundChange("unreachable", f"the rendezvous store does not answer ({error})")
+            return RoundChange("unreachable", membership.lost_store(error, time.time()))
         if finishing:
             return None
         if waiting > 0:
