@@ -361,9 +361,12 @@ class C10dRendezvous:
         store.set(f"dist_launch/failure/{record.group_rank}", json.dumps(record.__dict__))
         if int(store.add("dist_launch/failed", 1)) == 1:
             total = int(self._job_store.add(self._prefix + "restarts", 1))
+            store.set("dist_launch/counted", str(total))
         else:
-            # Another node counted this round already; it did so before its own report.
-            total = int(self._job_store.add(self._prefix + "restarts", 0))
+            # Another node counts this round: its total once it has written it (reading
+            # the job's counter here could come before that node's increment).
+            store.wait(["dist_launch/counted"], timedelta(seconds=self.timeouts.read))
+            total = int(store.get("dist_launch/counted"))
         first = self._wait_for_cause() if record.consequence else self.failures()
         return FailureCount(total, "job", (first[0] if first else record).describe())
 
