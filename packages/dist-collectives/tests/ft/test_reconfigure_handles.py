@@ -12,10 +12,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import dist_collectives.ft as ft
 from dist_collectives.ft import (
     ErrorSwallowingProcessGroupWrapper,
     FTError,
     HandleExchangeTimeoutError,
+    ManagerConfigError,
     ProcessGroupBabyGloo,
     ProcessGroupDummy,
     ProcessGroupGloo,
@@ -173,3 +175,16 @@ def test_configure_keeps_working_and_names_its_backend_after_the_address() -> No
         assert name == f"torchft_{configuration_uuid(address)}_rank_0"
     finally:
         group.shutdown()
+
+
+def test_the_manager_refuses_a_group_it_cannot_reconfigure_and_names_it() -> None:
+    plain = dist.ProcessGroup(dist.HashStore(), 0, 1)  # torch's, with no backend
+    with pytest.raises(ManagerConfigError, match=r"ProcessGroup .* cannot be reconfigured"):
+        ft.Manager(
+            plain,
+            load_state_dict=lambda state: None,
+            state_dict=dict,
+            store_addr="localhost",
+            store_port=1,
+        )
+    assert issubclass(ManagerConfigError, ValueError)
