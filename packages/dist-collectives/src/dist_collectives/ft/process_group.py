@@ -172,7 +172,7 @@ class ProcessGroup(dist.ProcessGroup):
         built as :meth:`configure` builds it. Blocks until it is; errors raise here.
 
         Args:
-            opts: A :data:`~dist_collectives.ft.ReconfigureOptions` (torch's own on
+            opts: A :class:`~dist_collectives.ft.ReconfigureOptions` (torch's own on
                 torch 2.14+).
 
         Returns:

@@ -53,8 +53,19 @@ HANDLE_KEY = "handle/"
 
 
 @dataclasses.dataclass
-class _PortableReconfigureOptions:
-    """torch 2.14's ``ReconfigureOptions`` for a torch without it (:data:`ReconfigureOptions`)."""
+class ReconfigureOptions:
+    """The options of one reconfiguration, as torch 2.14 names them.
+
+    Where torch has its own ``ReconfigureOptions`` (2.14+), this name is torch's class,
+    so that torch's reconfigurable groups accept it too; before that, this dataclass
+    with the same fields.
+
+    Attributes:
+        uuid: The same on every member; names the reconfiguration.
+        handles: Every member's ``get_reconfigure_handle()``, in rank order.
+        timeout: How long the reconfiguration may take (None: the group's own).
+        hints: Backend hints; unused by these groups.
+    """
 
     uuid: int = 0
     handles: list[str] | set[str] = dataclasses.field(default_factory=list)
@@ -62,13 +73,9 @@ class _PortableReconfigureOptions:
     hints: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
-#: The options of one reconfiguration: ``uuid`` (the same on every member), ``handles``
-#: (every member's handle, in rank order), ``timeout`` and ``hints``. torch's own
-#: ``ReconfigureOptions`` where torch has it (2.14+), so that torch's reconfigurable
-#: groups accept it too; before that, a dataclass with the same fields.
-ReconfigureOptions: Any = getattr(
-    torch._C._distributed_c10d, "ReconfigureOptions", _PortableReconfigureOptions
-)
+_TORCH_RECONFIGURE_OPTIONS = getattr(torch._C._distributed_c10d, "ReconfigureOptions", None)
+if _TORCH_RECONFIGURE_OPTIONS is not None:
+    ReconfigureOptions = _TORCH_RECONFIGURE_OPTIONS  # type: ignore[misc]  # torch 2.14+'s
 
 
 class HandleExchangeTimeoutError(RendezvousTimeoutError, dist.DistStoreError):
@@ -108,7 +115,7 @@ def rendezvous_of(options: Any, handle_id: str) -> Rendezvous:
     """Reads ordered handles: this member's rank, the members, their store.
 
     Args:
-        options: A :data:`ReconfigureOptions` (anything with ``uuid`` and ``handles``).
+        options: A :class:`ReconfigureOptions` (anything with ``uuid`` and ``handles``).
         handle_id: The ``id`` in this member's handle.
 
     Raises:
