@@ -824,7 +824,7 @@ def torchft_nightly_compat(session: nox.Session) -> None:
     ``dist_collectives.ft`` through the import-only ``torchft`` shim of
     ``torchft_compat``. Prints both counts; fails when a test passes on the reference
     but not on ours, unless it is named in ``TORCHFT_NIGHTLY_KNOWN_MISSES`` with why.
-    About 5 minutes here.
+    About 10 minutes here (the torch 2.15 install included).
     """
     torch_spec = OTHER_TORCH_SPECS["2.15"]
     _install_packages(session, ["dist-collectives"], extras="[test]", torch_spec=torch_spec)
