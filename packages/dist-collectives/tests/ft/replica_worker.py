@@ -49,6 +49,28 @@ def _digest(model: nn.Module, optimizer: torch.optim.Optimizer) -> str:
     return h.hexdigest()
 
 
+def _torch_reconfigurable_group(port: int) -> dist.ProcessGroup:
+    """torch's own reconfigurable gloo group (torch 2.14+), as torchft 0.3's users build it.
+
+    Each replica initialises its default group on a bootstrap prefix of the job's store
+    with a rank of its own (torch's gloo tells reconfigurable members apart by it), and
+    the Manager moves it to the quorum's members from then on.
+    """
+    client = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False)
+    member = client.add("test/native/members", 1) - 1
+    dist.init_process_group(
+        "gloo",
+        store=dist.PrefixStore("test/native", client),
+        rank=member,
+        world_size=member + 1,
+        timeout=timedelta(seconds=20),
+        enable_reconfigure=True,  # type: ignore[call-arg]  # torch 2.14+
+    )
+    group = dist.group.WORLD
+    assert group is not None
+    return group
+
+
 def _kill_self(store: dist.Store, manager: Manager) -> None:
     quorum = manager._quorum
     assert quorum is not None
@@ -72,9 +94,12 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="where the model lives (cuda: a GPU check)")
     parser.add_argument(
         "--group",
-        choices=["gloo", "reconfigurable-gloo"],
+        choices=["gloo", "reconfigurable-gloo", "torch"],
         default="gloo",
-        help="gloo: rebuilt per quorum; reconfigurable-gloo: torch 2.14's, reconfigured in place",
+        help=(
+            "gloo: rebuilt per quorum; reconfigurable-gloo: torch 2.14's, reconfigured in "
+            "place; torch: torch's own reconfigurable default group, handed to the Manager"
+        ),
     )
     args = parser.parse_args()
     # The Manager's event lines (failure, discarded step, quorum, recovery) go to stderr.
@@ -93,9 +118,15 @@ def main() -> None:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optim"])
 
-    group_type = ProcessGroupGloo if args.group == "gloo" else ProcessGroupReconfigurableGloo
+    group: dist.ProcessGroup
+    if args.group == "torch":
+        group = _torch_reconfigurable_group(args.port)
+    elif args.group == "gloo":
+        group = ProcessGroupGloo(timeout=timedelta(seconds=20))
+    else:
+        group = ProcessGroupReconfigurableGloo(timeout=timedelta(seconds=20))
     manager = Manager(
-        group_type(timeout=timedelta(seconds=20)),
+        group,
         load_state_dict=load_state_dict,
         state_dict=state_dict,
         min_replica_size=args.min_replicas,

@@ -130,6 +130,19 @@ def test_torchs_reconfigurable_gloo_group_under_the_manager_survives_a_kill(
     print(f"survivors noticed the kill after {[round(n, 3) for n in notice]} s")
 
 
+@pytest.mark.processes
+@pytest.mark.skipif(
+    torch_reconfigure_missing() is not None, reason=str(torch_reconfigure_missing())
+)
+@pytest.mark.timeout(400)
+def test_a_manager_moves_torchs_own_reconfigurable_group_through_a_kill(tmp_path: Path) -> None:
+    # torchft 0.3's form: init_process_group(..., enable_reconfigure=True), the default
+    # group handed to the Manager, which reconfigures it by handles at every quorum.
+    result = _run_kill_and_rejoin(tmp_path, 3, "manager", group="torch")
+    notice = _check(result, 3)
+    print(f"survivors noticed the kill after {[round(n, 3) for n in notice]} s")
+
+
 @pytest.mark.skipif(
     torch_reconfigure_missing() is None, reason="this torch has reconfigurable groups"
 )

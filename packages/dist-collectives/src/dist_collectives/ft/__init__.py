@@ -1,7 +1,9 @@
 """Reconfigurable, fault-tolerant process groups in the style of torchft.
 
-Every group here is a :class:`torch.distributed.ProcessGroup` that can be configured
-again with other members on a new ``host:port/prefix`` of a store that runs in the job.
+Every group here is a :class:`torch.distributed.ProcessGroup` that can be moved to other
+members: by torchft 0.3's handles (``get_reconfigure_handle``, ``reconfigure``,
+:func:`reconfigure_with_store`) or by torchft 0.2's ``configure`` on a new
+``host:port/prefix`` of a store that runs in the job.
 A :class:`Manager` forms a quorum of live replicas through that store, heals replicas
 that join, and decides per step whether it may be committed.
 """
@@ -27,6 +29,11 @@ from dist_collectives.ft.process_group import ProcessGroup, StoreAddressReusedEr
 from dist_collectives.ft.quorum import Quorum, QuorumTimeoutError
 from dist_collectives.ft.quorum_worker import QuorumWorkerTimeoutError
 from dist_collectives.ft.reconfigurable import ProcessGroupReconfigurableGloo
+from dist_collectives.ft.reconfigure import (
+    HandleExchangeTimeoutError,
+    ReconfigureOptions,
+    reconfigure_with_store,
+)
 from dist_collectives.ft.state_transfer import StateTransferError
 from dist_collectives.ft.store import (
     RendezvousTimeoutError,
@@ -38,6 +45,8 @@ from dist_collectives.ft.wrappers import ErrorSwallowingProcessGroupWrapper, Pro
 
 __all__ = [
     "ProcessGroup",
+    "ReconfigureOptions",
+    "reconfigure_with_store",
     "ProcessGroupWrapper",
     "ProcessGroupGloo",
     "ProcessGroupReconfigurableGloo",
@@ -64,6 +73,7 @@ __all__ = [
     "StoreAddressError",
     "StoreAddressReusedError",
     "RendezvousTimeoutError",
+    "HandleExchangeTimeoutError",
     "ManagerConfigError",
     "ReplicaError",
     "QuorumTimeoutError",

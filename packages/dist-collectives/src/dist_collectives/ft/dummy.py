@@ -41,6 +41,11 @@ class ProcessGroupDummy(ProcessGroup):
             raise ValueError(f"ProcessGroupDummy cannot be configured with world_size={world_size}")
         self.configure_count += 1
 
+    @property
+    def reconfigure_count(self) -> int:
+        """How many times the group was configured or reconfigured (torchft 0.3's name)."""
+        return self.configure_count
+
     def getBackendName(self) -> str:
         """``"ft-dummy"``."""
         return "ft-dummy"

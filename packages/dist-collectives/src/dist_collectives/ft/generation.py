@@ -35,7 +35,6 @@ import torch.distributed as dist
 from torch.futures import Future
 
 from dist_collectives.ft.manager_futures import BufferPool
-from dist_collectives.ft.process_group import ProcessGroup
 from dist_collectives.ft.work import WorkFuture, future_for
 
 logger = logging.getLogger(__name__)
@@ -73,7 +72,7 @@ class Generation:
     def __init__(
         self,
         number: int,
-        pg: ProcessGroup,
+        pg: dist.ProcessGroup,
         buffers: BufferPool,
         *,
         on_error: Callable[[Exception], None],

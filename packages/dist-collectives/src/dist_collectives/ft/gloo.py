@@ -35,13 +35,33 @@ def _gloo_device() -> object:
 
 
 def create_gloo_backend(
-    store: Store, rank: int, world_size: int, timeout: timedelta
+    store: Store,
+    rank: int,
+    world_size: int,
+    timeout: timedelta,
+    *,
+    group_name: str | None = None,
+    global_ranks: list[int] | None = None,
 ) -> dist.ProcessGroupGloo:
     """A torch gloo backend over ``store``, using this process's cached transport device.
 
     Reads ``GLOO_SOCKET_IFNAME`` (through torch) the first time it is called.
+
+    Args:
+        store: The configuration's store.
+        rank: This member's rank.
+        world_size: The number of members.
+        timeout: How long one operation may take.
+        group_name: The backend's name in torch's logs and flight recorder
+            (``torchft_<uuid>_rank_<n>``), or None for torch's default.
+        global_ranks: The members' job-wide ranks, or None.
     """
-    backend = dist.ProcessGroupGloo(store, rank, world_size, gloo_options(timeout))
+    options = gloo_options(timeout)
+    if group_name is not None:
+        options.group_name = group_name
+    if global_ranks is not None:
+        options.global_ranks_in_group = global_ranks
+    backend = dist.ProcessGroupGloo(store, rank, world_size, options)
     return backend
 
 
@@ -86,7 +106,14 @@ class ProcessGroupGloo(ProcessGroupWrapper):
         super().__init__(timeout=timeout)
 
     def _create_pg(self, store: Store, rank: int, world_size: int) -> dist.ProcessGroupGloo:
-        return create_gloo_backend(store, rank, world_size, self._timeout)
+        return create_gloo_backend(
+            store,
+            rank,
+            world_size,
+            self._timeout,
+            group_name=self.backend_group_name(),
+            global_ranks=self.backend_global_ranks(),
+        )
 
     def _create_view(
         self, store: Store, rank: int, world_size: int, backend: Any

@@ -65,6 +65,7 @@ from dist_collectives.ft.manager_config import (
     DEFAULT_NAMESPACE,
     ManagerConfig,
     check_arguments,
+    check_group,
     default_replica_id,
     resolve_store,
 )
@@ -89,7 +90,11 @@ class Manager:
 
     Args:
         pg: The reconfigurable group the replicas average gradients over; the Manager
-            configures it whenever the quorum changes.
+            moves it to the quorum's members whenever the quorum changes. One of these
+            groups, which are told who this process is (``set_rank_info``), or a torch
+            group that ``supports_reconfigure`` (torch 2.14+'s, built with
+            ``init_process_group(..., enable_reconfigure=True)``), moved by
+            :func:`~dist_collectives.ft.reconfigure_with_store`.
         load_state_dict: Called with a healthy peer's state when this replica heals.
         state_dict: Returns this replica's state, sent to replicas that heal.
         min_replica_size: A quorum needs at least this many replicas.
@@ -125,11 +130,15 @@ class Manager:
             on apart with every step committed. ``False`` saves that one state transfer
             where every replica initialises identically (seeded, same device kind).
             Every replica of a job passes the same value.
+
+    Raises:
+        ManagerConfigError: (a ``ValueError``) ``pg`` cannot be reconfigured (the
+            message names it), or the sizes, ranks or store are wrong.
     """
 
     def __init__(
         self,
-        pg: ProcessGroup,
+        pg: dist.ProcessGroup,
         *,
         load_state_dict: Callable[[Any], None],
         state_dict: Callable[[], Any],
@@ -147,6 +156,7 @@ class Manager:
         group_world_size: int = 1,
         init_sync: bool = True,
     ) -> None:
+        check_group(pg)
         check_arguments(min_replica_size, group_rank, group_world_size, replica_id)
         host, port = resolve_store(store_addr, store_port, os.environ)
         self._config = ManagerConfig(
@@ -164,6 +174,9 @@ class Manager:
             group_world_size=group_world_size,
             init_sync=init_sync,
         )
+        if isinstance(pg, ProcessGroup):
+            # No global rank: a replica's processes need not know their job-wide ranks.
+            pg.set_rank_info(self._config.replica_id, group_rank, group_world_size)
         self._executor = ManagerExecutor(
             pg, self._config, load_state_dict=load_state_dict, state_dict=state_dict, log=logger
         )

@@ -9,6 +9,8 @@ import uuid
 from collections.abc import Mapping
 from datetime import timedelta
 
+import torch.distributed as dist
+
 from dist_collectives.ft.errors import ManagerConfigError
 
 # The store's key prefix when a Manager is given none.
@@ -97,6 +99,44 @@ def check_arguments(
             f"group_world_size={group_world_size} needs a replica_id shared by the ranks "
             "of the replica group (each rank would otherwise name a group of its own)"
         )
+
+
+def check_group(pg: object) -> None:
+    """Raises unless the Manager can move ``pg`` to new members.
+
+    These groups can; so can torch's own reconfigurable ones (torch 2.14+, built with
+    ``init_process_group(..., enable_reconfigure=True)``), which say so through
+    ``supports_reconfigure``. Asked of a group without a backend, torch raises instead
+    of answering: that is a no.
+
+    Raises:
+        ManagerConfigError: ``pg`` cannot be reconfigured; the message names it.
+    """
+    try:
+        supported = bool(getattr(pg, "supports_reconfigure", False))
+    except RuntimeError:  # torch: "Could not find the default backend type ..."
+        supported = False
+    if supported:
+        return
+    name = _torch_group_name(pg)
+    named = f" named {name!r}" if name else ""
+    raise ManagerConfigError(
+        f"Manager: {type(pg).__module__}.{type(pg).__qualname__}{named} ({pg!r}) cannot be "
+        "reconfigured, and the Manager moves its group to the live replicas at every "
+        "quorum change: pass a dist_collectives.ft group (ProcessGroupGloo, "
+        "ProcessGroupNCCL, ...) or a torch group created with "
+        "init_process_group(..., enable_reconfigure=True) (torch 2.14+)"
+    )
+
+
+def _torch_group_name(pg: object) -> str | None:
+    """The name torch registered ``pg`` under, or None (unregistered, or not a torch group)."""
+    if not isinstance(pg, dist.ProcessGroup):
+        return None
+    try:
+        return str(pg.group_name)
+    except (AttributeError, RuntimeError):  # torch: "ProcessGroup name not set"
+        return None
 
 
 def _check_sizes(min_replica_size: int, group_rank: int, group_world_size: int) -> None:

@@ -52,6 +52,7 @@ from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch
+import torch.distributed as dist
 from torch.futures import Future
 
 from dist_collectives.ft.bounded_store import BoundedStore, StoreTimeoutError
@@ -88,6 +89,7 @@ from dist_collectives.ft.quorum import (
     compute_quorum,
 )
 from dist_collectives.ft.quorum_worker import QuorumRequest, QuorumWorker, QuorumWorkerTimeoutError
+from dist_collectives.ft.reconfigure import reconfigure_with_store
 from dist_collectives.ft.state_transfer import recv_state, send_state
 from dist_collectives.ft.work import WorkFuture, future_for
 
@@ -124,7 +126,7 @@ class ManagerExecutor:
 
     def __init__(
         self,
-        pg: ProcessGroup,
+        pg: dist.ProcessGroup,
         config: ManagerConfig,
         *,
         load_state_dict: Callable[[Any], None],
@@ -385,7 +387,7 @@ class ManagerExecutor:
             self._worker.doing = describe_action(action)
             if isinstance(action, Configure):
                 started = time.perf_counter()
-                self._pg.configure(action.address, action.rank, action.world_size)
+                move_group(self._pg, action, config.timeout)
                 self.state.configured_for(quorum)
                 self._log.info(
                     "replica %s: quorum %d with %d replicas, rank %d, step %d%s; configured "
@@ -709,3 +711,16 @@ class ManagerExecutor:
             if isinstance(store, BoundedStore):
                 store.close()
         self._pg.shutdown()
+
+
+def move_group(pg: dist.ProcessGroup, action: Configure, timeout: timedelta) -> None:
+    """Moves ``pg`` to the members of ``action``'s quorum, on ``action.address``.
+
+    These groups rendezvous there themselves (``configure``); torch's own
+    reconfigurable groups exchange their handles there
+    (:func:`~dist_collectives.ft.reconfigure_with_store`) and reconfigure in place.
+    """
+    if isinstance(pg, ProcessGroup):
+        pg.configure(action.address, action.rank, action.world_size)
+    else:
+        reconfigure_with_store(pg, action.address, action.rank, action.world_size, timeout)

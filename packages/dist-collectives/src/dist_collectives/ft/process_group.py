@@ -5,6 +5,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
+import socket
+import threading
+import uuid
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, cast
@@ -15,8 +18,17 @@ from torch._C._distributed_c10d import (
     _register_process_group,
     _unregister_process_group,
 )
+from torch.distributed import TCPStore  # type: ignore[attr-defined]  # public, not re-exported in the stubs
 
 from dist_collectives.ft.errors import FTError, UnsupportedOperationError
+from dist_collectives.ft.reconfigure import (
+    Rendezvous,
+    backend_group_name,
+    configuration_uuid,
+    make_handle,
+    rendezvous_of,
+)
+from dist_collectives.ft.work import DummyWork
 
 if TYPE_CHECKING:
     from torch.distributed.distributed_c10d import GroupName
@@ -43,14 +55,23 @@ class StoreAddressReusedError(FTError, ValueError):
 
 
 class ProcessGroup(dist.ProcessGroup):
-    """A torch process group whose members can change: call :meth:`configure` again.
+    """A torch process group whose members can change.
 
-    Each configuration rendezvouses on its own ``host:port/prefix`` of a store that runs
-    in the job; a prefix must never be used twice, because the keys a previous
-    configuration left there would make the rendezvous of the new one read stale
-    addresses. Operations follow torch's ProcessGroup overloads (a tensor list with an
-    options object, or a tensor with a :class:`~torch.distributed.ReduceOp`) and return
-    :class:`~torch.distributed.Work`.
+    Two ways to move it to new members, both rebuilding its backend:
+
+    - torchft 0.3's (and torch 2.14's): every member hands out
+      :meth:`get_reconfigure_handle`, the handles are exchanged (a Manager's quorum, or
+      :func:`~dist_collectives.ft.reconfigure_with_store`), and every member calls
+      :meth:`reconfigure` with the same ``uuid`` and the handles in rank order;
+    - torchft 0.2's: :meth:`configure` with a ``host:port/prefix`` of a store that runs
+      in the job, a rank and a world size.
+
+    Each configuration rendezvouses on its own ``host:port/prefix``; a prefix must never
+    be used twice, because the keys a previous configuration left there would make the
+    rendezvous of the new one read stale addresses (:meth:`reconfigure` names its
+    prefix after the ``uuid``). Operations follow torch's ProcessGroup overloads (a
+    tensor list with an options object, or a tensor with a
+    :class:`~torch.distributed.ReduceOp`) and return :class:`~torch.distributed.Work`.
 
     The torch base is built as a group of rank 0 of 1 and is never reconfigured; this
     class answers :meth:`rank` and :meth:`size` from the current configuration.
@@ -65,15 +86,151 @@ class ProcessGroup(dist.ProcessGroup):
         self._registered_with_default_group = False
         self._torch_group_name: GroupName | None = None
         self._timeout = DEFAULT_TIMEOUT
-        #: The arguments of the last successful :meth:`configure`, or None.
+        #: The arguments of the last successful :meth:`configure` or :meth:`reconfigure`,
+        #: or None.
         self.configuration: Configuration | None = None
+        self._handle_lock = threading.Lock()
+        self._reconfigure_id = uuid.uuid4().hex
+        self._handle_store: TCPStore | None = None
+        self._rank_info: RankInfo | None = None
+        # The communicator a configuration being built belongs to (see _build).
+        self._communicator: Communicator | None = None
+
+    # -- torchft 0.3's reconfiguration by handles ------------------------------------------
+
+    @property
+    def supports_reconfigure(self) -> bool:
+        """True: :meth:`reconfigure` moves this group to the members its handles name."""
+        return True
+
+    def set_rank_info(
+        self,
+        replica_id: str,
+        group_rank: int,
+        group_world_size: int,
+        global_rank: int | None = None,
+    ) -> None:
+        """Tells the group who this process is (torchft 0.3; a Manager calls it).
+
+        The global rank goes into :meth:`get_reconfigure_handle`, so every member
+        learns the job-wide ranks of the group (torch's flight recorder reads them);
+        with ``group_rank`` and ``group_world_size`` known, each configuration's
+        backend is named ``torchft_<uuid>_rank_<group_rank % group_world_size>``.
+
+        Args:
+            replica_id: The replica (group) this process belongs to.
+            group_rank: This process's rank within its replica group.
+            group_world_size: The number of ranks in a replica group.
+            global_rank: This process's job-wide rank, or None.
+
+        Raises:
+            ValueError: ``group_rank`` is not in ``0..group_world_size-1``.
+        """
+        owner = type(self).__name__
+        if group_world_size < 1 or not 0 <= group_rank < group_world_size:
+            raise ValueError(
+                f"{owner}.set_rank_info: group_rank={group_rank} is not in "
+                f"0..{group_world_size - 1} (group_world_size={group_world_size})"
+            )
+        self._rank_info = RankInfo(replica_id, group_rank, group_world_size, global_rank)
+
+    @property
+    def rank_info(self) -> RankInfo | None:
+        """What :meth:`set_rank_info` was last told, or None."""
+        return self._rank_info
+
+    def _handle_id(self) -> str:
+        """The ``id`` in this group's handles: fixed for the object's lifetime (torchft's name)."""
+        return self._reconfigure_id
+
+    def get_reconfigure_handle(self) -> str:
+        """This member's handle: who it is, a store it hosts, its global rank.
+
+        torchft's JSON (``{"id": ..., "store": "host:port", "global_rank": ...}``). The
+        first call starts the store (a TCPStore server on this host, any free port);
+        the members of a reconfiguration whose first handle is this one rendezvous on
+        it, so it lives as long as this object.
+        """
+        with self._handle_lock:
+            if self._handle_store is None:
+                self._handle_store = TCPStore(
+                    host_name=socket.gethostname(),
+                    port=0,
+                    is_master=True,
+                    wait_for_workers=False,
+                    timeout=self._timeout,
+                )
+            store = f"{socket.gethostname()}:{self._handle_store.port}"
+        info = self._rank_info
+        return make_handle(self._handle_id(), store, None if info is None else info.global_rank)
+
+    def reconfigure(self, opts: Any) -> dist.Work:
+        """Joins the members ``opts.handles`` names, as the index of this group's handle.
+
+        Every member passes the same options (``uuid``, ``handles`` in rank order); they
+        rendezvous on ``<store of the first handle>/torchft/<uuid>`` and the backend is
+        built as :meth:`configure` builds it. Blocks until it is; errors raise here.
+
+        Args:
+            opts: A :class:`~dist_collectives.ft.ReconfigureOptions` (torch's own on
+                torch 2.14+).
+
+        Returns:
+            A completed :class:`~torch.distributed.Work`.
+
+        Raises:
+            ValueError: the handles are not a list, or do not include this group's.
+            RendezvousTimeoutError: some members did not arrive within the timeout.
+            StoreAddressReusedError: this group was reconfigured with this ``uuid``
+                and first store before.
+        """
+        plan = rendezvous_of(opts, self._handle_id())
+        self._build(plan.store_addr, plan.rank, plan.world_size, communicator_of(plan))
+        info = self._rank_info
+        self.configuration = Configuration(
+            plan.store_addr,
+            plan.rank,
+            plan.world_size,
+            replica_id=None if info is None else info.replica_id,
+            quorum_id=plan.uuid,
+            group_rank=None if info is None else info.group_rank,
+            group_world_size=None if info is None else info.group_world_size,
+            global_ranks=None if plan.global_ranks is None else tuple(plan.global_ranks),
+        )
+        return DummyWork()
+
+    def _build(
+        self, store_addr: str, rank: int, world_size: int, communicator: Communicator
+    ) -> None:
+        """:meth:`_configure` for ``communicator``, which names the backend it builds."""
+        previous, self._communicator = self._communicator, communicator
+        try:
+            self._configure(store_addr, rank, world_size)
+        except BaseException:
+            self._communicator = previous
+            raise
+
+    def backend_group_name(self) -> str | None:
+        """``torchft_<uuid>_rank_<n>`` for the configuration being built; None without rank info."""
+        info, communicator = self._rank_info, self._communicator
+        if info is None or communicator is None:
+            return None
+        return backend_group_name(communicator.uuid, info.group_rank, info.group_world_size)
+
+    def backend_global_ranks(self) -> list[int] | None:
+        """The job-wide ranks of the members of the configuration being built, if known."""
+        communicator = self._communicator
+        if communicator is None or communicator.global_ranks is None:
+            return None
+        return list(communicator.global_ranks)
 
     # -- configuration ------------------------------------------------------------------
 
     def configure(self, store_addr: str, *args: Any, **kwargs: Any) -> None:
         """Joins a new group of ``world_size`` members as ``rank``, leaving the old one.
 
-        Two signatures, told apart by the type of the second argument:
+        torchft 0.2's form of :meth:`reconfigure`, kept. Two signatures, told apart by
+        the type of the second argument:
 
         - ``configure(store_addr, rank, world_size)``;
         - torchft 0.2.0's ``configure(store_addr, replica_id, rank, world_size,
@@ -98,7 +255,12 @@ class ProcessGroup(dist.ProcessGroup):
                 not have ``world_size`` entries.
         """
         configuration = parse_configure_args(type(self).__name__, store_addr, args, kwargs)
-        self._configure(configuration.store_addr, configuration.rank, configuration.world_size)
+        communicator = Communicator(
+            configuration_uuid(configuration.store_addr), configuration.global_ranks
+        )
+        self._build(
+            configuration.store_addr, configuration.rank, configuration.world_size, communicator
+        )
         self.configuration = configuration
 
     def _configure(self, store_addr: str, rank: int, world_size: int) -> None:
@@ -301,8 +463,8 @@ KNOWN_COLLECTIVES = (
 )
 
 # Operations of torch's ProcessGroup that return a Work but manage the group instead
-# of moving data: torch 2.14's in-place ``reconfigure``. These groups are rebuilt by
-# ``configure``, so it is refused by name rather than forwarded to one configuration.
+# of moving data: torch 2.14's ``reconfigure``, which each group answers itself
+# (ProcessGroup.reconfigure) rather than forwarding it to one configuration.
 GROUP_MANAGEMENT = ("reconfigure",)
 
 _RETURNS_WORK = re.compile(r"->\s*\S*Work\b")
@@ -348,22 +510,28 @@ for _operation in OPERATIONS:
     setattr(ProcessGroup, _operation, _unsupported(_operation))
 
 
-def _reconfigure(self: ProcessGroup, *args: Any, **kwargs: Any) -> dist.Work:
-    """Refused: torch 2.14's in-place reconfiguration; these groups use :meth:`configure`."""
-    raise UnsupportedOperationError(
-        f"{refuse(self, 'reconfigure')}: torch's in-place reconfiguration does not apply; "
-        "call configure(store_addr, rank, world_size) with a new store prefix instead"
-    )
+@dataclasses.dataclass(frozen=True)
+class RankInfo:
+    """Who this process is, as :meth:`ProcessGroup.set_rank_info` was told."""
+
+    replica_id: str
+    group_rank: int
+    group_world_size: int
+    global_rank: int | None = None
 
 
-def _supports_reconfigure(self: ProcessGroup) -> bool:
-    """False: torch 2.14's ``reconfigure`` is refused (see :meth:`configure`)."""
-    return False
+@dataclasses.dataclass(frozen=True)
+class Communicator:
+    """The communicator one configuration builds: its ``uuid`` and members' global ranks."""
+
+    uuid: int
+    global_ranks: tuple[int, ...] | None = None
 
 
-# setattr: torch before 2.14 declares neither, so its stubs know neither.
-setattr(ProcessGroup, "reconfigure", _reconfigure)  # noqa: B010
-setattr(ProcessGroup, "supports_reconfigure", property(_supports_reconfigure))  # noqa: B010
+def communicator_of(plan: Rendezvous) -> Communicator:
+    """The :class:`Communicator` a :class:`~dist_collectives.ft.reconfigure.Rendezvous` builds."""
+    ranks = None if plan.global_ranks is None else tuple(plan.global_ranks)
+    return Communicator(plan.uuid, ranks)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,7 +27,6 @@ hands out once (``add``), so handles are unique across the job.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from datetime import timedelta
 from typing import Any
@@ -39,6 +38,7 @@ from torch.distributed import PrefixStore, Store  # type: ignore[attr-defined]  
 from dist_collectives.ft.errors import UnsupportedOperationError
 from dist_collectives.ft.gloo import gloo_options, process_group_view
 from dist_collectives.ft.process_group import DEFAULT_TIMEOUT
+from dist_collectives.ft.reconfigure import configuration_uuid
 from dist_collectives.ft.store import (
     connect_tcp_store,
     parse_store_addr,
@@ -76,15 +76,6 @@ def torch_reconfigure_missing() -> str | None:
         f"them: init_process_group(..., enable_reconfigure=True), dist._reconfigure); it "
         f"lacks {', '.join(missing)}"
     )
-
-
-def configuration_uuid(store_addr: str) -> int:
-    """The ``uuid`` of the configuration on ``store_addr``: the same on every member.
-
-    A 63-bit digest of the address; prefixes are never reused, so neither are uuids.
-    """
-    digest = hashlib.blake2b(store_addr.encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big") >> 1
 
 
 class ProcessGroupReconfigurableGloo(ProcessGroupWrapper):

@@ -40,9 +40,9 @@ import time
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from dist_collectives.ft import host_pages
-from dist_collectives.ft.process_group import ProcessGroup
 from dist_collectives.ft.state_layout import (
     CHECKSUM_WORDS,
     FORMAT,
@@ -70,9 +70,10 @@ WINDOW = 3  # messages in flight at once
 _MAX_CHUNK_BYTES = 1 << 30  # what a receiver accepts from a header
 
 
-def transport_device(pg: ProcessGroup) -> torch.device:
+def transport_device(pg: dist.ProcessGroup) -> torch.device:
     """The device the bytes of a state travel on over ``pg`` (see the module doc)."""
-    if "nccl" in pg.getBackendName().lower():
+    backend_name = getattr(pg, "getBackendName", None) or pg.name  # torch's own groups: name()
+    if "nccl" in backend_name().lower():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
@@ -137,7 +138,7 @@ class _Source:
         return self._last[1][piece.start : piece.stop]
 
 
-def send_state(pg: ProcessGroup, state: Any, step: int, dst: int) -> None:
+def send_state(pg: dist.ProcessGroup, state: Any, step: int, dst: int) -> None:
     """Sends ``state`` (and the step it belongs to) to rank ``dst`` of ``pg``; blocks.
 
     CUDA tensors of ``state`` are read only after their devices are synchronised, and
@@ -270,7 +271,7 @@ def _destinations(
     return tensors, fresh
 
 
-def recv_state(pg: ProcessGroup, src: int, *, into: Any = None) -> tuple[Any, int]:
+def recv_state(pg: dist.ProcessGroup, src: int, *, into: Any = None) -> tuple[Any, int]:
     """Receives what :func:`send_state` sent from rank ``src``; returns (state, step).
 
     The tensors are on the group's transport device (the CPU for gloo groups), and

@@ -182,6 +182,30 @@ class ProcessGroupWrapper(ProcessGroup):
             return super().__repr__()
         return f"{type(self).__name__}(pg={self._wrapped!r})"
 
+    def set_rank_info(
+        self,
+        replica_id: str,
+        group_rank: int,
+        group_world_size: int,
+        global_rank: int | None = None,
+    ) -> None:
+        """See :meth:`ProcessGroup.set_rank_info`; a wrapped group is told too."""
+        super().set_rank_info(replica_id, group_rank, group_world_size, global_rank)
+        if self._wrapped is not None:
+            self._wrapped.set_rank_info(replica_id, group_rank, group_world_size, global_rank)
+
+    def _handle_id(self) -> str:
+        """The wrapped group's handle id (a wrapper and its group are one member)."""
+        if self._wrapped is not None:
+            return self._wrapped._handle_id()
+        return super()._handle_id()
+
+    def get_reconfigure_handle(self) -> str:
+        """The wrapped group's handle, or this group's own over a torch backend."""
+        if self._wrapped is not None:
+            return self._wrapped.get_reconfigure_handle()
+        return super().get_reconfigure_handle()
+
     @property
     def parent(self) -> Any:
         """The object operations go to: the wrapped group, or the current torch backend."""
@@ -208,7 +232,11 @@ class ProcessGroupWrapper(ProcessGroup):
             )
         if self._wrapped is not None:
             self._check_configuration(store_addr, rank, world_size)
-            self._wrapped.configure(store_addr, rank, world_size)
+            communicator = self._communicator
+            if communicator is None:  # a subclass called _configure directly
+                self._wrapped.configure(store_addr, rank, world_size)
+            else:
+                self._wrapped._build(store_addr, rank, world_size, communicator)
             self._claim_configuration(store_addr, rank, world_size)
             self._set_configuration(rank, world_size)
             return
