@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from collections.abc import Callable
@@ -41,9 +43,11 @@ def test_sigkilled_caller_takes_its_workers_down(
     script.write_text(SCRIPT)
     pids_dir = tmp_path / "pids"
     pids_dir.mkdir()
-    scratch = tmp_path / "tmp"
-    scratch.mkdir()
-    env = {**os.environ, "TMPDIR": str(scratch)}  # where run_ranks keeps its rank files
+    # Where run_ranks keeps its rank files. Not under tmp_path: multiprocessing's fork
+    # server binds a socket in TMPDIR, and pytest's numbered directories (pytest-102/
+    # popen-gw2/...) made that path longer than a Unix socket's 107 bytes.
+    scratch = Path(tempfile.mkdtemp(prefix="orphans-"))
+    env = {**os.environ, "TMPDIR": str(scratch)}
     caller = subprocess.Popen([sys.executable, str(script), str(pids_dir), "park", "2"], env=env)
     try:
         deadline = time.monotonic() + 120
@@ -70,3 +74,4 @@ def test_sigkilled_caller_takes_its_workers_down(
     finally:
         if caller.poll() is None:
             caller.kill()
+        shutil.rmtree(scratch, ignore_errors=True)
