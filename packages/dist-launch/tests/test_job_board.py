@@ -131,3 +131,23 @@ def test_a_suspicion_tells_no_other_node_until_the_records_confirm_it(tmp_path: 
         here.stop()
         there.stop()
         watch.close()
+
+
+def test_a_suspicion_waiting_for_the_records_does_not_spin_the_loop(tmp_path: Path) -> None:
+    """While the records are asked for, the next look is a look period away, not past."""
+    watch = HangWatch(HangPolicy("fixed", 3.0), str(tmp_path), "n0 (node 0)")
+    try:
+        now = time.monotonic()
+        watch.quiet.last_progress = now - 10.0
+        assert watch.due(now) is not None
+        assert watch.suspicion is not None
+        for turn in range(1, 4):  # the loop comes back at the time due gave it
+            later = now + turn * 0.5
+            due = watch.due(later)
+            assert due is not None
+            assert due >= later + watch.policy.look_period
+        watch.dismiss(now + 2.0)
+        assert watch.due(now + 2.0) is not None  # the look after a dismissal is at once
+        assert watch.suspicion is None
+    finally:
+        watch.close()

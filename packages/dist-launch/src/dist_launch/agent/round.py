@@ -65,6 +65,8 @@ logger = logging.getLogger(__name__)
 # How long the ranks may take to answer a hang's records request (their stacks are
 # taken meanwhile, at most dist-core's STACK_DUMP_SECONDS).
 RECORDS_SECONDS = 5.0
+# How often the launcher looks for the ranks' answer files while it waits for them.
+ANSWER_POLL_SECONDS = 0.02
 # How long the other nodes' records of a hang are waited for; past it the verdict
 # covers the nodes that answered.
 HANG_EXCHANGE_SECONDS = 15.0
@@ -479,9 +481,15 @@ class Round:
         request = requests.send("hang") if requests is not None else None
         if requests is not None and request is not None:
             asked = len(request.asked)
-            loop.run_until(
-                lambda: len(requests.answered(request)) >= asked, started + RECORDS_SECONDS
-            )
+            # The answers are files: nothing wakes the loop when one appears, so it
+            # looks for them at a short cadence of its own while it waits.
+            poll = loop.add_timer(lambda now: now + ANSWER_POLL_SECONDS)
+            try:
+                loop.run_until(
+                    lambda: len(requests.answered(request)) >= asked, started + RECORDS_SECONDS
+                )
+            finally:
+                loop.remove_timer(poll)
         if requests is None or request is None:
             return None
         parsing = loop.call_in_thread(lambda: requests.read(request), "records-read")

@@ -145,7 +145,11 @@ class HangWatch:
         """The supervisor's timer: looks when a look is due; returns when the next one is."""
         if self.reason is not None or (self.timers is None and not self.watches_progress):
             return None
-        if self.suspicion is not None or now < self._next_look:
+        if self.suspicion is not None:
+            # The records are asked for; until they answer (confirm, dismiss) there is
+            # nothing to look at, and a due time in the past would spin the loop.
+            return max(self._next_look, now + self.policy.look_period)
+        if now < self._next_look:
             return self._next_look
         self._next_look = now + (self.policy.look_period if self.policy.enabled else 0.1)
         if self.timers is not None:
