@@ -171,12 +171,7 @@ def test_a_rank_failing_on_node2_ends_both_nodes_naming_it(
     two_nodes: MultiNodeCluster, job_env: dict[str, str], tag: str
 ) -> None:
     argv = ["srun", "-l", "-N2", "-J", tag, *NODE_LAUNCH, str(SCRIPTS / "fail_rank.py"), "3"]
-    srun = two_nodes.slurm.popen(argv, job_env, process_group=0)
-    try:
-        _, err = srun.communicate(timeout=120)
-    finally:
-        srun.kill()
-        srun.wait(10)
+    err = two_nodes.slurm.run(argv, job_env, timeout=120).stderr
     ended = time.time()
     failed_at = float(re.findall(r"^1: (?:\[rank3\]: )?FAILED_AT (\S+)$", err, re.MULTILINE)[0])
     print(f"both nodes ended {ended - failed_at:.2f} s after rank 3 raised")
