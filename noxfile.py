@@ -539,8 +539,14 @@ def integration(session: nox.Session) -> None:
 
 
 # What the real-launcher session installs (Debian), and the programs it needs from them.
-CLUSTER_APT_PACKAGES = ("slurm-wlm", "munge", "openmpi-bin", "etcd-server")
-CLUSTER_PROGRAMS = ("munged", "slurmctld", "slurmd", "srun", "sbatch", "scancel", "mpirun")
+# iproute2 and util-linux (nsenter, unshare): the two-node cluster's network namespaces.
+CLUSTER_APT_PACKAGES = (
+    "slurm-wlm", "munge", "openmpi-bin", "etcd-server", "iproute2", "util-linux",
+)  # fmt: skip
+CLUSTER_PROGRAMS = (
+    "munged", "slurmctld", "slurmd", "srun", "sbatch", "scancel", "mpirun",
+    "ip", "nsenter", "unshare",
+)  # fmt: skip
 # etcd-server's, for dist-launch's etcd rendezvous tests.
 ETCD_PROGRAMS = ("etcd",)
 # dist-launch's tests of its etcd rendezvous (they start etcd servers themselves).
@@ -550,10 +556,11 @@ ETCD_TESTS = ("test_etcd_rendezvous.py", "test_etcd_survival.py", "test_rendezvo
 @nox.session
 @_timed
 def cluster(session: nox.Session) -> None:
-    """Real srun, sbatch, scancel and mpirun against a one-host SLURM cluster, and etcd.
+    """Real srun, sbatch, scancel and mpirun against SLURM clusters of 1 and 2 nodes; etcd.
 
-    tests-cluster/ brings the cluster up itself (munged, slurmctld and slurmd as child
-    processes, stopped on every exit path). Needs root: the Debian packages are
+    tests-cluster/ brings the clusters up itself (munged, slurmctld and slurmd as child
+    processes, stopped on every exit path; the two-node cluster's nodes are network
+    namespaces, removed on every exit path). Needs root: the Debian packages are
     installed with apt-get when a program is missing. Without root it is skipped, except
     in CI (``CI`` set), where it fails. Runs once, on ``TORCH_SPEC``. Then dist-launch's
     etcd rendezvous tests run against the etcd servers they start, required to run

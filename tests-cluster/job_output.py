@@ -1,4 +1,4 @@
-"""What the test scripts print, parsed; the batch script that runs two steps at once."""
+"""What the test scripts print or write, parsed; the batch script that runs two steps at once."""
 
 from __future__ import annotations
 
@@ -37,3 +37,14 @@ def two_steps_at_once(step: str, directory: Path) -> str:
         f"{step} > {directory}/a.txt &\na=$!\n{step} > {directory}/b.txt &\nb=$!\n"
         "wait $a; ra=$?; wait $b; exit $((ra | $?))\n"
     )
+
+
+def checkpoints(directory: Path) -> dict[int, dict[str, int]]:
+    """checkpoint_on_sigterm.py's complete checkpoints in ``directory``: each one's
+    signal counts, by rank."""
+    done = {}
+    for path in directory.glob("ckpt-*.done"):
+        rank = int(path.name.split("-")[1].split(".")[0])
+        assert path.stat().st_size == 16 << 16, f"{path.name} is incomplete"
+        done[rank] = json.loads((directory / f"ckpt-{rank}.json").read_text())
+    return done

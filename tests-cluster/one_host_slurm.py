@@ -1,10 +1,13 @@
-"""A one-host SLURM cluster for tests: munged, slurmctld and slurmd as child processes.
+"""A SLURM cluster for tests: munged, slurmctld and each slurmd as child processes.
 
-:func:`one_host_slurm` writes a configuration into a temporary directory of its own
+:func:`slurm_cluster` runs the daemons of any layout (each slurmd and the controller
+run by the argv prefix of its :class:`Machine`: nothing for this host, ``nsenter ...``
+for a network namespace; see multi_node_slurm.py); :func:`one_host_slurm`, the
+one-node cluster of this host. Either writes a configuration into a temporary directory of its own
 (ports from :func:`dist_core.ports.get_unused_port`, a unique cluster name, its own
-munge key and socket), starts the three daemons in the foreground as children of the
+munge key and socket), starts the daemons in the foreground as children of the
 calling process (under ``setpriv --pdeathsig KILL``: a SIGKILLed pytest takes them
-along), waits until the node is idle, and yields a :class:`SlurmCluster` whose methods
+along), waits until every node is idle, and yields a :class:`SlurmCluster` whose methods
 run ``srun``, ``sbatch``, ``scancel`` and ``scontrol`` against it. On every way out it
 cancels every job, stops the daemons by PID (SIGTERM, SIGKILL after
 :data:`STOP_SECONDS`), kills what the cluster started and escaped its tracking, and
@@ -57,12 +60,12 @@ TOOLS = (
 )
 # How long each daemon gets to end after SIGTERM before SIGKILL.
 STOP_SECONDS = 5.0
-# How long the node may take to become idle (about 1 s here).
+# How long the nodes may take to become idle (about 1 s here).
 UP_SECONDS = 20.0
 
 _SLURM_CONF = """\
 ClusterName={cluster}
-SlurmctldHost={node}(127.0.0.1)
+SlurmctldHost={controller}({controller_addr})
 SlurmctldPort={ctld_port}
 SlurmdPort={slurmd_port}
 SlurmUser=root
@@ -73,9 +76,9 @@ AuthInfo=socket={root}/run/munge.sock
 StateSaveLocation={root}/state
 SlurmdSpoolDir={root}/spool/%n
 SlurmctldPidFile={root}/run/slurmctld.pid
-SlurmdPidFile={root}/run/slurmd.pid
+SlurmdPidFile={root}/run/slurmd-%n.pid
 SlurmctldLogFile={root}/log/slurmctld.log
-SlurmdLogFile={root}/log/slurmd.log
+SlurmdLogFile={root}/log/slurmd-%n.log
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SelectType=select/cons_tres
@@ -86,9 +89,26 @@ JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 ReturnToService=2
 FirstJobId={first_job_id}
-NodeName={node} NodeAddr=127.0.0.1 CPUs={cpus} RealMemory=1000 State=UNKNOWN
-PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+{nodes}PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 """
+
+
+_NODE_LINE = "NodeName={name} NodeAddr={address} CPUs={cpus} RealMemory=1000 State=UNKNOWN\n"
+
+
+@dataclass(frozen=True)
+class Machine:
+    """Where a daemon runs: a SLURM node, or the controller's host.
+
+    Attributes:
+        name: Its host name (``NodeName``, ``SlurmctldHost``).
+        address: The address the others reach it at (``NodeAddr``).
+        prefix: The argv that runs the rest of a command there (empty: this host).
+    """
+
+    name: str
+    address: str
+    prefix: tuple[str, ...] = ()
 
 
 class ClusterError(RuntimeError):
@@ -118,12 +138,19 @@ def _tail(path: Path, lines: int = 20) -> str:
 
 @dataclass(frozen=True)
 class SlurmCluster:
-    """A running one-host cluster; every command runs against it (``SLURM_CONF``)."""
+    """A running cluster; every command runs against it (``SLURM_CONF``), on the
+    controller's host (``prefix``)."""
 
     root: Path
     conf: Path
-    node: str
-    cpus: int
+    nodes: tuple[str, ...]
+    cpus: int  # each node's
+    prefix: tuple[str, ...] = ()
+
+    @property
+    def node(self) -> str:
+        """The first node's name."""
+        return self.nodes[0]
 
     def env(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
         """This process's environment, pointed at the cluster, with ``extra`` on top."""
@@ -141,7 +168,7 @@ class SlurmCluster:
             ClusterError: It failed (with its stderr and the controller's log tail).
         """
         done = subprocess.run(
-            list(argv),
+            [*self.prefix, *argv],
             env=self.env(env),
             capture_output=True,
             text=True,
@@ -179,7 +206,7 @@ class SlurmCluster:
     ) -> subprocess.Popen[str]:
         """Starts ``argv`` (``srun ...``, ``mpirun ...``) with the cluster's environment."""
         return subprocess.Popen(
-            list(argv),
+            [*self.prefix, *argv],
             env=self.env(env),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -294,7 +321,7 @@ class SlurmCluster:
             time.sleep(0.1)
 
 
-def _start(argv: list[str], log: Path, env: Mapping[str, str]) -> subprocess.Popen[bytes]:
+def _start(argv: Sequence[str], log: Path, env: Mapping[str, str]) -> subprocess.Popen[bytes]:
     with log.open("ab") as out:
         return subprocess.Popen(
             ["setpriv", "--pdeathsig", "KILL", "--", *argv],
@@ -303,12 +330,6 @@ def _start(argv: list[str], log: Path, env: Mapping[str, str]) -> subprocess.Pop
             stderr=subprocess.STDOUT,
             env=dict(env),
         )
-
-
-def _daemon_name(daemon: subprocess.Popen[bytes]) -> str:
-    argv = daemon.args
-    assert isinstance(argv, list)
-    return str(argv[4])  # after setpriv --pdeathsig KILL --
 
 
 def _stop(processes: Sequence[subprocess.Popen[bytes]]) -> None:
@@ -335,7 +356,9 @@ def _wait_until(check: Callable[[], bool], timeout: float, what: str, logs: Sequ
     raise ClusterError(f"{what} not within {timeout:g} s\n{tails}")
 
 
-def _write_config(root: Path, node: str, cpus: int, first_job_id: int) -> Path:
+def _write_config(
+    root: Path, controller: Machine, nodes: Sequence[Machine], cpus: int, first_job_id: int
+) -> Path:
     for sub in ("run", "log", "state", "spool", "scripts", "munge"):
         (root / sub).mkdir()
     # munged refuses a socket whose directories others cannot traverse, and a key
@@ -351,20 +374,116 @@ def _write_config(root: Path, node: str, cpus: int, first_job_id: int) -> Path:
     conf.write_text(
         _SLURM_CONF.format(
             cluster=f"t{uuid.uuid4().hex[:10]}",
-            node=node,
+            controller=controller.name,
+            controller_addr=controller.address,
             ctld_port=get_unused_port(),
             slurmd_port=get_unused_port(),
             root=root,
-            cpus=cpus,
             first_job_id=first_job_id,
+            nodes="".join(
+                _NODE_LINE.format(name=node.name, address=node.address, cpus=cpus) for node in nodes
+            ),
         )
     )
     return conf
 
 
+def _start_munged(root: Path, env: Mapping[str, str]) -> subprocess.Popen[bytes]:
+    """munged on this host, its socket under ``root/run`` (reached from any namespace)."""
+    log = root / "log"
+    socket_path = root / "run" / "munge.sock"
+    munged = _start(
+        [
+            "munged",
+            "-F",
+            "--force",
+            f"--socket={socket_path}",
+            f"--key-file={root / 'munge' / 'munge.key'}",
+            f"--pid-file={root / 'run' / 'munged.pid'}",
+            f"--seed-file={root / 'munge' / 'seed'}",
+            f"--log-file={log / 'munged.log'}",
+        ],
+        log / "munged.out",
+        env,
+    )
+    try:
+        _wait_until(
+            socket_path.exists, 5.0, "munged's socket", [log / "munged.out", log / "munged.log"]
+        )
+    except ClusterError:
+        _stop([munged])
+        raise
+    return munged
+
+
+@contextlib.contextmanager
+def slurm_cluster(
+    controller: Machine, nodes: Sequence[Machine], *, cpus: int, first_job_id: int
+) -> Iterator[SlurmCluster]:
+    """A running cluster: munged here, slurmctld on ``controller``, a slurmd per node.
+
+    Each daemon runs as ``setpriv --pdeathsig KILL -- <machine's prefix> <daemon> -D
+    ...``: every step of the prefix must exec the next, so that the daemon is the
+    process this one started (stopped by its PID, killed when this process dies).
+    Each node has ``cpus`` CPUs; job ids start at ``first_job_id``.
+
+    Raises:
+        ClusterError: A daemon did not start, or a node did not become idle; the
+            message holds the logs' last lines.
+    """
+    root = Path(tempfile.mkdtemp(prefix="dist-slurm-"))
+    daemons: dict[str, subprocess.Popen[bytes]] = {}
+    cluster: SlurmCluster | None = None
+    try:
+        conf = _write_config(root, controller, nodes, cpus, first_job_id)
+        env = {**os.environ, "SLURM_CONF": str(conf)}
+        log = root / "log"
+        daemons["munged"] = _start_munged(root, env)
+        daemons["slurmctld"] = _start(
+            [*controller.prefix, "slurmctld", "-D", "-f", str(conf)], log / "slurmctld.out", env
+        )
+        for node in nodes:
+            daemons[f"slurmd {node.name}"] = _start(
+                [*node.prefix, "slurmd", "-D", "-N", node.name, "-f", str(conf)],
+                log / f"slurmd-{node.name}.out",
+                env,
+            )
+        cluster = SlurmCluster(root, conf, tuple(n.name for n in nodes), cpus, controller.prefix)
+        logs = [log / "slurmctld.log", *(log / f"slurmd-{n.name}.log" for n in nodes)]
+
+        def idle() -> bool:
+            for name, daemon in daemons.items():
+                if daemon.poll() is not None:
+                    outs = [log / "slurmctld.out", *(log / f"slurmd-{n.name}.out" for n in nodes)]
+                    raise ClusterError(
+                        f"{name} exited {daemon.returncode}\n"
+                        + "\n".join(f"{path.name}:\n{_tail(path)}" for path in [*logs, *outs])
+                    )
+            assert cluster is not None
+            with contextlib.suppress(ClusterError, subprocess.TimeoutExpired):
+                states = cluster.command(["sinfo", "-h", "-N", "-o", "%T"], timeout=5).split()
+                return states == ["idle"] * len(nodes)
+            return False
+
+        _wait_until(idle, UP_SECONDS, f"{len(nodes)} idle node(s)", logs)
+        yield cluster
+    finally:
+        if cluster is not None:
+            cluster.cancel_everything()
+        started = list(daemons.values())
+        # slurmd first: without its controller it ignores SIGTERM for seconds.
+        _stop(started[:0:-1])
+        _stop(started[:1])
+        # slurmstepd daemonizes and job processes may have escaped linuxproc.
+        kill_pids(pids_with_variable("SLURM_CONF", str(root / "slurm.conf")))
+        kill_pids(pids_holding(root))
+        shutil.rmtree(root, ignore_errors=True)
+
+
 @contextlib.contextmanager
 def one_host_slurm(*, cpus: int = 16, first_job_id: int = 1) -> Iterator[SlurmCluster]:
-    """A running cluster of one node with ``cpus`` CPUs (more than the machine may have).
+    """A running cluster of one node, this host, with ``cpus`` CPUs (more than the
+    machine may have).
 
     Job ids start at ``first_job_id``. SLURM derives a step's master port from its job
     id (dist-core's ``slurm_master_port``): clusters running side by side on one host
@@ -375,68 +494,6 @@ def one_host_slurm(*, cpus: int = 16, first_job_id: int = 1) -> Iterator[SlurmCl
         ClusterError: A daemon did not start, or the node did not become idle; the
             message holds the logs' last lines.
     """
-    root = Path(tempfile.mkdtemp(prefix="dist-slurm-"))
-    daemons: list[subprocess.Popen[bytes]] = []
-    cluster: SlurmCluster | None = None
-    try:
-        node = _node_name()
-        conf = _write_config(root, node, cpus, first_job_id)
-        env = {**os.environ, "SLURM_CONF": str(conf)}
-        log = root / "log"
-        socket_path = root / "run" / "munge.sock"
-        munged = _start(
-            [
-                "munged",
-                "-F",
-                "--force",
-                f"--socket={socket_path}",
-                f"--key-file={root / 'munge' / 'munge.key'}",
-                f"--pid-file={root / 'run' / 'munged.pid'}",
-                f"--seed-file={root / 'munge' / 'seed'}",
-                f"--log-file={log / 'munged.log'}",
-            ],
-            log / "munged.out",
-            env,
-        )
-        daemons.append(munged)
-        _wait_until(
-            socket_path.exists, 5.0, "munged's socket", [log / "munged.out", log / "munged.log"]
-        )
-        daemons.append(_start(["slurmctld", "-D", "-f", str(conf)], log / "slurmctld.out", env))
-        daemons.append(
-            _start(["slurmd", "-D", "-N", node, "-f", str(conf)], log / "slurmd.out", env)
-        )
-        cluster = SlurmCluster(root, conf, node, cpus)
-
-        def idle() -> bool:
-            for daemon in daemons:
-                if daemon.poll() is not None:
-                    raise ClusterError(
-                        f"{_daemon_name(daemon)} exited {daemon.returncode}\n"
-                        + "\n".join(
-                            f"{name}:\n{_tail(log / name)}"
-                            for name in (
-                                "slurmctld.log",
-                                "slurmd.log",
-                                "slurmctld.out",
-                                "slurmd.out",
-                            )
-                        )
-                    )
-            assert cluster is not None
-            with contextlib.suppress(ClusterError, subprocess.TimeoutExpired):
-                return cluster.command(["sinfo", "-h", "-o", "%T"], timeout=5).strip() == "idle"
-            return False
-
-        _wait_until(idle, UP_SECONDS, "an idle node", [log / "slurmctld.log", log / "slurmd.log"])
+    here = Machine(_node_name(), "127.0.0.1")
+    with slurm_cluster(here, [here], cpus=cpus, first_job_id=first_job_id) as cluster:
         yield cluster
-    finally:
-        if cluster is not None:
-            cluster.cancel_everything()
-        # slurmd first: without its controller it ignores SIGTERM for seconds.
-        _stop(daemons[:0:-1])
-        _stop(daemons[:1])
-        # slurmstepd daemonizes and job processes may have escaped linuxproc.
-        kill_pids(pids_with_variable("SLURM_CONF", str(root / "slurm.conf")))
-        kill_pids(pids_holding(root))
-        shutil.rmtree(root, ignore_errors=True)

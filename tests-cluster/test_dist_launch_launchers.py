@@ -1,4 +1,8 @@
-"""dist-launch under real srun and sbatch: start, failure, preemption, two steps."""
+"""dist-launch under real srun and sbatch on one node: failure, preemption, two steps.
+
+A launcher started by srun or sbatch, and stopped by ``scancel --signal=TERM``, is
+tested on two nodes (test_multi_node_slurm.py); here what one node shows alone.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from job_output import ranks_of, two_steps_at_once
+from job_output import checkpoints, ranks_of, two_steps_at_once
 from one_host_slurm import SlurmCluster
 from processes import read_until, wait_for_file, wait_for_text
 
@@ -26,23 +30,6 @@ def exit_class(tmp_path: Path) -> object:
     return error["message"]["extraInfo"]["exit_class"]
 
 
-def checkpoints(directory: Path) -> dict[int, dict[str, int]]:
-    """Each complete checkpoint's signal counts, by rank."""
-    done = {}
-    for path in directory.glob("ckpt-*.done"):
-        rank = int(path.name.split("-")[1].split(".")[0])
-        assert path.stat().st_size == 16 << 16, f"{path.name} is incomplete"
-        done[rank] = json.loads((directory / f"ckpt-{rank}.json").read_text())
-    return done
-
-
-def test_dist_launch_under_srun(slurm: SlurmCluster, job_env: dict[str, str]) -> None:
-    argv = ["srun", "-n1", *LAUNCH, "-n", "4", str(SCRIPTS / "init_group.py")]
-    done = slurm.run(argv, job_env, timeout=90)
-    assert done.returncode == 0, done.stderr
-    assert ranks_of(done.stdout) == [(r, 4) for r in range(4)]
-
-
 def test_failing_rank_is_named_first_with_its_traceback(
     slurm: SlurmCluster, job_env: dict[str, str]
 ) -> None:
@@ -53,13 +40,6 @@ def test_failing_rank_is_named_first_with_its_traceback(
     # After the ranks' own output, the launcher's report: the root cause first.
     tail = report[report.index("dist-launch: rank 1 (local rank 1, node 0) failed first") :]
     assert tail.index("ValueError: rank 1 fails on purpose") < tail.index("other ranks:"), report
-
-
-def test_dist_launch_in_batch_script(slurm: SlurmCluster, job_env: dict[str, str]) -> None:
-    launch = " ".join([*LAUNCH, "-n", "2", str(SCRIPTS / "init_group.py")])
-    state, out = slurm.batch(f"exec {launch}\n", "--ntasks=4", env=job_env, timeout=90)
-    assert state == "COMPLETED", out
-    assert ranks_of(out) == [(0, 2), (1, 2)]
 
 
 def test_two_launcher_steps_in_one_allocation(
@@ -104,16 +84,6 @@ def _run_until_signalled(
         srun.kill()
         srun.wait(10)
     return srun.returncode, err
-
-
-def test_scancel_signal_term_completes_every_checkpoint(
-    slurm: SlurmCluster, job_env: dict[str, str], tag: str, tmp_path: Path
-) -> None:
-    status, err = _run_until_signalled(slurm, job_env, tag, tmp_path, ["--signal=TERM"])
-    assert sorted(checkpoints(tmp_path)) == [0, 1, 2, 3], err
-    assert [c["SIGTERM"] for c in checkpoints(tmp_path).values()] == [1] * 4
-    assert status == 143, err
-    assert exit_class(tmp_path) == "PREEMPTED"
 
 
 def test_plain_scancel_completes_every_checkpoint(

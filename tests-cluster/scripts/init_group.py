@@ -2,12 +2,14 @@
 
 With ``--meet DIR COUNT`` every rank waits, once its group is formed, until COUNT groups
 (jobs or steps) have written their ``ready`` file in DIR: the groups are then alive at
-the same time, so two that share a master port cannot both have formed. With
+the same time, so two that share a master port cannot both have formed. Each rank
+prints ``rank R/W port P sum S host H master M``: its host name and the master's. With
 ``--from-dist-env`` the group is formed by ``init_dist(...)`` with the values of
 ``DistEnv.from_environ()``: it writes the variables ``env://`` reads first.
 """
 
 import argparse
+import socket
 import time
 import uuid
 from datetime import timedelta
@@ -49,7 +51,7 @@ value = torch.tensor([float(dist.get_rank())])
 dist.all_reduce(value)
 print(
     f"rank {dist.get_rank()}/{dist.get_world_size()} port {env.master_port} "
-    f"sum {int(value.item())}",
+    f"sum {int(value.item())} host {socket.gethostname()} master {env.master_addr}",
     flush=True,
 )
 destroy_dist()
