@@ -594,8 +594,10 @@ def test_cut_cable_ends_both_sides_and_names_the_unreachable_node(
 ) -> None:
     """Node 1's cable (or, ``c10d-store``, node 0's: it serves the store) is pulled mid-step.
 
-    Both sides end within ``--hang-timeout`` + 5 s (asserted with a generous margin),
-    each naming the node it cannot reach, by name and address, and that node's ranks.
+    Both sides end within ``--hang-timeout`` + 5 s (asserted with a generous margin;
+    the figures are printed), each naming the node it cannot reach, by name and
+    address, and that node's ranks. c10d: the store's side ends with its hang (75), the
+    other is fenced (137). Static: both are fenced, neither being a majority.
     """
     job = dist_launch_job
     net = hosts(2)
@@ -629,6 +631,9 @@ def test_cut_cable_ends_both_sides_and_names_the_unreachable_node(
             node.output,
         ), outputs
     if mode == "static":
+        # No store to arbitrate: neither half of two nodes is a majority, both are fenced.
+        assert [n.process.returncode for n in job.nodes] == [137, 137], outputs
+        assert outputs.count("no majority") == 2, outputs
         return
     # The store's side goes on to its hang report; the side cut off from it is fenced.
     assert [n.process.returncode for n in job.nodes] == [75, 137], outputs
@@ -642,3 +647,23 @@ def test_cut_cable_ends_both_sides_and_names_the_unreachable_node(
     (unreachable,) = hang["unreachable"]
     assert (unreachable["host"], unreachable["address"]) == (second.name, second.address), hang
     assert (unreachable["ranks"], hang["unknown"]) == ([2, 3], []), hang
+
+
+def test_a_quiet_stretch_on_a_healthy_network_is_not_taken_for_a_cut(
+    two_hosts: tuple[Host, Host], dist_launch_job: Job
+) -> None:
+    """Steps of 8 s without a line or a collective, longer than the 5 s silence bound.
+
+    The boards' heartbeats go on while the ranks are quiet: no node is fenced, none is
+    named unreachable, and the job finishes.
+    """
+    job = dist_launch_job
+    first, _ = two_hosts
+    conf = "keep_alive_interval=1,keep_alive_max_attempt=3"  # silence bound: 5 s (its floor)
+    flags = [*c10d_flags(first, "2", 1, conf=conf), "--hang-timeout", "60"]
+    for host in two_hosts:
+        job.start(host, flags, {"STEPS": "2", "STEP_SECONDS": "8"})
+    codes = job.wait_exits()
+    assert codes == [0, 0], job.outputs()
+    assert "unreachable" not in job.outputs(), job.outputs()
+    assert len(job.events("done")) == 2, job.outputs()

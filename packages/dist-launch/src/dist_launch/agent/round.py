@@ -30,7 +30,7 @@ import re
 import signal
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
 from typing import Literal
@@ -54,10 +54,16 @@ from dist_launch.plan.hang_policy import HangPolicy
 from dist_launch.plan.launch_plan import LaunchPlan
 from dist_launch.rendezvous.job_board import JobBoard
 from dist_launch.rendezvous.protocol import Assignment, FailureRecord, Rendezvous, RoundChange
-from dist_launch.watch.cut_watch import HANG_SILENCE_SECONDS, CutWatch, start_cut_watch
+from dist_launch.watch.cut_watch import (
+    HANG_SILENCE_SECONDS,
+    CutWatch,
+    node_ranks,
+    start_cut_watch,
+)
 from dist_launch.watch.file_timer import FILE_VARIABLE, FileTimerWatch
 from dist_launch.watch.hang_watch import HangWatch, node_name
-from dist_launch.watch.partition import Unreachable
+from dist_launch.watch.partition import Unreachable, decide_side
+from dist_launch.watch.peer_probe import unreachable_peers
 from dist_launch.watch.rank_requests import RankRequests
 from dist_launch.watch.slow_rank_watch import SLOW_RANKS_FILE, SlowRankWatch
 from dist_launch.workers.fork_server_client import ForkServerClient
@@ -262,6 +268,8 @@ class Round:
         self._change: RoundChange | None = None
         self._cut: CutWatch | None = None
         self._lost: list[Unreachable] = []  # the nodes cut off from this one, at a hang
+        self._pids: list[int] = []
+        self._quiet_since: Callable[[], float] = time.time
 
     # -- what the agent routes here -------------------------------------------------
 
@@ -389,6 +397,8 @@ class Round:
                 )
             for worker in workers:
                 hang_watch.started(worker.rank, worker.pid)
+            self._pids = [worker.pid for worker in workers if worker.pid is not None]
+            self._quiet_since = lambda: time.time() - hang_watch.quiet.quiet_for(time.monotonic())
             stack.callback(loop.remove_timer, loop.add_timer(hang_watch.due))
             if requests is not None and plan.slow_ranks is not None:
                 slow = self._slow_rank_watch(plan.slow_ranks, requests, board, group.hostname)
@@ -511,6 +521,39 @@ class Round:
             hang_watch.confirm()
             return records, asked_at
 
+    def _probe_peers(self, hostname: str) -> list[Unreachable]:
+        """Without a store (static): the peer hosts that do not answer.
+
+        Fences this side when it reaches no majority of the nodes
+        (:func:`~dist_launch.watch.partition.decide_side`): of two halves, neither goes on.
+        """
+        assignment = self.assignment
+        nodes = assignment.group_world_size
+        lost = unreachable_peers(
+            self._pids,
+            assignment.master_addr,
+            assignment.master_port,
+            nodes,
+            assignment.group_rank,
+            node_ranks(assignment.base_rank, self.plan.nproc, nodes, assignment.group_rank),
+            hostname,
+            self._quiet_since(),
+        )
+        if not lost:
+            return lost
+        decision = decide_side(
+            has_store=False,
+            store_reachable=False,
+            reachable_nodes=max(1, nodes - len(lost)),
+            round_nodes=nodes,
+        )
+        if decision.side == "fence":
+            self._on_fence(
+                f"{decision.why}: this node stops its workers (fenced off a cut)"
+                + "".join(f"\n  {node.describe()}" for node in lost)
+            )
+        return lost
+
     def _ask_records(self, requests: RankRequests | None) -> dict[int, RankRecords] | None:
         """This node's ranks' records, waited for at most ``RECORDS_SECONDS``.
 
@@ -551,6 +594,8 @@ class Round:
         assignment = self.assignment
         if self._cut is not None:
             self._lost = self._cut.at_hang()
+        elif board is None and assignment.group_world_size > 1:
+            self._lost = self._probe_peers(group.hostname)
         if records_read is None:
             records_read = self._ask_records(requests)
         # faulthandler's stacks once the beacons have answered: a beacon thread caught

@@ -53,10 +53,8 @@ class Unreachable:
     def describe(self) -> str:
         """``node2 (10.0.0.2) unreachable from node1 since 12:00:03; ranks 2-3``."""
         at = time.strftime("%H:%M:%S", time.localtime(self.since))
-        return (
-            f"{self.peer.describe()} unreachable from {self.seen_from} since {at}; "
-            f"{ranks_phrase(self.peer.ranks)}"
-        )
+        ranks = ranks_phrase(self.peer.ranks) if self.peer.ranks else "its ranks not known here"
+        return f"{self.peer.describe()} unreachable from {self.seen_from} since {at}; {ranks}"
 
     def to_json(self) -> dict[str, object]:
         """The entry of ``hang.json``'s ``unreachable`` list."""
