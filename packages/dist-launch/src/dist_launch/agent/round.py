@@ -201,7 +201,7 @@ def hang_record(
     )
 
 
-def cut_record(lost: list[Unreachable], assignment: Assignment, host: str) -> FailureRecord:
+def cut_record(lost: list[Unreachable], assignment: Assignment) -> FailureRecord:
     """This node's record of a hang whose ranks wait for nodes cut off from it: the cut.
 
     It names the first node cut off, and its first rank, as the failure's place.
@@ -432,7 +432,7 @@ class Round:
             record = hang_record(hang, self.assignment, host, range(base, base + self.plan.nproc))
             if self._lost:
                 # The cut is the cause: every node's log names it, none waits for another's.
-                record = cut_record(self._lost, self.assignment, host)
+                record = cut_record(self._lost, self.assignment)
         elif ending == "failed":
             record = FailureRecord.of_round(outcome, self.assignment.group_rank)
             failure = classify_failure(outcome, self.previous_failure)
