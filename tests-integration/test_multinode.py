@@ -8,6 +8,7 @@ wait, bounded, for a line from any node (``Job.wait_for``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -97,6 +98,8 @@ class Node:
     ) -> None:
         self.host = host
         self.lines: list[str] = []
+        self.ended_at = float("inf")  # monotonic time its output ended
+        self.exited_at = float("inf")  # monotonic time the launcher exited
         self._changed = changed
         self.process = subprocess.Popen(
             host.command(argv),
@@ -108,6 +111,13 @@ class Node:
         )
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
+        threading.Thread(target=self._note_exit, daemon=True).start()
+
+    def _note_exit(self) -> None:
+        """Notes when the launcher exits (its output may end later: a child holds it)."""
+        with contextlib.suppress(ChildProcessError):
+            os.waitid(os.P_PID, self.process.pid, os.WEXITED | os.WNOWAIT)
+        self.exited_at = time.monotonic()
 
     def _read(self) -> None:
         assert self.process.stdout is not None
@@ -117,6 +127,7 @@ class Node:
                 self._changed.notify_all()
         self.process.wait()
         with self._changed:
+            self.ended_at = time.monotonic()
             self._changed.notify_all()
 
     @property
@@ -552,3 +563,105 @@ def test_hang_on_one_node_names_the_node_and_rank(
         }
         verdicts.append(hang["collective"])
     assert verdicts[0] == verdicts[1] and verdicts[0]["op"] == "all_reduce", verdicts
+
+
+def cut_and_time(job: Job, net: Network, cut: Host) -> list[float]:
+    """Cuts ``cut``'s cable once every rank stepped; seconds from the cut to each exit."""
+    job.wait_for(
+        "every rank stepping",
+        lambda: {e.rank for e in job.events("step") if (e.step or 0) >= 20} == {0, 1, 2, 3},
+    )
+    started = time.monotonic()
+    net.cut(cut)
+    job.wait_exits()
+    # The exit's moment, or (its waiter lost the race to reap it) the end of its output.
+    seconds = [min(node.exited_at, node.ended_at) - started for node in job.nodes]
+    print(f"\ncut {cut.name}: " + ", ".join(
+        f"{node.host.name} exit {node.process.returncode} after {s:.1f} s"
+        f" (output closed after {node.ended_at - started:.1f} s)"
+        for node, s in zip(job.nodes, seconds, strict=True)
+    ))  # fmt: skip
+    return seconds
+
+
+CUT_HANG_TIMEOUT = 10
+
+
+@pytest.mark.parametrize("mode", ["c10d", "c10d-store", "static"])
+def test_cut_cable_ends_both_sides_and_names_the_unreachable_node(
+    mode: str, hosts: Callable[[int], Network], dist_launch_job: Job, tmp_path: Path
+) -> None:
+    """Node 1's cable (or, ``c10d-store``, node 0's: it serves the store) is pulled mid-step.
+
+    Both sides end within ``--hang-timeout`` + 5 s (asserted with a generous margin;
+    the figures are printed), each naming the node it cannot reach, by name and
+    address, and that node's ranks. c10d: the store's side ends with its hang (75), the
+    other is fenced (137). Static: both are fenced, neither being a majority.
+    """
+    job = dist_launch_job
+    net = hosts(2)
+    first, second = net.hosts
+    if mode == "static":
+        flags = ["--nnodes", "2", "--nproc-per-node", "2",
+                 "--master-addr", first.address, "--master-port", str(PORT)]  # fmt: skip
+    else:
+        flags = c10d_flags(first, "2", 2)
+    common = ["--hang-timeout", str(CUT_HANG_TIMEOUT), "--grace-period", "1"]
+    for node_rank, host in enumerate(net.hosts):
+        rank_flag = ["--node-rank", str(node_rank)] if mode == "static" else []
+        log_dir = ["--log-dir", str(tmp_path / host.name), "--run-id", "cut"]
+        job.start(
+            host,
+            [*flags, *rank_flag, *common, *log_dir],
+            {"MAX_STEPS": "100000", "FINISH_FILE": "/none", "COLLECTIVE_TIMEOUT": "600"},
+        )
+    cut = first if mode == "c10d-store" else second
+    seconds = cut_and_time(job, net, cut)
+    # The bound is --hang-timeout + 5 s; the assertion leaves a loaded machine room.
+    assert max(seconds) < CUT_HANG_TIMEOUT + 5 + 15, (seconds, job.outputs())
+    outputs = job.outputs()
+    assert "sent no records" not in outputs, outputs
+    for node, other in ((job.nodes[0], second), (job.nodes[1], first)):
+        ranks = "ranks 2-3" if other is second else "ranks 0-1"
+        assert re.search(
+            rf"{other.name} \({re.escape(other.address)}\) unreachable from {node.host.name} "
+            rf"since \d\d:\d\d:\d\d; {ranks}",
+            node.output,
+        ), outputs
+    if mode == "static":
+        # No store to arbitrate: neither half of two nodes is a majority, both are fenced.
+        assert [n.process.returncode for n in job.nodes] == [137, 137], outputs
+        assert outputs.count("no majority") == 2, outputs
+        return
+    # The store's side goes on to its hang report; the side cut off from it is fenced.
+    assert [n.process.returncode for n in job.nodes] == [75, 137], outputs
+    assert re.search(
+        rf"{first.name} \({re.escape(first.address)}:{PORT}\), which served the rendezvous, "
+        r"stopped answering at \d\d:\d\d:\d\d .*--rdzv-backend etcd",
+        job.nodes[1].output,
+    ), outputs
+    (path,) = (tmp_path / first.name).glob("cut/*/attempt_0/hang.json")
+    hang = json.loads(path.read_text())
+    (unreachable,) = hang["unreachable"]
+    assert (unreachable["host"], unreachable["address"]) == (second.name, second.address), hang
+    assert (unreachable["ranks"], hang["unknown"]) == ([2, 3], []), hang
+
+
+def test_a_quiet_stretch_on_a_healthy_network_is_not_taken_for_a_cut(
+    two_hosts: tuple[Host, Host], dist_launch_job: Job
+) -> None:
+    """Steps of 8 s without a line or a collective, longer than the 5 s silence bound.
+
+    The boards' heartbeats go on while the ranks are quiet: no node is fenced, none is
+    named unreachable, and the job finishes.
+    """
+    job = dist_launch_job
+    first, _ = two_hosts
+    conf = "keep_alive_interval=1,keep_alive_max_attempt=3"  # silence bound: 5 s (its floor)
+    flags = [*c10d_flags(first, "2", 1, conf=conf), "--hang-timeout", "60"]
+    for host in two_hosts:
+        job.start(host, flags, {"STEPS": "2", "STEP_SECONDS": "8"})
+    codes = job.wait_exits()
+    assert codes == [0, 0], job.outputs()
+    assert "unreachable" not in job.outputs(), job.outputs()
+    assert len(job.events("done")) == 2, job.outputs()

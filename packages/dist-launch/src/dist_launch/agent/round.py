@@ -22,6 +22,7 @@ runs the slow-rank report (:mod:`dist_launch.watch.slow_rank_watch`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import json
 import logging
@@ -29,7 +30,7 @@ import re
 import signal
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
 from typing import Literal
@@ -53,8 +54,16 @@ from dist_launch.plan.hang_policy import HangPolicy
 from dist_launch.plan.launch_plan import LaunchPlan
 from dist_launch.rendezvous.job_board import JobBoard
 from dist_launch.rendezvous.protocol import Assignment, FailureRecord, Rendezvous, RoundChange
+from dist_launch.watch.cut_watch import (
+    HANG_SILENCE_SECONDS,
+    CutWatch,
+    node_ranks,
+    start_cut_watch,
+)
 from dist_launch.watch.file_timer import FILE_VARIABLE, FileTimerWatch
 from dist_launch.watch.hang_watch import HangWatch, node_name
+from dist_launch.watch.partition import Unreachable, decide_side
+from dist_launch.watch.peer_probe import unreachable_peers
 from dist_launch.watch.rank_requests import RankRequests
 from dist_launch.watch.slow_rank_watch import SLOW_RANKS_FILE, SlowRankWatch
 from dist_launch.workers.fork_server_client import ForkServerClient
@@ -150,6 +159,8 @@ def round_ending(
     """How a round whose workers ran ended, from their outcome and what was watched."""
     if outcome.status == "succeeded":
         return "succeeded"
+    if change is not None and change.kind == "unreachable":
+        return "changed"  # fenced off a cut: the store's side decides, not this one
     if hang is not None:
         return "hung"
     if change is not None and outcome.status == "interrupted":
@@ -189,6 +200,22 @@ def hang_record(
         timestamp=time.time(),
         summary=f"hang: {hang.summary}",
         consequence=odd is None,
+    )
+
+
+def cut_record(lost: list[Unreachable], assignment: Assignment) -> FailureRecord:
+    """This node's record of a hang whose ranks wait for nodes cut off from it: the cut.
+
+    It names the first node cut off, and its first rank, as the failure's place.
+    """
+    first = lost[0]
+    return FailureRecord(
+        node=first.peer.host,
+        group_rank=first.peer.node,
+        rank=first.peer.ranks[0] if first.peer.ranks else assignment.base_rank,
+        timestamp=time.time(),
+        summary="cut off: " + "; ".join(node.describe() for node in lost),
+        consequence=False,
     )
 
 
@@ -241,6 +268,10 @@ class Round:
         # (signum, delivered) received before the workers existed
         self._signals: list[tuple[int, bool]] = []
         self._change: RoundChange | None = None
+        self._cut: CutWatch | None = None
+        self._lost: list[Unreachable] = []  # the nodes cut off from this one, at a hang
+        self._pids: list[int] = []
+        self._quiet_since: Callable[[], float] = time.time
 
     # -- what the agent routes here -------------------------------------------------
 
@@ -277,6 +308,16 @@ class Round:
         if self._change is None:
             self._change = why
             self.interrupt(signal.SIGTERM)
+
+    def _on_fence(self, why: str) -> None:
+        """On the loop (the cut watch): this side of a cut may not go on.
+
+        Its workers are killed at once, with no grace period: a checkpoint written now
+        could overwrite the one the side that goes on writes to the same path.
+        """
+        if self._change is None or self._change.kind != "unreachable":
+            self._change = RoundChange("unreachable", why)
+        self.interrupt(signal.SIGKILL)
 
     # -- the round ------------------------------------------------------------------
 
@@ -316,6 +357,13 @@ class Round:
                     timeout=timeout,
                 )
             )
+            # Introduced on the board before the workers start: a cut may come early.
+            if board is not None:
+                self._cut = start_cut_watch(
+                    board, self.plan, self.assignment, group.hostname, self._on_fence, self.rdzv
+                )
+                stack.callback(setattr, self, "_cut", None)
+                stack.callback(loop.remove_timer, loop.add_timer(self._cut.due))
             hang_watch = HangWatch(
                 policy,
                 group.run_dir,
@@ -351,6 +399,8 @@ class Round:
                 )
             for worker in workers:
                 hang_watch.started(worker.rank, worker.pid)
+            self._pids = [worker.pid for worker in workers if worker.pid is not None]
+            self._quiet_since = lambda: time.time() - hang_watch.quiet.quiet_for(time.monotonic())
             stack.callback(loop.remove_timer, loop.add_timer(hang_watch.due))
             if requests is not None and plan.slow_ranks is not None:
                 slow = self._slow_rank_watch(plan.slow_ranks, requests, board, group.hostname)
@@ -382,6 +432,9 @@ class Round:
             assert hang is not None
             base = self.assignment.base_rank
             record = hang_record(hang, self.assignment, host, range(base, base + self.plan.nproc))
+            if self._lost:
+                # The cut is the cause: every node's log names it, none waits for another's.
+                record = cut_record(self._lost, self.assignment)
         elif ending == "failed":
             record = FailureRecord.of_round(outcome, self.assignment.group_rank)
             failure = classify_failure(outcome, self.previous_failure)
@@ -470,6 +523,39 @@ class Round:
             hang_watch.confirm()
             return records, asked_at
 
+    def _probe_peers(self, hostname: str) -> list[Unreachable]:
+        """Without a store (static): the peer hosts that do not answer.
+
+        Fences this side when it reaches no majority of the nodes
+        (:func:`~dist_launch.watch.partition.decide_side`): of two halves, neither goes on.
+        """
+        assignment = self.assignment
+        nodes = assignment.group_world_size
+        lost = unreachable_peers(
+            self._pids,
+            assignment.master_addr,
+            assignment.master_port,
+            nodes,
+            assignment.group_rank,
+            node_ranks(assignment.base_rank, self.plan.nproc, nodes, assignment.group_rank),
+            hostname,
+            self._quiet_since(),
+        )
+        if not lost:
+            return lost
+        decision = decide_side(
+            has_store=False,
+            store_reachable=False,
+            reachable_nodes=max(1, nodes - len(lost)),
+            round_nodes=nodes,
+        )
+        if decision.side == "fence":
+            self._on_fence(
+                f"{decision.why}: this node stops its workers (fenced off a cut)"
+                + "".join(f"\n  {node.describe()}" for node in lost)
+            )
+        return lost
+
     def _ask_records(self, requests: RankRequests | None) -> dict[int, RankRecords] | None:
         """This node's ranks' records, waited for at most ``RECORDS_SECONDS``.
 
@@ -514,6 +600,10 @@ class Round:
             started: When the records were asked for (monotonic).
         """
         assignment = self.assignment
+        if self._cut is not None:
+            self._lost = self._cut.at_hang()
+        elif board is None and assignment.group_world_size > 1:
+            self._lost = self._probe_peers(group.hostname)
         if records_read is None:
             records_read = self._ask_records(requests)
         # faulthandler's stacks once the beacons have answered: a beacon thread caught
@@ -529,7 +619,7 @@ class Round:
             places[rank] = RankPlace(assignment.group_rank, host, local_rank)
             records.setdefault(rank, RankRecords(rank, None, {}, missing=why))
         collect_s = time.monotonic() - started
-        if board is not None:
+        if board is not None and not self._lost:
             self._exchange(board, records, stacks, places)
         return Collected(records, stacks, places, collect_s)
 
@@ -551,7 +641,14 @@ class Round:
         }
         board.share(HANG_TOPIC, json.dumps(own))
         deadline = time.monotonic() + HANG_EXCHANGE_SECONDS
-        self.loop.run_until(lambda: board.shared(HANG_TOPIC) is not None, deadline)
+        cut = self._cut
+        self.loop.run_until(
+            lambda: (
+                board.shared(HANG_TOPIC) is not None
+                or (cut is not None and bool(cut.unreachable(silent_after=HANG_SILENCE_SECONDS)))
+            ),
+            deadline,
+        )
         shared = board.shared(HANG_TOPIC)
         if shared is None:
             logger.warning(
@@ -585,7 +682,14 @@ class Round:
                 job_ranks=range(self.assignment.world_size),
                 stacks=collected.stacks,
             )
-        return HangReport(reason, hang_watch.node, stacks, verdict)
+        lost = self._lost
+        if verdict is not None and lost:
+            cut_off = {rank for node in lost for rank in node.peer.ranks}
+            verdict = dataclasses.replace(
+                verdict, unknown=tuple(r for r in verdict.unknown if r not in cut_off)
+            )
+        unreachable = tuple(node.describe() for node in lost)
+        return HangReport(reason, hang_watch.node, stacks, verdict, unreachable)
 
     def _report_hang(self, hang: HangReport, collected: Collected | None) -> None:
         """Prints the hang's report; writes hang.txt, hang.json and each rank's error.json."""
@@ -625,6 +729,7 @@ class Round:
             stacks=collected.stacks,
             places=collected.places,
             collect_s=collected.collect_s,
+            unreachable=[node.to_json() for node in self._lost],
         )
         path = attempt_dir / "hang.json"
         path.write_text(json.dumps(document, indent=1, sort_keys=True) + "\n")

@@ -20,8 +20,13 @@ of ranks are sorted global ranks, rank keys are strings)::
                                       "last_completed": 0,
                                       "pending": {"seq": 1, "op": "all_reduce",
                                                   "sizes": [[4]]}}},
-                     "records": null}}}
+                     "records": null}},
+     "unreachable": [{"node": 1, "host": "node1", "address": "10.0.0.2",
+                      "ranks": [2, 3], "since": 1767268803.2, "seen_from": "node0"}]}
 
+``unreachable`` lists the nodes the writing node could not reach (a cut cable, a dead
+node) since ``since`` (Unix time); their ranks' ``records`` say ``node unreachable``
+and they are not among ``unknown``, which keeps the reachable ranks that sent none.
 ``collective`` is null when no collective is pending anywhere or no rank sent records
 (``source`` then says ``stacks only: <why>``); a rank's ``records`` is null when it
 sent them, else why not. ``stack`` is the main thread's frames, most recent first,
@@ -30,7 +35,7 @@ without the launcher's own.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -111,6 +116,7 @@ def hang_document(
     stacks: Mapping[int, str],
     places: Mapping[int, RankPlace],
     collect_s: float | None = None,
+    unreachable: Sequence[Mapping[str, Any]] = (),
 ) -> dict[str, Any]:
     """The contents of ``hang.json`` (see the module docstring).
 
@@ -124,7 +130,10 @@ def hang_document(
         stacks: Each rank's stack (faulthandler's dump).
         places: Each rank's node and local rank.
         collect_s: Seconds from the alarm to the records in hand.
+        unreachable: The nodes this node could not reach (``node``, ``host``,
+            ``address``, ``ranks``, ``since``, ``seen_from``).
     """
+    cut_off = {int(rank) for node in unreachable for rank in node["ranks"]}
     collective = None
     if verdict.collective is not None:
         chosen = _group(verdict.collective)
@@ -141,7 +150,11 @@ def hang_document(
             "local_rank": None if place is None else place.local_rank,
             "stack": stack_frames(stacks.get(rank, "")),
             "groups": {} if rank_records is None else _rank_groups(rank_records),
-            "records": "no records received" if rank_records is None else rank_records.missing,
+            "records": (
+                ("node unreachable" if rank in cut_off else "no records received")
+                if rank_records is None
+                else rank_records.missing
+            ),
         }
     return {
         "version": HANG_JSON_VERSION,
@@ -154,7 +167,7 @@ def hang_document(
         "collective": collective,
         "waiting": list(verdict.waiting),
         "behind": list(verdict.behind),
-        "unknown": list(verdict.unknown),
+        "unknown": [rank for rank in verdict.unknown if rank not in cut_off],
         "desync": [
             {
                 "group": desync.group.label,
@@ -165,4 +178,5 @@ def hang_document(
         ],
         "groups": [_group(group) for group in verdict.groups],
         "ranks": ranks,
+        "unreachable": [dict(node) for node in unreachable],
     }

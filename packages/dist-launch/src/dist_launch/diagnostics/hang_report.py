@@ -108,12 +108,15 @@ class HangReport:
         stacks: Each running rank's stack on this node when the hang was found.
         verdict: What the ranks' flight records say (every node's ranks, with c10d);
             None when none were collected.
+        unreachable: One line per node this node could not reach
+            (``node2 (10.0.0.2) unreachable from node1 since 12:00:03; ranks 2-3``).
     """
 
     reason: str
     node: str
     stacks: Mapping[int, str] = field(default_factory=dict)
     verdict: HangVerdict | None = None
+    unreachable: tuple[str, ...] = ()
 
     @property
     def summary(self) -> str:
@@ -136,6 +139,7 @@ class HangReport:
             if self.verdict is None
             else [f"{launcher}: hang: {line}" for line in self.verdict.lines()]
         )
+        lines += [f"{launcher}: {line}" for line in self.unreachable]
         lines += [f"{launcher}: hang on node {self.node}: {self.reason}", f"  {self.summary}"]
         if self.stacks:
             lines.append("stacks:")

@@ -29,7 +29,7 @@ from datetime import timedelta
 from typing import Any
 
 from dist_launch.plan.launch_plan import LaunchPlan
-from dist_launch.rendezvous.job_board import JobBoard
+from dist_launch.rendezvous.job_board import UNREACHABLE_KEY, JobBoard
 from dist_launch.rendezvous.membership_watch import MembershipWatch
 from dist_launch.rendezvous.protocol import (
     Assignment,
@@ -53,6 +53,8 @@ ENDED_WAIT_SECONDS = 15.0
 CAUSE_WAIT_SECONDS = 5.0
 # How often that wait reads the round's records.
 CAUSE_POLL_SECONDS = 0.1
+# How often a node that ended looks whether the others have (or were found cut off).
+EVERY_NODE_POLL_SECONDS = 0.5
 # How long a leaving node may take to take itself out of torch's rendezvous state.
 LEAVE_SECONDS = 10.0
 # How much longer than torch's read_timeout connecting to the store may take.
@@ -521,10 +523,18 @@ class C10dRendezvous:
         if store is None or assignment is None:
             return None
         started = time.monotonic()
+        nodes = assignment.group_world_size
         try:
-            if int(store.add(f"dist_launch/{event}", 1)) >= assignment.group_world_size:
+            if int(store.add(f"dist_launch/{event}", 1)) >= nodes:
                 store.set(f"dist_launch/all_{event}", "1")
-            store.wait([f"dist_launch/all_{event}"], timedelta(seconds=seconds))
+            # Nodes found cut off (watch/cut_watch.py) will not come: not waited for.
+            while not store.check([f"dist_launch/all_{event}"]):
+                came = int(store.add(f"dist_launch/{event}", 0))
+                if came + int(store.add(UNREACHABLE_KEY, 0)) >= nodes:
+                    return None
+                if time.monotonic() - started >= seconds:
+                    raise TimeoutError(f"{nodes - came} node(s) did not come within {seconds:g} s")
+                time.sleep(EVERY_NODE_POLL_SECONDS)
         except Exception as error:  # torch raises several kinds
             return time.monotonic() - started, error
         return None

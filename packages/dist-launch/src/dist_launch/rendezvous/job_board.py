@@ -15,6 +15,10 @@ answer leaves the node on its own. Three things travel on it:
   ``dist_launch/hang/alarms`` and says why under ``dist_launch/hang/first``; every other
   node sees the count at its next exchange and raises its own alarm, so that every
   node collects its ranks' records before any node stops its workers.
+- *heartbeats*: every exchange, each node stamps ``dist_launch/alive/<node>`` with the
+  wall clock and who it is (host, address, ranks), and reads the others' stamps; with
+  the time the store last answered this node, they tell a cut cable from a hang
+  (:mod:`dist_launch.watch.partition`).
 - *reports*: a node shares a payload under ``dist_launch/share/<topic>/<node>`` (its
   ranks' records for a hang's verdict, its ranks' collective times for a slow-rank
   window) and reads the other nodes' payloads of the same topic once all are there.
@@ -25,6 +29,7 @@ clean.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -33,6 +38,9 @@ from typing import Protocol
 logger = logging.getLogger(__name__)
 
 ALARMS_KEY = "dist_launch/hang/alarms"
+# How many nodes of the round some node found cut off (each counted once, under
+# ``<key>/<node>``): the nodes that end wait for no answer from those.
+UNREACHABLE_KEY = "dist_launch/unreachable"
 FIRST_ALARM_KEY = "dist_launch/hang/first"
 
 
@@ -55,6 +63,11 @@ class BoardStore(Protocol):
 def progress_key(node: int) -> str:
     """The key of node ``node``'s latest progress in the round's store."""
     return f"dist_launch/progress/{node}"
+
+
+def alive_key(node: int) -> str:
+    """The key of node ``node``'s heartbeat: ``{"t": wall time, "who": {...}}`` in JSON."""
+    return f"dist_launch/alive/{node}"
 
 
 def share_key(topic: str, node: int) -> str:
@@ -87,10 +100,14 @@ class JobBoard:
         self._alarm_sent = False
         self._outgoing: dict[str, str] = {}
         self._wanted: set[str] = set()
+        self._who: dict[str, object] = {}
         # Written by the board's thread, read by the loop's.
         self._elsewhere: float | None = None
         self._alarm_elsewhere: str | None = None
         self._received: dict[str, dict[int, str]] = {}
+        self.store_answered_at: float | None = None  # wall clock of the last full exchange
+        self._beats: dict[int, float] = {}
+        self._whos: dict[int, dict[str, object]] = {}
         self._wake = threading.Event()
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="job-board", daemon=True)
@@ -105,6 +122,20 @@ class JobBoard:
     def latest_elsewhere(self) -> float | None:
         """The latest progress of any other node (wall clock), once one was read."""
         return self._elsewhere
+
+    def introduce(self, who: dict[str, object]) -> None:
+        """Who this node is (host, address, ranks), sent with each heartbeat."""
+        self._who = dict(who)
+
+    def heartbeats(self) -> dict[int, float]:
+        """Each other node's latest heartbeat read so far (wall clock), by node."""
+        with self._lock:
+            return dict(self._beats)
+
+    def introductions(self) -> dict[int, dict[str, object]]:
+        """Who each other node said it is, by node, once read."""
+        with self._lock:
+            return dict(self._whos)
 
     def raise_alarm(self, reason: str) -> None:
         """This node found the job hung: the other nodes are told at once."""
@@ -141,6 +172,7 @@ class JobBoard:
     def _exchange(self) -> None:
         store = self._store
         store.set(progress_key(self.node), repr(self._local))
+        self._heartbeat()
         others = [progress_key(other) for other in self._others]
         if others and store.check(others):
             self._elsewhere = max(float(value) for value in store.multi_get(others))
@@ -173,6 +205,21 @@ class JobBoard:
                         for other, value in zip(self._others, values, strict=True)
                     }
 
+    def _heartbeat(self) -> None:
+        """Stamps this node's heartbeat; reads the others' that are there."""
+        store = self._store
+        started = time.time()
+        store.set(alive_key(self.node), json.dumps({"t": started, "who": self._who}))
+        for other in self._others:
+            key = alive_key(other)
+            if not store.check([key]):
+                continue
+            beat = json.loads(store.multi_get([key])[0])
+            with self._lock:
+                self._beats[other] = float(beat["t"])
+                self._whos[other] = dict(beat.get("who") or {})
+        self.store_answered_at = started
+
     def _run(self) -> None:
         while not self._stopped.is_set():
             self._wake.wait(self._period)
@@ -183,6 +230,30 @@ class JobBoard:
                 self._exchange()
             except Exception:
                 logger.debug("job board: the store did not answer", exc_info=True)
+
+    def mark_unreachable(self, nodes: list[int]) -> None:
+        """Counts ``nodes`` as cut off in the round's store, each once (called on the loop).
+
+        Each call has the store's deadline; a store that does not answer is left alone.
+        """
+        for node in nodes:
+            try:
+                if self._store.add(f"{UNREACHABLE_KEY}/{node}", 1) == 1:
+                    self._store.add(UNREACHABLE_KEY, 1)
+            except Exception:
+                logger.debug("job board: could not mark node %d unreachable", node, exc_info=True)
+                return
+
+    def fence(self, why: str) -> None:
+        """This node gives the store up (it cannot reach it): later calls fail at once.
+
+        Only a store with a deadline per call (a
+        :class:`~dist_launch.rendezvous.store_deadline.BoundedStore`) can be given up;
+        another is left as it is.
+        """
+        silence = getattr(self._store, "silence", None)
+        if silence is not None:
+            silence(why)
 
     def stop(self) -> None:
         """Stops exchanging (bounded)."""

@@ -62,6 +62,7 @@ class _Call(Generic[T]):
         self.value: T | None = None
         self.error: BaseException | None = None
         self.late = False  # the caller gave up on it
+        self.abandoned = False  # the store was given up while the caller waited
 
 
 class StoreDeadline:
@@ -79,6 +80,21 @@ class StoreDeadline:
         self.setting = setting
         self._lock = threading.Lock()
         self._blocked: dict[int, tuple[str, float]] = {}  # id -> (call, started)
+        self._silenced: str | None = None
+        self._waiting: set[_Call[object]] = set()
+
+    def silence(self, why: str) -> None:
+        """Takes the store for silent from now on: every later call fails at once.
+
+        For a node fenced off a cut (:mod:`dist_launch.watch.cut_watch`): its way out
+        must not wait a ``read_timeout`` per call on a store it knows it cannot reach.
+        """
+        with self._lock:
+            self._silenced = why
+            waiting, self._waiting = self._waiting, set()
+        for pending in waiting:  # their callers stop waiting now
+            pending.abandoned = True
+            pending.done.set()
 
     def run(
         self, what: str, call: Callable[[], T], seconds: float | None = None, why: str = ""
@@ -96,21 +112,35 @@ class StoreDeadline:
                 still blocked past its deadline; the message names the address.
             Exception: What ``call`` raised.
         """
+        pending: _Call[T] = _Call()
         with self._lock:
+            if self._silenced is not None:
+                raise StoreDeadlineError(
+                    f"the rendezvous store at {self.address} is out of reach "
+                    f"({self._silenced}); {what} not tried"
+                )
             if self._blocked:
                 stuck, started = next(iter(self._blocked.values()))
                 raise StoreDeadlineError(
                     f"the rendezvous store at {self.address} is silent: {stuck} has had no "
                     f"answer for {time.monotonic() - started:.0f} s; {what} not tried"
                 )
+            self._waiting.add(cast(_Call[object], pending))
         deadline = self.seconds if seconds is None else seconds
-        pending: _Call[T] = _Call()
         started = time.monotonic()
         thread = threading.Thread(
             target=self._serve, args=(pending, call), name=f"store: {what}", daemon=True
         )
         thread.start()
-        if not pending.done.wait(deadline):
+        answered = pending.done.wait(deadline)
+        with self._lock:
+            self._waiting.discard(cast(_Call[object], pending))
+        if pending.abandoned:
+            raise StoreDeadlineError(
+                f"the rendezvous store at {self.address} is out of reach ({self._silenced}); "
+                f"{what} given up"
+            )
+        if not answered:
             with self._lock:
                 if not pending.done.is_set():
                     pending.late = True
@@ -148,6 +178,10 @@ class BoundedStore:
     def __init__(self, store: RendezvousStore, deadline: StoreDeadline) -> None:
         self.store = store
         self.deadline = deadline
+
+    def silence(self, why: str) -> None:
+        """Every later call to the store fails at once (:meth:`StoreDeadline.silence`)."""
+        self.deadline.silence(why)
 
     def set(self, key: str, value: str) -> None:
         """Sets ``key``."""
