@@ -212,7 +212,13 @@ def main() -> None:
         help="quiet-soak: the interpreter whose dist-launch runs (default: this one)",
     )
     parser.add_argument("--rdzv-agents", type=int, nargs="+", default=[8, 64, 256])
-    parser.add_argument("--reform-nodes", type=int, nargs="+", default=[2, 3, 4])
+    parser.add_argument(
+        "--reform-nodes",
+        type=int,
+        nargs="*",
+        default=[2, 3, 4],
+        help="reform: node counts with the fast settings (torch's defaults: 2 nodes, always)",
+    )
     parser.add_argument("--cost-agents", type=int, nargs="+", default=[64, 256, 1024])
     parser.add_argument(
         "--rdzv-limit",

@@ -116,13 +116,20 @@ def _reform_once(
     finish = scratch / f"finish-{backend}-{nodes}-{time.monotonic_ns()}"
     script = scratch / "steps.py"
     script.write_text(STEPS)
+    rdzv_conf = ",".join(filter(None, ["join_timeout=120", conf]))
     flags = [
         "--nnodes", f"1:{nodes}", "--nproc-per-node", "1", "--max-restarts", "3",
         "--rdzv-backend", backend, "--rdzv-endpoint", endpoint,
-        "--rdzv-id", f"reform-{time.monotonic_ns()}", "--rdzv-conf", f"join_timeout=120,{conf}",
+        "--rdzv-id", f"reform-{time.monotonic_ns()}", "--rdzv-conf", rdzv_conf,
     ]  # fmt: skip
-    argv = [sys.executable, "-m", "dist_launch", *flags, str(script), str(finish)]
-    launched = [_Node(argv, env) for _ in range(nodes)]
+    launched = []
+    for index in range(nodes):
+        # c10d: node 0 serves the store, named, not left to whichever binds first (the
+        # killed last node must not be the store's: c10d does not outlive its store).
+        serves = "" if backend != "c10d" else f",is_host={int(index == 0)}"
+        argv = [sys.executable, "-m", "dist_launch", *flags[:-1], flags[-1] + serves,
+                str(script), str(finish)]  # fmt: skip
+        launched.append(_Node(argv, env))
     try:
         deadline = time.monotonic() + RUN_SECONDS
         started = time.time()
@@ -358,7 +365,7 @@ def _one_round(backend: str, agents: int, endpoint: str) -> dict[str, Any]:
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join(timeout=max(RUN_SECONDS - (time.perf_counter() - started), 0.1))
+        thread.join(timeout=max(RUN_SECONDS - (time.perf_counter() - started), 0.0))
     took = time.perf_counter() - started
     kinds: dict[str, int] = {}
     with lock:
