@@ -45,9 +45,17 @@ Quiet jobs (benchmarks/_lib/quiet.py):
 - ``quiet-soak`` (only when named): every healthy quiet loop of examples/quiet_loops.py
   20 times beside two busy processes: false alarms counted (``nox -s hang_soak``).
 
+Losing a node (benchmarks/_lib/survive.py, only when named: minutes each):
+
+- ``reform``: a node's death to the re-formed round and its first step, c10d against
+  etcd, for 2-4 nodes (launcher processes on this host, ``--reform-nodes``);
+- ``rdzv-cost``: N simulated agents (``--cost-agents``, default 64 256 1024) joining one
+  round on c10d and on etcd: the time and the store operations per agent, beside the
+  store's own operation rate.
+
 Run: ``python benchmarks/launch.py [--ranks 2 4 8] [--repeat N] [--only PART ...]``
 (``nox -s bench``); the parts are start, crash, netns, rdzv, restart, hang, hang-cost,
-verdict, recorder-cost, slow-rank, look-cost, and quiet-soak when named.
+verdict, recorder-cost, slow-rank, look-cost, and quiet-soak, reform, rdzv-cost when named.
 The measurements also go to ``docs/_data/bench/launch.json`` (``--json``), which the docs draw as a
 figure; a run of some parts updates only their keys there.
 """
@@ -92,7 +100,7 @@ PARTS = (
     "verdict", "recorder-cost", "slow-rank", "look-cost",
 )  # fmt: skip
 # Run only when named (--only): 16 minutes for the default 80 runs.
-ON_REQUEST = ("quiet-soak",)
+ON_REQUEST = ("quiet-soak", "reform", "rdzv-cost")
 
 
 def _default_rdzv_limit() -> int:
@@ -205,13 +213,21 @@ def main() -> None:
     )
     parser.add_argument("--rdzv-agents", type=int, nargs="+", default=[8, 64, 256])
     parser.add_argument(
+        "--reform-nodes",
+        type=int,
+        nargs="*",
+        default=[2, 3, 4],
+        help="reform: node counts with the fast settings (torch's defaults: 2 nodes, always)",
+    )
+    parser.add_argument("--cost-agents", type=int, nargs="+", default=[64, 256, 1024])
+    parser.add_argument(
         "--rdzv-limit",
         type=int,
         default=_default_rdzv_limit(),
         help="skip rendezvous points with more agents than this "
         "(default: what half the available memory holds at ~120 MiB each)",
     )
-    from _lib import diagnose, hang, multinode, quiet
+    from _lib import diagnose, hang, multinode, quiet, survive
     from _lib.results import add_json_argument, write_results
 
     add_json_argument(parser, "launch")
@@ -255,6 +271,10 @@ def main() -> None:
             results.update(diagnose.slow_rank_part(Path(scratch), env))
         if "look-cost" in args.only:
             results.update(quiet.look_cost_part(Path(scratch), env))
+        if "reform" in args.only:
+            results.update(survive.reform_part(Path(scratch), env, args.reform_nodes))
+        if "rdzv-cost" in args.only:
+            results.update(survive.rdzv_cost_part(Path(scratch), args.cost_agents))
         if "quiet-soak" in args.only:
             results.update(
                 quiet.quiet_soak_part(Path(scratch), env, args.soak_runs, args.soak_python)

@@ -240,6 +240,36 @@ def test_the_job_board_travels_through_etcd(nodes: list[EtcdRendezvous]) -> None
 
 
 @pytest.mark.processes
+def test_reading_every_nodes_key_costs_one_request_not_one_per_node(
+    etcd_endpoint: str, rdzv_id: str
+) -> None:
+    """A round's ``multi_get`` of each node's key: one etcd request however many nodes."""
+    host, port = etcd_endpoint.split(":")
+    calls: list[str] = []
+
+    class Counting(EtcdGateway):
+        def call(self, path: str, body: dict[str, object]) -> dict[str, object]:
+            calls.append(path)
+            return super().call(path, body)
+
+    store = EtcdStore(
+        Counting([(host, int(port))]), f"dist-launch/{rdzv_id}/store/", timedelta(seconds=0.5)
+    )
+    prefixed = PrefixStore("round.0", store)
+    keys = [f"nproc/{rank}" for rank in range(40)]
+    for rank, key in enumerate(keys):
+        prefixed.set(key, str(rank))
+    prefixed.set("nproc-other", "not asked for")  # shares the keys' prefix
+    calls.clear()
+    assert prefixed.multi_get(keys) == [str(rank).encode() for rank in range(40)]
+    assert calls == ["kv/range"]
+    calls.clear()
+    with pytest.raises(Exception, match=r"round\.0/nproc/40 not set within"):
+        prefixed.multi_get([*keys, "nproc/40"])
+    assert 1 < len(calls) < 40  # looks with backoff for 0.5 s, never one per key
+
+
+@pytest.mark.processes
 def test_a_dead_first_member_is_passed_over(etcd_endpoint: str) -> None:
     dead = ("127.0.0.1", closed_port())
     host, port = etcd_endpoint.split(":")

@@ -128,6 +128,7 @@ def test_the_budget_lists_every_clock_of_an_elastic_run(script: str) -> None:
         "rdzv_join",
         "rdzv_last_call",
         "keep_alive",
+        "reform_after_loss",
         "store_call",
         "process_group",
         "hang_timeout",
@@ -146,6 +147,25 @@ def test_the_budget_lists_every_clock_of_an_elastic_run(script: str) -> None:
     assert lines[0] == "timeout budget:" and len(lines) == 1 + len(budget.waits)
     assert any("rendezvous store call" in line and "7 s" in line for line in lines)
     assert budget.problems == Problems()
+
+
+def test_the_budget_says_what_bounds_re_forming_after_a_lost_node(script: str) -> None:
+    elastic = ["--nnodes", "1:2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1"]
+    defaults = timeout_budget(plan_of([*elastic, script]), pg_timeout({}), None)
+    reform = defaults.as_json()["reform_after_loss"]
+    assert reform["seconds"] == 45  # torch's keep-alive 5 s x 3, then its 30 s last call
+    assert "noticed within keep-alive 5 s x 3 = 15 s, + last call 30 s" in str(reform["source"])
+    assert "keep_alive_interval=2,keep_alive_max_attempt=4,last_call_timeout=3" in str(
+        reform["source"]
+    )
+    conf = "keep_alive_interval=2,keep_alive_max_attempt=4,last_call_timeout=3"
+    tuned = plan_of([*elastic, "--rdzv-conf", conf, script])
+    lines = timeout_budget(tuned, pg_timeout({}), None).lines()
+    (line,) = [line for line in lines if "lost node: peers re-form within" in line]
+    assert "11 s" in line and "keep-alive 2 s x 4 = 8 s, + last call 3 s; --rdzv-conf" in line
+    fixed = ["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1", script]
+    reform = timeout_budget(plan_of(fixed), pg_timeout({}), None).as_json()["reform_after_loss"]
+    assert reform["seconds"] is None and "only with a replacement" in str(reform["source"])
 
 
 def test_a_static_run_has_no_rendezvous_clocks_and_takes_a_fitting_grace_period(

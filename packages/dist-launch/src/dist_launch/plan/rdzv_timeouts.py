@@ -39,6 +39,19 @@ class RendezvousTimeouts:
         return self.keep_alive_interval * self.keep_alive_max_attempt
 
     @property
+    def reform_after_loss(self) -> float:
+        """Seconds from a node's death until its peers' next round forms without it.
+
+        torch's rendezvous keeps a dead node among the round's participants until its
+        heartbeats are ``node_dead_after`` old; the survivors, rejoining, then wait
+        ``last_call`` for more nodes (the round has fewer than ``MAX``) before the round
+        closes. So re-forming after a lost node takes at most the keep-alive plus the
+        last call (and a second of torch's polling); the keep-alive alone bounds how
+        soon the loss is noticed.
+        """
+        return self.node_dead_after + self.last_call
+
+    @property
     def round_forms_within(self) -> float:
         """The longest a round may take to form: join, then the last call."""
         return self.join + self.last_call

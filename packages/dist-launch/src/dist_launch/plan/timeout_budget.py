@@ -35,6 +35,8 @@ REPORT_RESERVE_SECONDS = 5.0
 # torch's default process-group timeouts, by backend (NCCL's applies with
 # TORCH_NCCL_ASYNC_ERROR_HANDLING, which the launcher sets unless the user did).
 TORCH_PG_TIMEOUTS = {"nccl": 600.0, "gloo": 1800.0}
+# The --rdzv-conf keys that bound re-forming after a lost node.
+RE_FORM_KEYS = ("keep_alive_interval", "keep_alive_max_attempt", "last_call_timeout")
 
 
 @dataclass(frozen=True)
@@ -224,6 +226,7 @@ def _rendezvous_waits(plan: LaunchPlan) -> list[Wait]:
             _conf_source(plan, "last_call_timeout"),
         ),
         Wait("keep_alive", "node declared dead after", timeouts.node_dead_after, keep_alive),
+        _reform_wait(plan),
         Wait(
             "store_call",
             "rendezvous store call",
@@ -231,6 +234,36 @@ def _rendezvous_waits(plan: LaunchPlan) -> list[Wait]:
             _conf_source(plan, "read_timeout"),
         ),
     ]
+
+
+def _reform_wait(plan: LaunchPlan) -> Wait:
+    """What bounds the peers' re-forming after a lost node: keep-alive plus last call."""
+    timeouts = plan.rdzv_timeouts
+    noticed = (
+        f"a lost node is noticed within keep-alive {timeouts.keep_alive_interval:g} s x "
+        f"{timeouts.keep_alive_max_attempt} = {timeouts.node_dead_after:g} s"
+    )
+    if plan.min_nodes == plan.max_nodes:
+        return Wait(
+            "reform_after_loss",
+            "lost node: peers re-form within",
+            None,
+            f"{noticed}; --nnodes {plan.min_nodes} re-forms only with a replacement "
+            f"(up to the join timeout); --nnodes MIN:MAX re-forms without it",
+        )
+    given = any(key in plan.rdzv_conf for key in RE_FORM_KEYS)
+    tune = (
+        "--rdzv-conf"
+        if given
+        else "torch's defaults; lower them with --rdzv-conf "
+        "keep_alive_interval=2,keep_alive_max_attempt=4,last_call_timeout=3"
+    )
+    return Wait(
+        "reform_after_loss",
+        "lost node: peers re-form within",
+        timeouts.reform_after_loss,
+        f"{noticed}, + last call {timeouts.last_call:g} s; {tune}",
+    )
 
 
 def _hang_wait(policy: HangPolicy, source: str) -> Wait:

@@ -190,6 +190,12 @@ class EtcdGateway:
         kvs = self.call("kv/range", {"key": _b64(key)}).get("kvs", [])
         return _key_value(kvs[0]) if kvs else None
 
+    def get_prefix(self, prefix: bytes) -> dict[bytes, bytes]:
+        """Every key that starts with ``prefix`` and its value, in one request."""
+        body = {"key": _b64(prefix), "range_end": _b64(_prefix_end(prefix))}
+        kvs = self.call("kv/range", body).get("kvs", [])
+        return {base64.b64decode(kv.get("key", "")): _key_value(kv).value for kv in kvs}
+
     def count_prefix(self, prefix: bytes) -> int:
         """How many keys start with ``prefix``."""
         body = {"key": _b64(prefix), "range_end": _b64(_prefix_end(prefix)), "count_only": True}

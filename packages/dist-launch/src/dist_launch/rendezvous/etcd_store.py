@@ -25,6 +25,15 @@ FIRST_POLL_SECONDS = 0.01
 LONGEST_POLL_SECONDS = 0.25
 
 
+def _common_prefix(keys: list[bytes]) -> bytes:
+    """The longest byte string every key starts with."""
+    first, last = min(keys), max(keys)
+    size = 0
+    while size < min(len(first), len(last)) and first[size] == last[size]:
+        size += 1
+    return first[:size]
+
+
 def _as_bytes(value: str | bytes) -> bytes:
     return value if isinstance(value, bytes) else value.encode()
 
@@ -53,11 +62,7 @@ class EtcdStore(Store):
 
     def get(self, key: str) -> bytes:
         """The value of ``key``, once set (waits up to the store's timeout)."""
-        self.wait([key])
-        found = self._gateway.get(self._key(key))
-        if found is None:  # deleted between the wait and the read
-            raise LookupError(f"etcd store: {self._prefix + key} is not set")
-        return found.value
+        return self._wait_for([key], self._timeout)[self._key(key)]
 
     def add(self, key: str, amount: int) -> int:
         """Adds ``amount`` to the counter ``key`` (0 when new), atomically; the new value."""
@@ -94,8 +99,17 @@ class EtcdStore(Store):
         return all(self._gateway.get(self._key(key)) is not None for key in keys)
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
-        """The values of ``keys``, once set."""
-        return [self.get(key) for key in keys]
+        """The values of ``keys``, once set (waits up to the store's timeout).
+
+        One request per look, whatever the number of keys: a range over the keys'
+        common prefix (each node's share of a round is one key, so reading them one by
+        one would cost every node as many requests as there are nodes).
+
+        Raises:
+            TimeoutError: A key is still missing after the store's timeout.
+        """
+        found = self._wait_for(keys, self._timeout)
+        return [found[self._key(key)] for key in keys]
 
     def delete_key(self, key: str) -> bool:
         """Removes ``key``; True when it was set."""
@@ -113,19 +127,35 @@ class EtcdStore(Store):
         Raises:
             TimeoutError: A key is still missing after ``timeout`` (the store's when None).
         """
-        seconds = (timeout or self._timeout).total_seconds()
+        self._wait_for(keys, timeout or self._timeout)
+
+    def _wait_for(self, keys: list[str], timeout: timedelta) -> dict[bytes, bytes]:
+        """The values of the keys' common prefix once every key is set; polls with backoff.
+
+        One key is read alone; several in one range over their common prefix (within
+        this store's prefix), so a look costs one request however many keys there are.
+        """
+        seconds = timeout.total_seconds()
         deadline = time.monotonic() + seconds
         delay = FIRST_POLL_SECONDS
-        missing = list(keys)
+        wanted = [self._key(key) for key in keys]
         while True:
-            missing = [key for key in missing if self._gateway.get(self._key(key)) is None]
+            found = self._read(wanted)
+            missing = [key for key in wanted if key not in found]
             if not missing:
-                return
+                return found
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(
-                    f"etcd store: {', '.join(self._prefix + k for k in missing)} not set "
-                    f"within {seconds:g} s"
+                    f"etcd store: {', '.join(k.decode(errors='replace') for k in missing)} "
+                    f"not set within {seconds:g} s"
                 )
             time.sleep(min(delay, left))
             delay = min(delay * 2, LONGEST_POLL_SECONDS)
+
+    def _read(self, keys: list[bytes]) -> dict[bytes, bytes]:
+        """The keys that are set, with their values: one request."""
+        if len(keys) == 1:
+            one = self._gateway.get(keys[0])
+            return {} if one is None else {keys[0]: one.value}
+        return self._gateway.get_prefix(_common_prefix(keys))
