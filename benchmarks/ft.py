@@ -27,7 +27,13 @@ Real processes on this machine share one TCPStore hosted by this script.
    form a quorum of N, time until every replica saw one die, and the store load against
    the store's own rate (a count left out of ``--scale`` is scaled from the largest
    run): see ``_lib/ft_quorum_scale.py``.
-6. The soak, only with ``--only soak``: the replica groups' lose-a-rank-and-rejoin
+6. DDP's memory: peak resident memory and step time of torch's DDP on a plain gloo
+   group and of ``dist_collectives.ft.DistributedDataParallel`` through a Manager, the
+   large MLP, each kind in processes of its own (a process has one peak): see
+   ``_lib/ft_ddp_memory.py``. The managed step keeps one extra copy of the gradients
+   (its exchange buffer); the peak above the model is printed with the gradients'
+   size beside it.
+7. The soak, only with ``--only soak``: the replica groups' lose-a-rank-and-rejoin
    scenario of the tests, ``--soak-runs`` times in a row (30), counting the runs whose
    shards differ between groups at the end (target: none); see ``_lib/ft_soak.py``.
    ``nox -s soak`` runs it on the newest torch. The count of the run before the fix
@@ -77,6 +83,7 @@ SCALE_SIMULATED = "64,256,1024"
 SCALE_COMPUTED = (1024,)
 SCENARIO_TIMEOUT = 180.0
 SOAK_RUNS = 30
+DDP_STEPS = 30
 
 
 def _barrier(store: Any, name: str, count: int) -> None:
@@ -489,6 +496,31 @@ def _transfer_and_scale(port: int, args: Any, only: str | None) -> dict[str, Any
     return results
 
 
+def _ddp_memory(port: int, steps: int) -> dict[str, Any]:
+    """Part 6 (see the module doc): measures, prints and returns DDP's memory entry."""
+    from _lib import ft_ddp_memory
+
+    ddp = ft_ddp_memory.measure(port, WORLD, STEP_MODELS["large"], steps)
+    print(
+        f"DDP step, large MLP (64-{ddp['width']}-{ddp['width']}-10, batch {ddp['batch']}), "
+        f"{ddp['processes']} processes per kind, gradients {ddp['grad_mib']:.2f} MiB"
+    )
+    print(f"{'':<46}{'peak MiB':>10}{'step ms':>10}  (peak above the model, {ddp['peak_source']})")
+    for kind, label in (
+        ("plain", "torch DDP, plain gloo group"),
+        ("managed", "ft DistributedDataParallel, Manager"),
+    ):
+        row = ddp[kind]
+        print(f"{'  ' + label:<46}{row['peak_above_model_mib']:>10.2f}{row['step_ms']:>10.2f}")
+    extra = ddp["managed"]["peak_above_model_mib"] - ddp["plain"]["peak_above_model_mib"]
+    print(
+        f"{'  managed - plain':<46}{extra:>10.2f}{'':>10}  (the Manager's threads, group and "
+        f"store clients, and its one exchange buffer of {ddp['grad_mib']:.2f} MiB)"
+    )
+    sys.stdout.flush()
+    return {"ddp_memory": ddp}
+
+
 def _print_steps(results: dict[int, dict[str, list[float]]]) -> dict[str, Any]:
     """Part 2 (see the module doc): prints each model's step times and ratio; their JSON."""
 
@@ -554,7 +586,7 @@ def _steps_entries(steps: dict[str, Any]) -> dict[str, Any]:
 
 
 def _soak(runs: int, previous: dict[str, Any] | None) -> dict[str, Any]:
-    """Part 6 (see the module doc): runs, prints and returns the soak's JSON entry.
+    """Part 7 (see the module doc): runs, prints and returns the soak's JSON entry.
 
     The entry keeps the previous one's ``before_fix``, the count before the fix.
     """
@@ -600,9 +632,12 @@ def main() -> None:
     )
     parser.add_argument(
         "--only",
-        choices=["steps", "transfer", "scale", "soak"],
+        choices=["steps", "transfer", "scale", "ddp", "soak"],
         help="run one part alone (the managed and plain steps, the transfer, the quorum "
-        "at scale, or the soak)",
+        "at scale, DDP's peak memory, or the soak)",
+    )
+    parser.add_argument(
+        "--ddp-steps", type=int, default=DDP_STEPS, help="timed DDP steps per rank and kind"
     )
     parser.add_argument(
         "--soak-runs", type=int, default=SOAK_RUNS, help="runs of the soak's scenario in a row"
@@ -622,6 +657,8 @@ def main() -> None:
         previous = json.loads(target.read_text()) if args.json != "-" and target.is_file() else {}
         if args.only == "soak":
             new = _soak(args.soak_runs, previous.get("soak"))
+        elif args.only == "ddp":
+            new = _ddp_memory(port, args.ddp_steps)
         else:
             new = _transfer_and_scale(port, args, args.only)
         del store
@@ -651,7 +688,7 @@ def main() -> None:
         _merge_part(args.json, previous, "steps", _steps_entries(steps))
         return
     groups = _replica_groups(port, store)
-    new = _transfer_and_scale(port, args, None)
+    new = _transfer_and_scale(port, args, None) | _ddp_memory(port, args.ddp_steps)
     del store
 
     def slowest_median(key: str) -> float:

@@ -6,9 +6,11 @@ exchange (one that completes after the step failed) is a line of the test, not a
 
 from __future__ import annotations
 
+import operator
 import threading
 from typing import Any
 
+import pytest
 import torch
 from torch.futures import Future
 
@@ -127,7 +129,7 @@ def test_a_failed_generations_buffers_never_return_to_the_pool() -> None:
     buffer = group.exchanges[0][0]
     generation.fail()
     group.complete(0, torch.ones(3))
-    assert pool.take(torch.zeros(3)) is not buffer
+    assert pool.take(torch.Size([3]), torch.float32, torch.device("cpu")) is not buffer
 
 
 def test_a_healing_replica_exchanges_zeros_without_touching_its_tensor() -> None:
@@ -177,3 +179,56 @@ def test_a_failed_exchange_is_reported_and_leaves_the_tensor() -> None:
     group.exchanges[0][1].set_exception(RuntimeError("peer died"))
     assert [str(e) for e in errors] == ["peer died"]
     assert torch.equal(tensor, torch.ones(2))
+
+
+def test_a_list_is_gathered_into_one_buffer_and_each_tensor_gets_its_average() -> None:
+    group = _HandGroup()
+    generation = _generation(group)
+    first, second = torch.full((2, 2), 2.0), torch.full((3,), 4.0)
+    result = generation.allreduce([first, second], participants=2, behind=False)
+    buffer = group.exchanges[0][0]
+    assert buffer.shape == (7,), "one flat buffer for the whole list"
+    assert torch.equal(buffer, torch.tensor([1.0] * 4 + [2.0] * 3)), "divided on the way in"
+    group.complete(0, torch.tensor([3.0] * 4 + [5.0] * 3))
+    assert all(map(operator.is_, result.value(), [first, second]))
+    assert torch.equal(first, torch.full((2, 2), 4.0))
+    assert torch.equal(second, torch.full((3,), 7.0))
+
+
+def test_a_list_whose_exchange_completes_after_the_failure_keeps_every_tensor() -> None:
+    group = _HandGroup()
+    generation = _generation(group)
+    tensors = [torch.full((2,), 2.0), torch.full((2,), 3.0)]
+    result = generation.allreduce(tensors, participants=2, behind=False)
+    assert generation.fail()
+    group.complete(0, torch.full((4,), 100.0))  # the late exchange
+    assert result.value() is tensors
+    assert torch.equal(tensors[0], torch.full((2,), 2.0))
+    assert torch.equal(tensors[1], torch.full((2,), 3.0))
+
+
+def test_the_next_steps_list_reuses_the_buffer_of_the_last_one() -> None:
+    pool = BufferPool()
+    buffers = []
+    for number in (1, 2):
+        group = _HandGroup()
+        generation = Generation(
+            number,
+            group,  # type: ignore[arg-type]  # the fake has the one method a generation calls
+            pool,
+            on_error=print,
+            swallowed_error=lambda: None,
+            copy_wait=5.0,
+        )
+        generation.allreduce([torch.ones(2), torch.ones(3)], participants=1, behind=False)
+        buffers.append(group.exchanges[0][0])
+        group.complete(0, torch.zeros(5))
+    assert buffers[0] is buffers[1], "a step allocated a second exchange buffer"
+
+
+def test_a_list_of_two_dtypes_is_refused_by_index() -> None:
+    generation = _generation(_HandGroup())
+    with pytest.raises(ValueError, match=r"tensor 1 of the list is torch\.int64"):
+        generation.allreduce(
+            [torch.ones(2), torch.ones(2, dtype=torch.int64)], participants=2, behind=False
+        )

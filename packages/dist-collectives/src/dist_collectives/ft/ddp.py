@@ -22,7 +22,9 @@ class ReplicaAveraging:
     Reducing bucket by bucket would then pair unequal buffers (gloo aborts the process,
     or worse, sums unrelated values). So the hook only collects the buckets; at the last
     one it reduces every gradient at once in the order of ``module.parameters()``,
-    which all replicas share, and then completes every bucket's future.
+    which all replicas share, and then completes every bucket's future. The gradients
+    go from the buckets straight into the manager's one exchange buffer and back, so
+    the step keeps one extra copy of them (that buffer, reused from step to step).
 
     Args:
         manager: The manager of this replica.
@@ -39,7 +41,7 @@ class ReplicaAveraging:
 
         The bucket's future is created with the buffer's CUDA device (if any): DDP's
         reducer waits on it and then reads the buffer on its own stream, which must
-        first wait for the copies ``_reduce`` makes on another stream.
+        first wait for the copies of the average into the buffer on another stream.
         """
         future: Future[torch.Tensor] = future_for(bucket.buffer())
         self._pending.append((bucket, future))
@@ -49,30 +51,27 @@ class ReplicaAveraging:
         return future
 
     def _reduce(self, pending: list[tuple[GradBucket, Future[torch.Tensor]]]) -> None:
-        # (parameter index, bucket buffer, offset in it, shape)
-        slots: list[tuple[int, torch.Tensor, int, torch.Size]] = []
+        # Each parameter's gradient is a view of its bucket's buffer; the manager gathers
+        # them, in the order of ``module.parameters()``, into the one buffer it exchanges
+        # and writes the average back into these views: no copy of the gradients here.
+        views: list[tuple[int, torch.Tensor]] = []
         for bucket, _ in pending:
             buffer, offset = bucket.buffer(), 0
             for param in bucket.parameters():
-                slots.append((self._order[id(param)], buffer, offset, param.shape))
-                offset += param.numel()
-        slots.sort(key=lambda slot: slot[0])
-        flat = torch.cat([buf[offset : offset + shape.numel()] for _, buf, offset, shape in slots])
-        reduced = self.manager.allreduce(flat)
+                size = param.numel()
+                views.append((self._order[id(param)], buffer[offset : offset + size]))
+                offset += size
+        views.sort(key=lambda view: view[0])
+        reduced = self.manager.allreduce([view for _, view in views])
 
-        def scatter(done: Future[torch.Tensor]) -> None:
-            # The manager's future carries the CUDA device of ``flat``: this callback
-            # runs on a stream that waited for the exchange, the copies below go on it,
-            # and each bucket's future records its event on it when set here.
-            averaged, position = done.value(), 0
-            for _, buf, offset, shape in slots:
-                size = shape.numel()
-                buf[offset : offset + size].copy_(averaged[position : position + size])
-                position += size
+        def complete(_: Future[list[torch.Tensor]]) -> None:
+            # The manager's future carries the CUDA devices of the views: this callback
+            # runs on a stream that waited for the copies into them, and each bucket's
+            # future records its event on it when set here.
             for bucket, future in pending:
                 future.set_result(bucket.buffer())
 
-        reduced.then(scatter)
+        reduced.then(complete)
 
 
 def ft_allreduce_hook(state: ReplicaAveraging, bucket: GradBucket) -> Future[torch.Tensor]:

@@ -16,6 +16,11 @@ then completes the caller's futures with their tensors as they were. After it re
 nothing of this generation writes into a tensor the caller sees: a late exchange only
 fills a buffer that is then dropped (never given back to the pool).
 
+One buffer per operation is the only copy a step makes: several tensors (the
+buckets of a DDP backward, in one order every replica shares) are gathered straight
+into one buffer and the result is scattered straight back into each of them, so no
+concatenation of the caller's tensors is ever kept besides it.
+
 Threads: the training thread issues operations; a group's callback threads finish
 them; any thread may fail the generation. One condition guards the status, the
 operations' states and the count of copies under way; no I/O happens under it.
@@ -27,7 +32,7 @@ import contextlib
 import dataclasses
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import torch
@@ -43,12 +48,21 @@ GenerationStatus = Literal["open", "failed"]
 OperationState = Literal["pending", "copying", "done", "abandoned"]
 
 
+# What an allreduce takes and its future holds: one tensor, or a list of tensors of one
+# dtype and device that are exchanged together in one buffer.
+Operand = torch.Tensor | list[torch.Tensor]
+
+
 @dataclasses.dataclass(eq=False)
 class OwnedAllreduce:
-    """One allreduce of a generation: the caller's tensor, the buffer the group got."""
+    """One allreduce of a generation: the caller's tensors, the buffer the group got.
 
-    caller: torch.Tensor
+    ``pieces`` pairs each caller tensor with the view of ``buffer`` that holds it.
+    """
+
+    caller: Operand
     buffer: torch.Tensor
+    pieces: tuple[tuple[torch.Tensor, torch.Tensor], ...]
     result: WorkFuture
     divide_after: int  # integers are floor-divided after the sum; 1 for the others
     state: OperationState = "pending"
@@ -109,27 +123,41 @@ class Generation:
         with self._changed:
             return any(op.state in ("pending", "copying") for op in self._ops)
 
-    def allreduce(self, tensor: torch.Tensor, *, participants: int, behind: bool) -> WorkFuture:
+    def allreduce(self, tensor: Operand, *, participants: int, behind: bool) -> WorkFuture:
         """Sums ``tensor`` over the group into a buffer, then writes ``sum / participants``.
 
         Floating-point values are divided on the way into the buffer (one pass, and the
         sum is the average); integers are floor-divided on the way back. A replica that
-        is ``behind`` sends zeros: its gradients come from stale weights.
+        is ``behind`` sends zeros: its gradients come from stale weights. A list of
+        tensors (one dtype, one device) is gathered into one flat buffer, in its order,
+        and exchanged at once; the result goes back into each of them.
 
         Returns:
             A future of ``tensor`` that never raises: the average once the exchange
             succeeded, or ``tensor`` unchanged when the generation failed first.
+
+        Raises:
+            ValueError: A list of tensors that is empty or mixes dtypes or devices.
         """
         result = future_for(tensor, WorkFuture)
-        floating = tensor.is_floating_point() or tensor.is_complex()
-        buffer = self._buffers.take(tensor)
-        if behind:
-            buffer.zero_()
-        elif floating and participants != 1:
-            torch.div(tensor.detach(), participants, out=buffer)
+        callers = [tensor] if isinstance(tensor, torch.Tensor) else list(tensor)
+        first = _check_same_kind(callers)
+        floating = first.is_floating_point() or first.is_complex()
+        if isinstance(tensor, torch.Tensor):
+            buffer = self._buffers.take(tensor.shape, tensor.dtype, tensor.device)
+            pieces: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ((tensor, buffer),)
         else:
-            buffer.copy_(tensor.detach())
-        op = OwnedAllreduce(tensor, buffer, result, 1 if floating else participants)
+            total = sum(caller.numel() for caller in callers)
+            buffer = self._buffers.take(torch.Size([total]), first.dtype, first.device)
+            pieces = tuple(_views(callers, buffer))
+        for caller, view in pieces:
+            if behind:
+                view.zero_()
+            elif floating and participants != 1:
+                torch.div(caller.detach(), participants, out=view)
+            else:
+                view.copy_(caller.detach())
+        op = OwnedAllreduce(tensor, buffer, pieces, result, 1 if floating else participants)
         with self._changed:
             if self._status != "open":
                 op.state = "abandoned"
@@ -163,11 +191,12 @@ class Generation:
             self._copying += 1
         failure: Exception | None = None
         try:
-            if op.divide_after != 1:
-                torch.floor_divide(op.buffer, op.divide_after, out=op.caller)
-            else:
-                op.caller.copy_(op.buffer)
-            if op.caller.is_cuda:
+            for caller, view in op.pieces:
+                if op.divide_after != 1:
+                    torch.floor_divide(view, op.divide_after, out=caller)
+                else:
+                    caller.copy_(view)
+            if op.buffer.is_cuda:
                 op.copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
                 op.copied.record()
         except Exception as error:
@@ -213,3 +242,30 @@ class Generation:
             with contextlib.suppress(RuntimeError):  # completed by its exchange meanwhile
                 op.result.set_result(op.caller)
         return True
+
+
+def _check_same_kind(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The first of ``tensors``, once every one has its dtype and device."""
+    if not tensors:
+        raise ValueError("allreduce: the list of tensors is empty")
+    first = tensors[0]
+    for index, other in enumerate(tensors):
+        if other.dtype != first.dtype or other.device != first.device:
+            raise ValueError(
+                f"allreduce: tensor {index} of the list is {other.dtype} on {other.device}, "
+                f"tensor 0 is {first.dtype} on {first.device}; one list is one buffer, of "
+                "one dtype on one device"
+            )
+    return first
+
+
+def _views(
+    tensors: Sequence[torch.Tensor], buffer: torch.Tensor
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each of ``tensors`` with its place in the flat ``buffer``, one after the other."""
+    pieces, offset = [], 0
+    for tensor in tensors:
+        size = tensor.numel()
+        pieces.append((tensor, buffer[offset : offset + size].view(tensor.shape)))
+        offset += size
+    return pieces

@@ -257,7 +257,7 @@ class Manager:
 
     def allreduce(
         self,
-        tensor: torch.Tensor,
+        tensor: torch.Tensor | list[torch.Tensor],
         should_quantize: bool = False,
         reduce_op: dist.ReduceOp | dist.ReduceOp.RedOpType = dist.ReduceOp.AVG,
     ) -> WorkFuture:
@@ -269,7 +269,9 @@ class Manager:
         the exchange succeeded (integers are floor-divided on the way back).
 
         Args:
-            tensor: The tensor, reduced in place.
+            tensor: The tensor, reduced in place; or a list of tensors of one dtype on
+                one device, exchanged together in one buffer (as the DDP hook does with
+                a backward's gradients) and each reduced in place.
             should_quantize: Accepted for torchft's signature; the exchange is always
                 in the tensor's own precision.
             reduce_op: ``AVG`` (the default) or ``SUM`` (summed over the participants,

@@ -448,7 +448,7 @@ class ManagerExecutor:
             return None
         return future.result()
 
-    def allreduce(self, tensor: torch.Tensor, *, average: bool) -> WorkFuture:
+    def allreduce(self, tensor: torch.Tensor | list[torch.Tensor], *, average: bool) -> WorkFuture:
         """Sums ``tensor`` over this step's participants, or averages it (the step's generation).
 
         Returns:

@@ -29,13 +29,13 @@ class BufferPool:
         self._lock = threading.Lock()
         self._free: dict[tuple[torch.Size, torch.dtype, torch.device], list[torch.Tensor]] = {}
 
-    def take(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A contiguous buffer of ``tensor``'s shape, dtype and device (its values unset)."""
+    def take(self, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A contiguous buffer of this shape, dtype and device (its values unset)."""
         with self._lock:
-            free = self._free.get((tensor.shape, tensor.dtype, tensor.device))
+            free = self._free.get((shape, dtype, device))
             buffer = free.pop() if free else None
         if buffer is None:
-            buffer = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
+            buffer = torch.empty(shape, dtype=dtype, device=device)
         return buffer
 
     def give_back(self, buffer: torch.Tensor) -> None:
