@@ -23,6 +23,7 @@ from dist_launch.plan.build import build_plan
 from dist_launch.plan.launch_plan import LaunchPlan
 from dist_launch.rendezvous.c10d import C10dRendezvous, connect_c10d
 from dist_launch.rendezvous.etcd import connect_etcd
+from dist_launch.rendezvous.launcher_heartbeat import SILENT_AFTER_SECONDS
 from dist_launch.rendezvous.launchers_store import launchers_store_port
 from dist_launch.rendezvous.protocol import (
     Assignment,
@@ -325,6 +326,33 @@ def test_static_nodes_but_0_end_without_waiting_for_the_others(script: str) -> N
     nodes[1].close()  # node 0 has not ended: only node 0, which serves the store, waits
     assert time.monotonic() - started < BOUND
     nodes[0].close()  # node 1 has ended: at once
+
+
+def test_static_node_0_stops_waiting_for_a_node_whose_launcher_stopped_beating(
+    script: str,
+) -> None:
+    nodes = static_nodes(script)
+    join_static(nodes)
+    heartbeat = nodes[1]._heartbeat
+    assert heartbeat is not None
+    heartbeat.stop()  # node 1's launcher is gone (SIGKILL) without ending
+    started = time.monotonic()
+    nodes[0].close()
+    # Its heartbeat is silent after SILENT_AFTER_SECONDS, long before the 15 s wait.
+    assert time.monotonic() - started < SILENT_AFTER_SECONDS + BOUND
+
+
+def test_static_node_0_waits_for_a_beating_node_that_has_not_ended(script: str) -> None:
+    nodes = static_nodes(script)
+    join_static(nodes)
+    ended = threading.Event()
+    closing = threading.Thread(target=lambda: (nodes[0].close(), ended.set()))
+    closing.start()
+    # The false alarm: node 1 still beats, so node 0 keeps the store for it.
+    assert not ended.wait(SILENT_AFTER_SECONDS + 1.0)
+    nodes[1].close()
+    assert ended.wait(BOUND)
+    closing.join(BOUND)
 
 
 # -- c10d ------------------------------------------------------------------------------

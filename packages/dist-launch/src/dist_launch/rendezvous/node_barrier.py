@@ -17,7 +17,7 @@ def every_node(
         store: The round's store (its calls bounded by the caller's wrapper).
         event: What the nodes count (``succeeded``, ``ended``).
         nodes: The round's node count.
-        seconds: How long to wait for the others; 0: count, and do not wait.
+        seconds: How long to wait for the others.
 
     Returns:
         None once all have, else how long this node waited and why it stopped (a
@@ -27,8 +27,7 @@ def every_node(
     try:
         if int(store.add(f"dist_launch/{event}", 1)) >= nodes:
             store.set(f"dist_launch/all_{event}", "1")
-        if seconds > 0:
-            store.wait([f"dist_launch/all_{event}"], timedelta(seconds=seconds))
+        store.wait([f"dist_launch/all_{event}"], timedelta(seconds=seconds))
     except Exception as error:  # torch raises several kinds
         return time.monotonic() - started, error
     return None

@@ -36,6 +36,7 @@ from dist_launch.rendezvous.c10d import (
 )
 from dist_launch.rendezvous.failure_ledger import count_round_failure
 from dist_launch.rendezvous.job_board import JobBoard
+from dist_launch.rendezvous.launcher_heartbeat import Heartbeat, Pulse
 from dist_launch.rendezvous.launchers_store import (
     PrefixedStore,
     launchers_store_port,
@@ -93,6 +94,9 @@ class StaticRendezvous:
         self._round_store: BoundedStore | None = None
         self._rounds = 0
         self.cause_wait_seconds = CAUSE_WAIT_SECONDS
+        self._heartbeat = (
+            None if self._job_store is None else Heartbeat(self._job_store, plan.node_rank)
+        )
 
     @classmethod
     def open(cls, plan: LaunchPlan) -> StaticRendezvous:
@@ -299,15 +303,45 @@ class StaticRendezvous:
         """Says this node has ended (node 0: waits, bounded, for the others); releases the port.
 
         With several nodes, node 0 takes the launchers' store away when it exits: every
-        node marks its end, and node 0 waits until all have, at most
-        ``ENDED_WAIT_SECONDS``, so that the others can still read why the job ended. The
-        other nodes serve nothing and do not wait.
+        node marks its end, and node 0 waits until every other node has ended or its
+        launcher's heartbeat stopped, at most ``ENDED_WAIT_SECONDS``, so that the
+        others can still read why the job ended. The other nodes serve nothing and do
+        not wait.
         """
         if self._round_store is not None:
-            seconds = ENDED_WAIT_SECONDS if self.plan.node_rank == 0 else 0.0
-            waited = every_node(self._round_store, "ended", self.plan.nnodes, seconds)
+            with contextlib.suppress(Exception):
+                self._round_store.set(f"dist_launch/ended/{self.plan.node_rank}", "1")
+            if self.plan.node_rank == 0:
+                self._wait_for_the_others_to_end(self._round_store)
             self._round_store = None
-            if waited is not None:
-                logger.info("not every node had ended %.1f s after this one (%s)", *waited)
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+            self._heartbeat = None
         if self.auto_port and self._port is not None:
             release_port(self._port)
+
+    def _wait_for_the_others_to_end(self, store: BoundedStore) -> None:
+        """Until every other node ended or stopped beating (bounded); never raises."""
+        assert self._job_store is not None
+        pending = set(range(1, self.plan.nnodes))
+        started = time.monotonic()
+        try:
+            pulse = Pulse(self._job_store, sorted(pending))
+            while True:
+                pending = {n for n in pending if not store.check([f"dist_launch/ended/{n}"])}
+                gone = pulse.gone()
+                if pending <= gone:
+                    break
+                if time.monotonic() - started >= ENDED_WAIT_SECONDS:
+                    logger.info(
+                        "node(s) %s had not ended %.0f s after this one",
+                        sorted(pending),
+                        ENDED_WAIT_SECONDS,
+                    )
+                    return
+                time.sleep(JOIN_POLL_SECONDS)
+        except Exception as error:  # torch raises several kinds
+            logger.info("could not wait for the other nodes to end: %s", error)
+            return
+        if pending:
+            logger.info("node(s) %s stopped beating before they ended", sorted(pending))
