@@ -105,6 +105,7 @@ class Node:
         self.lines: list[str] = []
         self.ended_at = float("inf")  # monotonic time its output ended
         self.exited_at = float("inf")  # monotonic time the launcher exited
+        self.ended_wall: float | None = None  # wall clock, once the launcher exited
         self._changed = changed
         self.process = subprocess.Popen(
             host.command(argv),
@@ -131,6 +132,7 @@ class Node:
                 self.lines.append(line)
                 self._changed.notify_all()
         self.process.wait()
+        self.ended_wall = time.time()
         with self._changed:
             self.ended_at = time.monotonic()
             self._changed.notify_all()
@@ -260,6 +262,67 @@ def test_static_two_node_job(two_hosts: tuple[Host, Host], job: Job) -> None:
         job.start(host, flags)
     assert_one_group(job, world=4, per_host=2)
     assert {e.group_rank for e in job.events("step")} == {"0", "1"}
+
+
+def static_flags(first: Host, node_rank: int, nproc: int) -> list[str]:
+    """Flags of a static two-node job whose master is ``first``."""
+    return ["--nnodes", "2", "--node-rank", str(node_rank), "--nproc-per-node", str(nproc),
+            "--master-addr", first.address, "--master-port", str(PORT)]  # fmt: skip
+
+
+RAISED = re.compile(r"raising rank=(?P<rank>\d+) time=(?P<time>[\d.]+)")
+
+
+@pytest.mark.parametrize("backend", ["static", "c10d"])
+def test_a_raising_rank_ends_every_node_naming_it(
+    backend: str, two_hosts: tuple[Host, Host], dist_launch_job: Job
+) -> None:
+    """Rank 3 raises after its second step; ranks 0-2 block in the third all_reduce.
+
+    Ranks 0-1 on the other node would wait for gloo's 60 s timeout; their launcher
+    learns the failure from the launchers' store instead and stops them within a
+    poll. Both launchers exit non-zero within a generous bound of the raise (the
+    target: 2 s plus the 1 s grace period), each naming rank 3 and its node, and the
+    node of rank 3 shows its traceback.
+    """
+    first, _ = two_hosts
+    job = dist_launch_job
+    env = {"RAISE_RANK": "3", "MAX_STEPS": "1000", "FINISH_FILE": "/none"}
+    for node_rank, host in enumerate(two_hosts):
+        if backend == "static":
+            flags = static_flags(first, node_rank, 2)
+        else:
+            flags = c10d_flags(first, "2", 2)
+        job.start(host, [*flags, "--grace-period", "1"], env)
+    codes = job.wait_exits()
+    assert all(code != 0 for code in codes), job.outputs()
+    (raised,) = [m for n in job.nodes for m in RAISED.finditer(n.output)]
+    (failing,) = [e for e in job.events("start") if e.rank == 3]
+    node = next(n for n in job.nodes if n.host.name == failing.host)
+    took = [n.ended_wall - float(raised["time"]) for n in job.nodes if n.ended_wall is not None]
+    print(f"{backend}: launchers ended {', '.join(f'{t:.2f}' for t in took)} s after the raise")
+    assert len(took) == 2 and max(took) < 10.0, job.outputs()
+    for each in job.nodes:
+        assert f"rank 3 on node {failing.group_rank}" in each.output, job.outputs()
+    assert "Traceback (most recent call last)" in node.output, job.outputs()
+    assert "ValueError: rank 3 found a bad batch at step 2" in node.output, job.outputs()
+
+
+def test_a_healthy_static_job_is_not_ended_by_the_launchers_store(
+    two_hosts: tuple[Host, Host], dist_launch_job: Job
+) -> None:
+    """The false alarm beside the test above: polling, the job board and the barriers
+    of a static job's launchers never end a job whose ranks all succeed, the store's
+    node (0) finishing first or last."""
+    first, _ = two_hosts
+    job = dist_launch_job
+    for node_rank, host in enumerate(two_hosts):
+        # Node 0's launcher polls its own store; node 1 finishes its steps later.
+        steps = {"STEPS": "20", "STEP_SECONDS": "0.1" if node_rank else "0.05"}
+        job.start(host, [*static_flags(first, node_rank, 2), "--hang-timeout", "30"], steps)
+    assert_one_group(job, world=4, per_host=2)
+    for each in job.nodes:
+        assert "closed" not in each.output and "unreachable" not in each.output, job.outputs()
 
 
 def test_c10d_nodes_started_in_reverse_order(two_hosts: tuple[Host, Host], job: Job) -> None:
@@ -575,8 +638,9 @@ def test_restart_budget_is_job_wide(
         job.stop()
 
 
+@pytest.mark.parametrize("backend", ["static", "c10d"])
 def test_hang_on_one_node_names_the_node_and_rank(
-    two_hosts: tuple[Host, Host], dist_launch_job: Job, tmp_path: Path
+    backend: str, two_hosts: tuple[Host, Host], dist_launch_job: Job, tmp_path: Path
 ) -> None:
     """Rank 3 waits for ever after its first step; every other rank blocks in the next.
 
@@ -588,12 +652,16 @@ def test_hang_on_one_node_names_the_node_and_rank(
     """
     first, _ = two_hosts
     job = dist_launch_job
-    flags = [*c10d_flags(first, "2", 2), "--hang-timeout", "8", "--grace-period", "1"]
-    for host in two_hosts:
+    hang = ["--hang-timeout", "8", "--grace-period", "1"]
+    for node_rank, host in enumerate(two_hosts):
         log_dir = ["--log-dir", str(tmp_path / host.name), "--run-id", "hang"]
+        if backend == "static":
+            flags = static_flags(first, node_rank, 2)  # the board in node 0's launchers' store
+        else:
+            flags = c10d_flags(first, "2", 2)
         job.start(
             host,
-            [*flags, *log_dir],
+            [*flags, *hang, *log_dir],
             {"HANG_RANK": "3", "MAX_STEPS": "1000", "FINISH_FILE": "/none"},
         )
     codes = job.wait_exits()
@@ -620,7 +688,8 @@ def test_hang_on_one_node_names_the_node_and_rank(
             each.output,
         ), job.outputs()
         # Several nodes: each writes its own folder (c10d: its host name) in the run's.
-        (path,) = (tmp_path / each.host.name).glob(f"hang/{each.host.name}/attempt_0/hang.json")
+        folder = each.host.name if backend == "c10d" else f"node{job.nodes.index(each)}"
+        (path,) = (tmp_path / each.host.name).glob(f"hang/{folder}/attempt_0/hang.json")
         hang = json.loads(path.read_text())
         assert sorted(hang["ranks"]) == ["0", "1", "2", "3"], hang
         assert (hang["waiting"], hang["behind"], hang["unknown"]) == ([0, 1, 2], [3], [])

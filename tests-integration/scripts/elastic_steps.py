@@ -28,6 +28,9 @@ Read from the environment:
     COLLECTIVE_TIMEOUT: seconds gloo waits for a peer (default 60).
     HANG_RANK: after its first step, this rank waits for ever (a hang, for dist-launch's
         --hang-timeout); its peers block in the next all_reduce.
+    RAISE_RANK: after step RAISE_STEP (default 2), this rank raises ValueError, saying
+        ``raising rank=<r> time=<wall clock>`` on stderr first; its peers block in the
+        next all_reduce until their launcher stops them (or gloo's timeout).
     CHECKPOINT_DIR: on SIGTERM a worker writes its checkpoint there (a file
         ``<host>.rank<r>.attempt<a>`` holding its last step) and exits 143.
 """
@@ -102,6 +105,9 @@ while step < steps:
     say(f"step {ids} step={step} sum={int(value.item())} time={time.time():.6f}")
     if os.environ.get("HANG_RANK") == str(rank):
         time.sleep(100_000)  # a data loader that never answers
+    if os.environ.get("RAISE_RANK") == str(rank) and step == int(os.environ.get("RAISE_STEP", "2")):
+        say(f"raising rank={rank} time={time.time():.6f}", 2)
+        raise ValueError(f"rank {rank} found a bad batch at step {step}")
     time.sleep(pause)  # the training step itself
 if not finishing:
     say(f"never broken {ids}: {steps} steps and no peer went away", 2)

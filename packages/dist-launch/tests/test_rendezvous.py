@@ -17,12 +17,14 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from fake_rendezvous import FakeJob
+from fake_rendezvous import FakeJob, FakeStore
 
 from dist_launch.plan.build import build_plan
 from dist_launch.plan.launch_plan import LaunchPlan
 from dist_launch.rendezvous.c10d import C10dRendezvous, connect_c10d
 from dist_launch.rendezvous.etcd import connect_etcd
+from dist_launch.rendezvous.launcher_heartbeat import SILENT_AFTER_SECONDS
+from dist_launch.rendezvous.launchers_store import launchers_store_port
 from dist_launch.rendezvous.protocol import (
     Assignment,
     FailureRecord,
@@ -30,7 +32,8 @@ from dist_launch.rendezvous.protocol import (
     RendezvousUsageError,
     RoundChange,
 )
-from dist_launch.rendezvous.static import StaticRendezvous
+from dist_launch.rendezvous.static import SharedStore, StaticRendezvous
+from dist_launch.rendezvous.store_deadline import StoreDeadline
 
 BOUND = 5.0  # seconds any thread of these tests may take
 ROUND_0 = "torch.rendezvous.job.0/"  # the fake's store prefix of the first round
@@ -170,14 +173,14 @@ def test_static_nodes_take_their_ranks_from_the_plan(script: str) -> None:
     plan = plan_of(
         script, nnodes="3", node_rank="2", nproc_per_node="4", master_addr="node0", master_port="1"
     )
-    assignment = StaticRendezvous.open(plan).next_round()
+    assignment = StaticRendezvous(plan).next_round()
     assert (assignment.group_rank, assignment.base_rank, assignment.world_size) == (2, 8, 12)
     assert (assignment.master_addr, assignment.master_port) == ("node0", 1)
 
 
-def test_static_restarts_are_this_nodes_alone(script: str) -> None:
-    plan = plan_of(script, nnodes="2", node_rank="1", master_addr="node0")
-    count = StaticRendezvous.open(plan).count_failure(record(rank=1, group_rank=1))
+def test_static_restarts_of_one_node_are_its_own(script: str) -> None:
+    plan = plan_of(script, master_addr="node0")
+    count = StaticRendezvous.open(plan).count_failure(record(rank=1, group_rank=0))
     assert (count.scope, count.restarts) == ("node", 1)
     assert count.first_failure == "rank 1 failed with exit code 3"
 
@@ -193,14 +196,163 @@ def test_static_master_port_taken_on_node_0_is_a_usage_error(script: str) -> Non
 
 def test_static_port_of_several_nodes_is_fixed(script: str) -> None:
     plan = plan_of(script, nnodes="2", node_rank="1", master_addr="node0")
-    rdzv = StaticRendezvous.open(plan)
+    rdzv = StaticRendezvous(plan)
     assert rdzv.next_round().master_port == 29500
     assert rdzv.replace_master_port() is None
 
 
 def test_static_port_given_by_the_user_is_never_replaced(script: str) -> None:
-    rdzv = StaticRendezvous.open(plan_of(script, nnodes="2", node_rank="1", master_port="29999"))
+    rdzv = StaticRendezvous(plan_of(script, nnodes="2", node_rank="1", master_port="29999"))
     assert rdzv.replace_master_port() is None
+
+
+def static_nodes(script: str, nodes: int = 2, **flags: str) -> list[StaticRendezvous]:
+    """The launchers of a static job, sharing one dict-backed launchers' store."""
+    store = FakeStore()
+    rdzvs = []
+    for node in range(nodes):
+        plan = plan_of(script, nnodes=str(nodes), node_rank=str(node), master_addr="node0", **flags)
+        shared = SharedStore(store, StoreDeadline("node0:29501", BOUND))
+        rdzvs.append(StaticRendezvous(plan, shared))
+    return rdzvs
+
+
+def join_static(rdzvs: list[StaticRendezvous]) -> list[Assignment]:
+    with ThreadPoolExecutor(len(rdzvs)) as pool:
+        return list(pool.map(lambda rdzv: rdzv.next_round(), rdzvs))
+
+
+def test_static_store_port_is_beside_the_master_port_unless_given(script: str) -> None:
+    plan = plan_of(script, nnodes="2", master_port="29600")
+    assert launchers_store_port(plan, 29600) == 29601
+    given = plan_of(script, nnodes="2", rdzv_conf="store_port=31000")
+    assert launchers_store_port(given, 29500) == 31000
+    with pytest.raises(RendezvousUsageError, match="store_port=29500"):
+        launchers_store_port(plan_of(script, rdzv_conf="store_port=29500"), 29500)
+
+
+def test_static_nodes_count_a_failed_round_once_and_name_its_cause(script: str) -> None:
+    nodes = static_nodes(script, max_restarts="1")
+    assert [a.restart_count for a in join_static(nodes)] == [0, 0]
+    cause = nodes[1].count_failure(record(rank=3, group_rank=1))
+    assert (cause.scope, cause.restarts) == ("job", 1)
+    assert cause.first_failure.startswith("rank 3 on node 1 (host1)")
+    nodes[0].cause_wait_seconds = 60 * BOUND  # the cause is there already
+    effect = nodes[0].count_failure(record(rank=0, group_rank=0, consequence=True))
+    assert (effect.restarts, effect.first_failure) == (1, cause.first_failure)
+    assert [a.restart_count for a in join_static(nodes)] == [1, 1]
+
+
+def test_static_watch_restarts_every_node_after_a_counted_failure(script: str) -> None:
+    nodes = static_nodes(script, max_restarts="1")
+    join_static(nodes)
+    assert nodes[0]._round_change() is None  # a healthy round: no false alarm
+    nodes[1].count_failure(record(rank=3, group_rank=1))
+    change = nodes[0]._round_change()
+    assert change is not None and change.kind == "membership", change
+    assert "restart 1 of 1" in str(change)
+
+
+def test_static_closing_reaches_every_node_with_its_reason(script: str) -> None:
+    nodes = static_nodes(script)
+    join_static(nodes)
+    count = nodes[1].count_failure(record(rank=3, group_rank=1))
+    assert count.restarts == 1
+    assert nodes[0]._round_change() is None  # past the budget: wait for the closing
+    nodes[1].close_job(f"restart budget spent; first failure: {count.first_failure}")
+    change = nodes[0]._round_change()
+    assert change is not None and change.kind == "closed"
+    reason = nodes[0].closing_reason()
+    assert reason is not None and "rank 3 on node 1 (host1)" in reason
+
+
+def test_static_watch_reports_the_closing_from_its_thread(script: str) -> None:
+    nodes = static_nodes(script)
+    join_static(nodes)
+    seen: list[RoundChange] = []
+    changed = threading.Event()
+    watch = nodes[0].watch(0.01, lambda change: (seen.append(change), changed.set()))
+    try:
+        nodes[1].close_job("node 1 was interrupted by SIGTERM")
+        assert changed.wait(BOUND)
+    finally:
+        watch.stop()
+    assert [change.kind for change in seen] == ["closed"]
+
+
+def test_static_round_waits_for_every_node_and_names_the_missing(script: str) -> None:
+    (first, _) = static_nodes(script, rdzv_conf="join_timeout=0.3")
+    with pytest.raises(TimeoutError, match=r"node\(s\) 1 did not join round 0"):
+        first.next_round()
+
+
+def test_static_round_ends_its_wait_when_the_job_is_closed(script: str) -> None:
+    first, second = static_nodes(script)
+    second.close_job("node 1 failed before the round")
+    with pytest.raises(RuntimeError, match="node 1 failed before the round"):
+        first.next_round()
+
+
+class RefusingStore(FakeStore):
+    """A store whose node is gone: every read is refused."""
+
+    def check(self, keys: list[str]) -> bool:
+        raise ConnectionResetError("connection reset by peer")
+
+
+def test_static_store_that_refuses_is_unreachable_and_names_node_0(script: str) -> None:
+    plan = plan_of(script, nnodes="2", node_rank="1", master_addr="node0")
+    shared = SharedStore(RefusingStore(), StoreDeadline("node0:29501", BOUND))
+    rdzv = StaticRendezvous(plan, shared)
+    rdzv._round_store = shared.view("round/0/")
+    change = rdzv._round_change()
+    assert change is not None and change.kind == "unreachable"
+    assert "node 0 (node0:29501), which serves the launchers' store" in str(change)
+    assert "connection reset by peer" in str(change)
+
+
+def test_static_nodes_pass_the_exit_barrier_together(script: str) -> None:
+    nodes = static_nodes(script)
+    join_static(nodes)
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(lambda rdzv: rdzv.exit_barrier(), nodes))
+        list(pool.map(lambda rdzv: rdzv.close(), nodes))
+
+
+def test_static_nodes_but_0_end_without_waiting_for_the_others(script: str) -> None:
+    nodes = static_nodes(script)
+    join_static(nodes)
+    started = time.monotonic()
+    nodes[1].close()  # node 0 has not ended: only node 0, which serves the store, waits
+    assert time.monotonic() - started < BOUND
+    nodes[0].close()  # node 1 has ended: at once
+
+
+def test_static_node_0_stops_waiting_for_a_node_whose_launcher_stopped_beating(
+    script: str,
+) -> None:
+    nodes = static_nodes(script)
+    join_static(nodes)
+    heartbeat = nodes[1]._heartbeat
+    assert heartbeat is not None
+    heartbeat.stop()  # node 1's launcher is gone (SIGKILL) without ending
+    started = time.monotonic()
+    nodes[0].close()
+    # Its heartbeat is silent after SILENT_AFTER_SECONDS, long before the 15 s wait.
+    assert time.monotonic() - started < SILENT_AFTER_SECONDS + BOUND
+
+
+def test_static_node_0_waits_for_a_beating_node_that_has_not_ended(script: str) -> None:
+    nodes = static_nodes(script)
+    join_static(nodes)
+    ended = threading.Event()
+    closing = threading.Thread(target=lambda: (nodes[0].close(), ended.set()))
+    closing.start()
+    # The false alarm: node 1 still beats, so node 0 keeps the store for it.
+    assert not ended.wait(SILENT_AFTER_SECONDS + 1.0)
+    nodes[1].close()
+    assert ended.wait(BOUND)
+    closing.join(BOUND)
 
 
 # -- c10d ------------------------------------------------------------------------------

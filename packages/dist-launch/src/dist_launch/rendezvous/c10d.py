@@ -19,18 +19,18 @@ handler and store instead.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import socket
 import time
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any
 
 from dist_launch.plan.launch_plan import LaunchPlan
-from dist_launch.rendezvous.job_board import UNREACHABLE_KEY, JobBoard
+from dist_launch.rendezvous.failure_ledger import count_round_failure, round_failures
+from dist_launch.rendezvous.job_board import JobBoard
 from dist_launch.rendezvous.membership_watch import MembershipWatch
+from dist_launch.rendezvous.node_barrier import every_node
 from dist_launch.rendezvous.protocol import (
     Assignment,
     FailureCount,
@@ -51,10 +51,6 @@ ENDED_WAIT_SECONDS = 15.0
 # Nodes that see one hang find it within a progress period of each other; a node whose
 # rank failed reports once its other ranks are stopped.
 CAUSE_WAIT_SECONDS = 5.0
-# How often that wait reads the round's records.
-CAUSE_POLL_SECONDS = 0.1
-# How often a node that ended looks whether the others have (or were found cut off).
-EVERY_NODE_POLL_SECONDS = 0.5
 # How long a leaving node may take to take itself out of torch's rendezvous state.
 LEAVE_SECONDS = 10.0
 # How much longer than torch's read_timeout connecting to the store may take.
@@ -359,45 +355,20 @@ class C10dRendezvous:
             Exception: torch's store errors (the store's node is gone).
         """
         assert self._round_store is not None and self._job_store is not None
-        store = self._round_store
-        store.set(f"dist_launch/failure/{record.group_rank}", json.dumps(record.__dict__))
-        if int(store.add("dist_launch/failed", 1)) == 1:
-            total = int(self._job_store.add(self._prefix + "restarts", 1))
-            store.set("dist_launch/counted", str(total))
-        else:
-            # Another node counts this round: its total once it has written it (reading
-            # the job's counter here could come before that node's increment).
-            store.wait(["dist_launch/counted"], timedelta(seconds=self.timeouts.read))
-            total = int(store.get("dist_launch/counted"))
-        first = self._wait_for_cause() if record.consequence else self.failures()
-        return FailureCount(total, "job", (first[0] if first else record).describe())
-
-    def _wait_for_cause(self) -> list[FailureRecord]:
-        """The round's records once one names a cause or every node reported (bounded)."""
         assert self.assignment is not None
-        nodes = self.assignment.group_world_size
-        deadline = time.monotonic() + self.cause_wait_seconds
-        while True:
-            records = self.failures()
-            if (
-                any(not r.consequence for r in records)
-                or len(records) >= nodes
-                or time.monotonic() >= deadline
-            ):
-                return records
-            time.sleep(CAUSE_POLL_SECONDS)
+        return count_round_failure(
+            record,
+            self._round_store,
+            (self._job_store, self._prefix + "restarts"),
+            self.assignment.group_world_size,
+            (self.timeouts.read, self.cause_wait_seconds),
+        )
 
     def failures(self) -> list[FailureRecord]:
         """The failure records of the current round: causes first, then earliest."""
         if self._round_store is None or self.assignment is None:
             return []
-        keys = [f"dist_launch/failure/{r}" for r in range(self.assignment.group_world_size)]
-        records: list[FailureRecord] = []
-        for key in keys:
-            with contextlib.suppress(Exception):
-                if self._round_store.check([key]):
-                    records.append(FailureRecord(**json.loads(self._round_store.get(key))))
-        return sorted(records, key=lambda r: r.precedence)
+        return round_failures(self._round_store, self.assignment.group_world_size)
 
     def close_job(self, why: str) -> None:
         """Stops every node: records ``why`` and closes torch's rendezvous."""
@@ -522,19 +493,4 @@ class C10dRendezvous:
         store, assignment = self._round_store, self.assignment
         if store is None or assignment is None:
             return None
-        started = time.monotonic()
-        nodes = assignment.group_world_size
-        try:
-            if int(store.add(f"dist_launch/{event}", 1)) >= nodes:
-                store.set(f"dist_launch/all_{event}", "1")
-            # Nodes found cut off (watch/cut_watch.py) will not come: not waited for.
-            while not store.check([f"dist_launch/all_{event}"]):
-                came = int(store.add(f"dist_launch/{event}", 0))
-                if came + int(store.add(UNREACHABLE_KEY, 0)) >= nodes:
-                    return None
-                if time.monotonic() - started >= seconds:
-                    raise TimeoutError(f"{nodes - came} node(s) did not come within {seconds:g} s")
-                time.sleep(EVERY_NODE_POLL_SECONDS)
-        except Exception as error:  # torch raises several kinds
-            return time.monotonic() - started, error
-        return None
+        return every_node(store, event, assignment.group_world_size, seconds)
