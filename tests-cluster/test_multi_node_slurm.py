@@ -162,11 +162,6 @@ def test_a_lost_node_ends_the_other_node(job_env: dict[str, str], tag: str, tmp_
     assert ended - lost < NODE_LOST_BOUND, err.text()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 42 item 2: under static rendezvous a node does not learn another's "
-    "failure; node1 exits 137 naming its own rank 1 (a peer vanished) as the first failure",
-)
 def test_a_rank_failing_on_node2_ends_both_nodes_naming_it(
     two_nodes: MultiNodeCluster, job_env: dict[str, str], tag: str
 ) -> None:
@@ -179,5 +174,11 @@ def test_a_rank_failing_on_node2_ends_both_nodes_naming_it(
     for task, node in enumerate(("node1", "node2")):
         assert f"srun: error: {node}: task {task}: Exited with exit code 1\n" in err, err
         own = "".join(line[3:] + "\n" for line in err.splitlines() if line.startswith(f"{task}: "))
-        assert "dist-launch: rank 3 (local rank 1, node 1) failed first" in own, (task, err)
+        # node2 tells its own rank's failure; node1 the record node2 shared.
+        named = (
+            "first failure: rank 3 on node 1 (node2)"
+            if node == "node1"
+            else "dist-launch: rank 3 (local rank 1, node 1) failed first"
+        )
+        assert named in own, (task, err)
     assert "ValueError: rank 3 fails on purpose" in err
