@@ -342,6 +342,21 @@ def test_static_node_0_stops_waiting_for_a_node_whose_launcher_stopped_beating(
     assert time.monotonic() - started < SILENT_AFTER_SECONDS + BOUND
 
 
+def test_static_consequence_stops_waiting_for_the_cause_of_a_dead_node(script: str) -> None:
+    """A node that died reports nothing: its silence ends the wait, and node 0's end."""
+    nodes = static_nodes(script)
+    join_static(nodes)
+    heartbeat = nodes[1]._heartbeat
+    assert heartbeat is not None
+    heartbeat.stop()  # node 1's launcher and workers are gone (SIGKILL)
+    nodes[0].cause_wait_seconds = 4 * BOUND  # far longer than the heartbeats' silence
+    started = time.monotonic()
+    count = nodes[0].count_failure(record(rank=0, group_rank=0, consequence=True))
+    assert count.first_failure.startswith("rank 0 on node 0")
+    nodes[0].close()  # the heartbeats followed for the cause say node 1 is gone
+    assert time.monotonic() - started < SILENT_AFTER_SECONDS + BOUND
+
+
 def test_static_node_0_waits_for_a_beating_node_that_has_not_ended(script: str) -> None:
     nodes = static_nodes(script)
     join_static(nodes)

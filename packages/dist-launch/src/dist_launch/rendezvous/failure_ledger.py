@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
+from collections.abc import Callable
 from datetime import timedelta
 
 from dist_launch.rendezvous.protocol import FailureCount, FailureRecord
@@ -43,6 +44,7 @@ def count_round_failure(
     count: tuple[RendezvousStore, str],
     nodes: int,
     waits: tuple[float, float],
+    gone: Callable[[], set[int]] | None = None,
 ) -> FailureCount:
     """Shares ``record`` and counts the round once, job-wide.
 
@@ -53,6 +55,9 @@ def count_round_failure(
         nodes: The round's node count.
         waits: How long a second reporter waits for the first's total (torch's
             ``read_timeout``), and how long a consequence waits for a cause.
+        gone: The nodes known dead (their launchers stopped beating), if the store
+            tells: a consequence stops waiting for the cause once every node that has
+            not reported is among them (a dead node reports nothing).
 
     Raises:
         StoreDeadlineError: The store did not answer a call in time.
@@ -70,21 +75,28 @@ def count_round_failure(
         round_store.wait(["dist_launch/counted"], timedelta(seconds=read_timeout))
         total = int(round_store.get("dist_launch/counted"))
     if record.consequence:
-        first = _wait_for_cause(round_store, nodes, cause_wait)
+        first = _wait_for_cause(round_store, nodes, cause_wait, gone)
     else:
         first = round_failures(round_store, nodes)
     return FailureCount(total, "job", (first[0] if first else record).describe())
 
 
-def _wait_for_cause(store: RendezvousStore, nodes: int, seconds: float) -> list[FailureRecord]:
-    """The round's records once one names a cause or every node reported (bounded)."""
+def _wait_for_cause(
+    store: RendezvousStore, nodes: int, seconds: float, gone: Callable[[], set[int]] | None
+) -> list[FailureRecord]:
+    """The round's records once one names a cause or every other node reported or died.
+
+    Bounded by ``seconds``.
+    """
     deadline = time.monotonic() + seconds
     while True:
         records = round_failures(store, nodes)
+        silent = set(range(nodes)) - {r.group_rank for r in records}
         if (
             any(not r.consequence for r in records)
-            or len(records) >= nodes
+            or not silent
             or time.monotonic() >= deadline
+            or (gone is not None and silent <= gone())
         ):
             return records
         time.sleep(CAUSE_POLL_SECONDS)

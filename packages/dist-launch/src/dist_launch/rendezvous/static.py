@@ -97,6 +97,17 @@ class StaticRendezvous:
         self._heartbeat = (
             None if self._job_store is None else Heartbeat(self._job_store, plan.node_rank)
         )
+        # The other launchers' heartbeats, followed from the first failure on: the wait
+        # for a failure's cause and node 0's wait at the end share what it saw.
+        self._pulse: Pulse | None = None
+
+    def _gone(self) -> set[int]:
+        """The other nodes whose launchers stopped beating (reads each counter once)."""
+        assert self._job_store is not None
+        if self._pulse is None:
+            others = [n for n in range(self.plan.nnodes) if n != self.plan.node_rank]
+            self._pulse = Pulse(self._job_store, others)
+        return self._pulse.gone()
 
     @classmethod
     def open(cls, plan: LaunchPlan) -> StaticRendezvous:
@@ -241,6 +252,7 @@ class StaticRendezvous:
             (self._job_store, "restarts"),
             self.plan.nnodes,
             (self.plan.rdzv_timeouts.read, self.cause_wait_seconds),
+            self._gone,
         )
 
     def membership_changing(self) -> bool:
@@ -326,10 +338,9 @@ class StaticRendezvous:
         pending = set(range(1, self.plan.nnodes))
         started = time.monotonic()
         try:
-            pulse = Pulse(self._job_store, sorted(pending))
             while True:
                 pending = {n for n in pending if not store.check([f"dist_launch/ended/{n}"])}
-                gone = pulse.gone()
+                gone = self._gone()
                 if pending <= gone:
                     break
                 if time.monotonic() - started >= ENDED_WAIT_SECONDS:
