@@ -11,6 +11,14 @@ also waits until no replica has announced itself (or asked to join) for
 ``first_quorum_window``, so that replicas started together begin in one quorum instead
 of the last ones healing a step later.
 
+Only one replica per round reads who is alive: the first to join, which becomes the
+round's *closer* (``compare_set`` on ``r<round>/closer``). It alone checks, every tick,
+whether the round is due and counts its checks in ``r<round>/closing``; every other
+member only waits for the decision, and every ``CLOSER_CHECK_SECONDS`` reads that
+counter: one that stood still since its last look means the closer died or left the
+round, and the member takes its place. A replica thus makes a handful of store calls per
+round whatever the number of replicas (see ``benchmarks/ft.py --only scale``).
+
 A replica waits for the decision in one ``wait`` on the store, which the closing
 replica's write ends at once; on a
 :class:`~dist_collectives.ft.coordination.bounded_store.BoundedStore` that wait runs on
@@ -57,6 +65,8 @@ ROUND_TICK_SECONDS = 0.1
 # a live replica on the join timeout): the members must then hold a round, or it waits
 # in one that nobody else joins.
 REGISTRY_VERSION_KEY = "replicas_version"
+# How often a member that does not close its round checks that the closer still does.
+CLOSER_CHECK_SECONDS = 1.0
 
 
 def _append(store: KeyValueStore, key: str, value: str) -> None:
@@ -204,6 +214,7 @@ class Liveness:
         self._store = store
         self._timeout = heartbeat_timeout.total_seconds()
         self._clock = HeartbeatClock()
+        self._published = 0
 
     @property
     def store(self) -> KeyValueStore:
@@ -252,6 +263,39 @@ class Liveness:
                 timeout=self._timeout,
             )
         ]
+
+    def alive_members(
+        self, quorum_id: int, members: Sequence[str], replica_id: str, *, monitor: bool
+    ) -> set[str]:
+        """The members of a quorum that are alive, for the quorum's step watchers.
+
+        One member reads everybody's heartbeat (the first member, whose caller passes
+        ``monitor``: its group rank 0) and publishes whom it found gone in
+        ``alive/<quorum_id>``; every other member reads that record and the monitor's own
+        heartbeat, two store calls of a few keys. A record that stood still for the
+        heartbeat timeout while the monitor beats (it no longer watches a step) makes the
+        reader read everybody itself. The store then reads O(members) keys per interval,
+        not O(members²).
+        """
+        key = f"alive/{quorum_id}"
+        if monitor:
+            alive = self.alive()
+            self._published += 1
+            found = sorted(set(members) - alive)
+            self._store.set(key, json.dumps({"seq": self._published, "gone": found}))
+            return alive & set(members)
+        head = members[0]
+        record = bytes(self._store.compare_set(key, "", ""))  # creates a missing record
+        counter, left = self._store.multi_get([f"hb/{head}", f"left/{head}"])
+        now = time.monotonic()
+        head_alive = is_alive(
+            self._clock.quiet_for(head, counter, now), left=left == b"1", timeout=self._timeout
+        )
+        quiet = self._clock.quiet_for(key, record, now)
+        if head_alive and quiet is not None and quiet >= self._timeout:
+            return self.alive() & set(members)
+        gone = set(json.loads(record)["gone"]) if record else set()
+        return {m for m in members if m not in gone and (m != head or head_alive)}
 
     def leave(self, replica_id: str) -> None:
         """Marks ``replica_id`` as gone for good, so that nobody waits for it."""
@@ -388,12 +432,49 @@ class _Round:
         self._version_changed_at = self.joined_at
         self.members: dict[str, int] = {}
         self.alive: set[str] = set()
+        self.closer_key = f"r{number}/closer"
+        self.closing_key = f"r{number}/closing"
+        self.closing = False
+        self._closer_seen: tuple[int, str] | None = None
+        self._closer_checked_at = self.joined_at
+
+    def elect(self, store: KeyValueStore, replica_id: str) -> None:
+        """Makes this replica the round's closer if nobody is yet (one store call)."""
+        self.closing = bytes(store.compare_set(self.closer_key, "", replica_id)) == (
+            replica_id.encode()
+        )
+
+    def take_over_if_idle(self, store: KeyValueStore, replica_id: str, now: float) -> None:
+        """Every ``CLOSER_CHECK_SECONDS``, becomes the closer if the closer stopped closing.
+
+        The closer counts its checks; when the count and the closer stood still since
+        this replica's last look, the closer is gone (or no longer in the round) and this
+        replica takes its place with ``compare_set`` (one replica wins).
+        """
+        if self.closing or now - self._closer_checked_at < CLOSER_CHECK_SECONDS:
+            return
+        self._closer_checked_at = now
+        seen = (int(store.add(self.closing_key, 0)), store.get(self.closer_key).decode())
+        if seen != self._closer_seen:
+            self._closer_seen = seen
+            return
+        won = store.compare_set(self.closer_key, seen[1], replica_id)
+        self.closing = bytes(won) == replica_id.encode()
+        if self.closing:
+            logger.info(
+                "quorum round %d: %s closes it in place of %s, which stopped",
+                self.number,
+                replica_id,
+                seen[1],
+            )
 
     def try_close(self, store: KeyValueStore, liveness: Liveness) -> bytes | None:
         """The round's decision: the one stored, or the one written now if the round is due.
 
-        Returns None while the round stays open.
+        Returns None while the round stays open. Counts the check in the round's
+        ``closing`` counter, which tells the other members that the closer still closes.
         """
+        store.add(self.closing_key, 1)
         if store.check([self.decision_key]):
             return bytes(store.get(self.decision_key))
         raw_members, registry, version = store.multi_get(
@@ -425,12 +506,18 @@ class _Round:
 
 
 def _wait_for_decision(
-    store: KeyValueStore, attempt: _Round, liveness: Liveness, deadline: float, tick: float
+    store: KeyValueStore,
+    attempt: _Round,
+    liveness: Liveness,
+    deadline: float,
+    tick: float,
+    replica_id: str,
 ) -> bytes | None:
     """The round's decision: the one another replica writes, or the one this replica writes.
 
     Waits for the decision key on ``store`` (on its link thread, when it has one) and,
-    every ``tick``, closes the round through ``liveness``'s connection when it is due.
+    every ``tick``, closes the round through ``liveness``'s connection when this replica
+    is the round's closer and the round is due (or checks that the closer still closes).
     Returns None at the deadline.
     """
     wait_async = getattr(store, "wait_async", None)
@@ -450,7 +537,13 @@ def _wait_for_decision(
                     return None
                 return bytes(store.get(attempt.decision_key))
         try:
-            decision = attempt.try_close(liveness.store, liveness)
+            attempt.take_over_if_idle(liveness.store, replica_id, time.monotonic())
+            if attempt.closing:
+                decision = attempt.try_close(liveness.store, liveness)
+            elif waiting is None:
+                decision = _decision_if_any(store, attempt)
+            else:
+                decision = None
         except FTError:
             raise  # a store that does not answer: the caller reports it by name
         except Exception:  # the wait's own timeout reports a store that is gone
@@ -485,7 +578,9 @@ def compute_quorum(
     """Joins the current round and returns its decision (see the module doc).
 
     Every store call is a round trip that the training processes pay for in CPU, so
-    reads are batched and the decision comes back from ``compare_set`` itself.
+    reads are batched, the decision comes back from ``compare_set`` itself, and only
+    the round's closer reads who is alive: a replica makes about seven calls per round
+    whatever the number of replicas (more only in a round that lasts seconds).
 
     Args:
         store: The store all replicas share (prefixed for this manager group).
@@ -525,9 +620,10 @@ def compute_quorum(
             previous=previous,
             init_sync=init_sync,
         )
-        decision = attempt.try_close(store, liveness)
+        attempt.elect(store, replica_id)
+        decision = attempt.try_close(store, liveness) if attempt.closing else None
         if decision is None:
-            decision = _wait_for_decision(store, attempt, liveness, deadline, tick)
+            decision = _wait_for_decision(store, attempt, liveness, deadline, tick, replica_id)
         if decision is None:
             raise QuorumTimeoutError(
                 f"replica {replica_id!r}: no quorum within {timeout}: round {round_} has "

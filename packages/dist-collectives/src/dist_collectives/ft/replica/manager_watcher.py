@@ -230,7 +230,14 @@ class Watcher:
             return
         if not check_heartbeats:
             return
-        lost = lost_members(quorum, self._liveness.alive(), self._config.replica_id)
+        config = self._config
+        alive = self._liveness.alive_members(
+            quorum.quorum_id,
+            quorum.members,
+            config.replica_id,
+            monitor=config.group_rank == 0 and quorum.members[0] == config.replica_id,
+        )
+        lost = lost_members(quorum, alive, config.replica_id)
         if not lost:
             return
         key = commit_key(quorum)
