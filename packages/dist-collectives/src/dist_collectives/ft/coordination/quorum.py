@@ -45,6 +45,7 @@ import dataclasses
 import json
 import logging
 import time
+import uuid
 from collections.abc import Collection, Sequence
 from datetime import timedelta
 
@@ -92,6 +93,20 @@ class Quorum:
     # differently (an unseeded init, a different device's kernels) would otherwise
     # train on apart for ever with every step committed.
     init_sync: bool = False
+    # The quorum's UUID, as torchft 0.3 names a quorum: new whenever ``quorum_id`` is,
+    # kept with it. ``quorum_id`` stays the integer torchft 0.2 returned.
+    quorum_uuid: str = ""
+
+    @property
+    def communicator_uuid(self) -> int | None:
+        """The ``uuid`` of the group this quorum configures (``torchft_<uuid>_rank_<n>``).
+
+        The low 63 bits of :attr:`quorum_uuid` (torch's ``ReconfigureOptions.uuid`` is a
+        signed 64-bit integer); None for a decision written without a UUID.
+        """
+        if not self.quorum_uuid:
+            return None
+        return uuid.UUID(self.quorum_uuid).int & ((1 << 63) - 1)
 
     @property
     def max_step(self) -> int:
@@ -161,6 +176,7 @@ class Quorum:
             steps=tuple(int(s) for s in raw["steps"]),
             registry_version=int(raw.get("registry_version", 0)),
             init_sync=bool(raw.get("init_sync", False)),
+            quorum_uuid=str(raw.get("quorum_uuid", "")),
         )
 
     def next_step(self) -> Quorum:
@@ -392,6 +408,7 @@ def _decide(
     if previous is None and round_ > 0 and store.check([f"r{round_ - 1}/decision"]):
         previous = Quorum.from_json(store.get(f"r{round_ - 1}/decision"))
     ordered, steps = proposed_members(members)
+    quorum_uuid = str(uuid.uuid4())
     if previous is None:
         quorum_id = round_  # round 0; later rounds always have a previous decision
     else:
@@ -399,7 +416,11 @@ def _decide(
             [f"err/{previous.quorum_id}"]
         )
         quorum_id = previous.quorum_id if unchanged else previous.quorum_id + 1
-    return Quorum(round=round_, quorum_id=quorum_id, members=ordered, steps=steps)
+        if unchanged and previous.quorum_uuid:
+            quorum_uuid = previous.quorum_uuid
+    return Quorum(
+        round=round_, quorum_id=quorum_id, members=ordered, steps=steps, quorum_uuid=quorum_uuid
+    )
 
 
 class _Round:

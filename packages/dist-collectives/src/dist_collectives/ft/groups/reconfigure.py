@@ -204,6 +204,8 @@ def reconfigure_with_store(
     rank: int,
     world_size: int,
     timeout: timedelta = DEFAULT_RECONFIGURE_TIMEOUT,
+    *,
+    communicator_uuid: int | None = None,
 ) -> None:
     """Exchanges handles on ``store_addr`` and reconfigures ``pg`` as ``rank`` of ``world_size``.
 
@@ -218,6 +220,9 @@ def reconfigure_with_store(
         rank: This member's rank in the new group.
         world_size: The number of members.
         timeout: How long the exchange, and then the reconfiguration, may take.
+        communicator_uuid: The ``uuid`` rank 0 hands every member (the group is then
+            named ``torchft_<uuid>_rank_<n>``); None for a fresh random one. The
+            Manager passes its quorum's (:attr:`Quorum.communicator_uuid`).
 
     Raises:
         HandleExchangeTimeoutError: some members' handles (or rank 0's ``uuid``) did
@@ -227,7 +232,8 @@ def reconfigure_with_store(
     store = exchange_store(store_addr, timeout)
     store.set(f"{HANDLE_KEY}{rank}", pg.get_reconfigure_handle())
     if rank == 0:
-        store.set(UUID_KEY, str(new_communicator_uuid()))
+        chosen = new_communicator_uuid() if communicator_uuid is None else communicator_uuid
+        store.set(UUID_KEY, str(chosen))
     keys = [UUID_KEY, *(f"{HANDLE_KEY}{peer}" for peer in range(world_size))]
     started = time.monotonic()
     try:

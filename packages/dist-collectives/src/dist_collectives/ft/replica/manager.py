@@ -229,8 +229,21 @@ class Manager:
         return len(self._executor.current_quorum().participants)
 
     def quorum_id(self) -> int:
-        """The id of this step's quorum; it changes whenever the group is reconfigured."""
+        """The id of this step's quorum; it changes whenever the group is reconfigured.
+
+        An integer, as torchft 0.2 returned (0, 1, 2, ...); :meth:`quorum_uuid` gives the
+        UUID that torchft 0.3 logs and names groups by.
+        """
         return self._executor.current_quorum().quorum_id
+
+    def quorum_uuid(self) -> str:
+        """The UUID of this step's quorum: new exactly when :meth:`quorum_id` changes.
+
+        It is in the Manager's log of each configuration, and a torch reconfigurable
+        group of a Manager whose replicas are single processes is named
+        ``torchft_<uuid>_rank_<n>`` from it (:attr:`Quorum.communicator_uuid`).
+        """
+        return self._executor.current_quorum().quorum_uuid
 
     def replica_rank(self) -> int:
         """This replica's rank in this step's quorum."""

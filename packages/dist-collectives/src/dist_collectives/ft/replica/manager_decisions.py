@@ -113,6 +113,9 @@ class Configure:
     address: str
     rank: int
     world_size: int
+    # The group's ``uuid`` (from the quorum's UUID) for groups reconfigured by handles;
+    # None: rank 0 draws one.
+    communicator_uuid: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,7 +163,10 @@ def quorum_actions(
             group_world_size=group_world_size,
         )
         rank = quorum.replica_rank(replica_id)
-        actions.append(Configure(quorum.quorum_id, address, rank, len(quorum.members)))
+        # Rank i of every replica group forms a group of its own: those draw their own
+        # uuid, so that no two groups of one quorum share a rendezvous prefix.
+        named = quorum.communicator_uuid if group_world_size == 1 else None
+        actions.append(Configure(quorum.quorum_id, address, rank, len(quorum.members), named))
     plan = heal_plan(quorum, replica_id)
     if plan.receive_from is not None:
         actions.append(ReceiveState(plan.receive_from))

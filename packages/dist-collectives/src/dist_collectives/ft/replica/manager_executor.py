@@ -395,9 +395,10 @@ class ManagerExecutor:
                 move_group(self._pg, action, config.timeout)
                 self.state.configured_for(quorum)
                 self._log.info(
-                    "replica %s: quorum %d with %d replicas, rank %d, step %d%s; configured "
-                    "in %.1f ms",
+                    "replica %s: quorum %s (%d) with %d replicas, rank %d, step %d%s; "
+                    "configured in %.1f ms",
                     config.label,
+                    quorum.quorum_uuid,
                     quorum.quorum_id,
                     len(quorum.members),
                     action.rank,
@@ -728,4 +729,11 @@ def move_group(pg: dist.ProcessGroup, action: Configure, timeout: timedelta) -> 
     if isinstance(pg, ProcessGroup):
         pg.configure(action.address, action.rank, action.world_size)
     else:
-        reconfigure_with_store(pg, action.address, action.rank, action.world_size, timeout)
+        reconfigure_with_store(
+            pg,
+            action.address,
+            action.rank,
+            action.world_size,
+            timeout,
+            communicator_uuid=action.communicator_uuid,
+        )
