@@ -395,16 +395,16 @@ class ManagerExecutor:
                 move_group(self._pg, action, config.timeout)
                 self.state.configured_for(quorum)
                 self._log.info(
-                    "replica %s: quorum %s (%d) with %d replicas, rank %d, step %d%s; "
-                    "configured in %.1f ms",
+                    "replica %s: quorum %d with %d replicas, rank %d, step %d%s; configured "
+                    "in %.1f ms (quorum %s)",
                     config.label,
-                    quorum.quorum_uuid,
                     quorum.quorum_id,
                     len(quorum.members),
                     action.rank,
                     quorum.max_step,
                     membership_change(configured_members, quorum.members),
                     1000 * (time.perf_counter() - started),
+                    quorum.quorum_uuid,
                 )
             elif isinstance(action, ReceiveState):
                 self.state.received(*recv_state(self._pg, action.source), request.generation)
