@@ -131,9 +131,10 @@ def _worker(index: int, port: int, n: int, queue: Any, connecting: Any) -> None:
             rid: Liveness(_Counting(_connect(port, namespace), counts), HEARTBEAT_TIMEOUT)
             for rid in ids
         }
-        quorum_stores = {
-            rid: _Counting(_bounded(port, namespace, rid), round_counts) for rid in ids
-        }
+        bounded = {rid: _bounded(port, namespace, rid) for rid in ids}
+        for store in bounded.values():  # connects now, as a Manager does when it starts
+            store.add("connected_probe", 0)
+        quorum_stores = {rid: _Counting(bounded[rid], round_counts) for rid in ids}
         tickers = {
             rid: Liveness(_Counting(_connect(port, namespace), round_counts), HEARTBEAT_TIMEOUT)
             for rid in ids
