@@ -22,7 +22,7 @@ Real processes on this machine share one TCPStore hosted by this script.
 4. State transfer of a ``--transfer-gib`` GiB state between two processes against the
    machine's limit for the same bytes (raw gloo, raw socket), in the same run: see
    ``_lib/ft_transfer.py``.
-5. Quorum at scale: N simulated replicas (``--scale``, 64, 256 and 1024) heartbeating
+5. Quorum at scale: N simulated replicas (``--scale``, 64, 256, 1024 and 4096) heartbeating
    every 100 ms against one TCPStore, through the product's quorum functions: time to
    form a quorum of N, time until every replica saw one die, and the store load against
    the store's own rate (a count left out of ``--scale`` is scaled from the largest
@@ -79,8 +79,8 @@ SHARD_MIB = 32  # per rank: two tensors of half that (weights and a momentum)
 KILL_AT_STEP = 4
 TORCHFT_RECOVERY_GBPS = 2.5  # torchft's reported live-recovery rate, not measured here
 TRANSFER_TARGET_GBPS = 2.5  # per rank, for a state of at least 1 GiB
-SCALE_SIMULATED = "64,256,1024"
-SCALE_COMPUTED = (1024,)
+SCALE_SIMULATED = "64,256,1024,4096"
+SCALE_COMPUTED = (4096,)
 SCENARIO_TIMEOUT = 180.0
 SOAK_RUNS = 30
 DDP_STEPS = 30
@@ -272,7 +272,7 @@ def _group_worker(
     # The Manager's event lines (failure, discarded step, quorum) would bury the table.
     logging.getLogger("dist_collectives.ft").setLevel(logging.ERROR)
     transfers = _TransferLog()
-    state_logger = logging.getLogger("dist_collectives.ft.state_transfer")
+    state_logger = logging.getLogger("dist_collectives.ft.replica.state_transfer")
     state_logger.addHandler(transfers)
     state_logger.setLevel(logging.INFO)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False)
@@ -474,23 +474,29 @@ def _transfer_and_scale(port: int, args: Any, only: str | None) -> dict[str, Any
             "(threads in 4 processes; heartbeat timeout 2 s)"
         )
         print(
-            f"{'replicas':>9}{'quorum s':>10}{'death seen':>12}{'requests/s':>12}"
-            f"{'keys/s':>11}{'limit keys/s':>14}{'used':>7}{'limit adds/s':>14}"
+            f"{'replicas':>9}{'quorum s':>10}{'calls/replica':>14}{'death seen':>12}"
+            f"{'requests/s':>12}{'keys/s':>11}{'limit keys/s':>14}{'used':>7}"
+            f"{'store adds/s':>14}"
         )
         for row in rows:
             used = row["keys_per_s"] / row["limit_keys_per_s"]
             if row["simulated"]:
-                timing = f"{row['quorum_s']:>10.2f}{row['death_all_s']:>11.2f}s"
+                death = row["death_all_s"]
+                death_text = f"{death:>11.2f}s" if death is not None else f"{'none':>12}"
+                timing = (
+                    f"{row['quorum_s']:>10.2f}{row['round_requests_per_replica']:>14}{death_text}"
+                )
             else:
-                timing = f"{'(scaled from ' + str(row['scaled_from']) + ')':>22}"
+                timing = f"{'(scaled from ' + str(row['scaled_from']) + ')':>36}"
             print(
                 f"{row['replicas']:>9}{timing}{row['requests_per_s']:>12}"
                 f"{row['keys_per_s']:>11}{row['limit_keys_per_s']:>14}{used:>6.0%}"
                 f"{row['limit_adds_per_s']:>14}"
             )
         print(
-            f"  one store carries about {carried} replicas' liveness reads at this "
-            "heartbeat (keys read grow as N squared)"
+            f"  one store carries about {carried} replicas' watch at this heartbeat "
+            "(requests and keys read grow as N); calls/replica: store calls of one "
+            "quorum round per replica; death seen: heartbeat timeout 2 s included"
         )
     sys.stdout.flush()
     return results
@@ -627,7 +633,7 @@ def main() -> None:
     parser.add_argument(
         "--scale",
         default=SCALE_SIMULATED,
-        help="replica counts to simulate against one store (comma-separated; 1024, if "
+        help="replica counts to simulate against one store (comma-separated; 4096, if "
         "left out, is scaled from the largest)",
     )
     parser.add_argument(

@@ -5,19 +5,21 @@ store, through the product's own functions (``Liveness``, ``compute_quorum``), o
 the same three connections a Manager opens for them:
 
 - a watcher thread that beats every 100 ms (``Liveness.beat``), polls the quorum's
-  error key every beat and, every second beat, reads the registry version and the
-  liveness of every replica (``Liveness.alive``: one ``multi_get`` of 2N keys), as
-  the Manager's watcher does while a step runs;
-- ``compute_quorum`` with ``min_replicas=N`` (its ticker thread on a second connection).
+  error key every beat and, every second beat, reads the registry version and who of
+  the quorum is alive (``Liveness.alive_members``: the quorum's first member reads
+  every heartbeat and publishes whom it found gone; the others read that record and
+  the first member's heartbeat), as the Manager's watcher does while a step runs;
+- ``compute_quorum`` with ``min_replicas=N`` on a bounded connection (the Manager's
+  ``BoundedStore``, whose link thread waits for the decision), its ticker on a second.
 
 The replicas run as threads spread over ``PROCESSES`` processes (on a machine of
 2 cores, 3N threads: the replicas' own Python work shares the cores with the store,
 which a real job's replicas, each on its own host, would not). Measured per N:
 
 - quorum: from the moment every replica is told to ask until the last one has the
-  decision of a quorum of all N;
-- death: one replica stops beating; the time until the last of the others sees it
-  gone from ``alive()`` (the heartbeat timeout, 2 s, is part of it: printed apart);
+  decision of a quorum of all N, and the store calls each replica made for it;
+- death: one replica (not the first member) stops beating; the time until the last
+  of the others sees it gone (the heartbeat timeout, 2 s, is part of it);
 - load: the store requests and keys read per second during the watch, counted at the
   clients; and the limit: the store's own rate of ``add`` round trips and of keys
   read by ``multi_get`` of 2N keys, measured from as many client threads with the
@@ -64,6 +66,14 @@ class _Counting:
         return call
 
 
+def _bounded(port: int, namespace: str, rid: str) -> Any:
+    from dist_collectives.ft.coordination.bounded_store import BoundedStore
+
+    return BoundedStore(
+        "127.0.0.1", port, prefix=namespace, timeout=timedelta(seconds=120), label=rid
+    )
+
+
 def _connect(port: int, namespace: str) -> Any:
     from torch.distributed import PrefixStore
 
@@ -106,12 +116,13 @@ def _store_limit(port: int, n: int, seconds: float) -> dict[str, float]:
 
 
 def _worker(index: int, port: int, n: int, queue: Any, connecting: Any) -> None:
-    from dist_collectives.ft.quorum import Liveness, compute_quorum
+    from dist_collectives.ft.coordination.quorum import Liveness, compute_quorum
 
     namespace = f"scale{n}"
     ids = [f"r{i:04d}" for i in range(index, n, PROCESSES)]
-    victim = "r0000"
+    victim = f"r{n - 1:04d}"  # not the first member, which reads for the others
     counts = [0, 0]
+    round_counts = [0, 0]  # the calls of compute_quorum alone
     # One process connects at a time: a storm of connects from several processes
     # makes some wait seconds for a retry here (gVisor's loopback).
     with connecting:
@@ -120,9 +131,12 @@ def _worker(index: int, port: int, n: int, queue: Any, connecting: Any) -> None:
             rid: Liveness(_Counting(_connect(port, namespace), counts), HEARTBEAT_TIMEOUT)
             for rid in ids
         }
-        quorum_stores = {rid: _Counting(_connect(port, namespace), counts) for rid in ids}
+        bounded = {rid: _bounded(port, namespace, rid) for rid in ids}
+        for store in bounded.values():  # connects now, as a Manager does when it starts
+            store.add("connected_probe", 0)
+        quorum_stores = {rid: _Counting(bounded[rid], round_counts) for rid in ids}
         tickers = {
-            rid: Liveness(_Counting(_connect(port, namespace), counts), HEARTBEAT_TIMEOUT)
+            rid: Liveness(_Counting(_connect(port, namespace), round_counts), HEARTBEAT_TIMEOUT)
             for rid in ids
         }
     for rid in ids:
@@ -141,6 +155,7 @@ def _worker(index: int, port: int, n: int, queue: Any, connecting: Any) -> None:
     watching = threading.Event()
     learned: dict[str, float] = {}
     late_beats = [0]
+    quorums: dict[str, Any] = {}
 
     def watch(rid: str) -> None:
         liveness = watchers[rid]
@@ -165,8 +180,13 @@ def _worker(index: int, port: int, n: int, queue: Any, connecting: Any) -> None:
             if not watching.is_set():
                 continue
             store.check(["err/0"])
-            if slow and rid not in learned and victim not in liveness.alive():
-                learned[rid] = time.time()
+            quorum = quorums[rid]
+            if slow and rid not in learned:
+                alive = liveness.alive_members(
+                    quorum.quorum_id, quorum.members, rid, monitor=rid == quorum.members[0]
+                )
+                if victim not in alive:
+                    learned[rid] = time.time()
 
     threads = [threading.Thread(target=watch, args=(rid,), daemon=True) for rid in ids]
     for thread in threads:
@@ -188,6 +208,7 @@ def _worker(index: int, port: int, n: int, queue: Any, connecting: Any) -> None:
             timeout=timedelta(seconds=120),
         )
         decided[rid] = time.time()
+        quorums[rid] = quorum
         sizes.append(len(quorum.members))
 
     askers = [threading.Thread(target=ask, args=(rid,)) for rid in ids]
@@ -219,6 +240,7 @@ def _worker(index: int, port: int, n: int, queue: Any, connecting: Any) -> None:
             "death_s": [learned[rid] - killed_at for rid in others if rid in learned],
             "missed": len([rid for rid in others if rid not in learned]),
             "load": load,
+            "round_requests": round_counts[0],
             "late_beats": late_beats[0],
             "limit": limit,
         }
@@ -277,6 +299,7 @@ def measure_one(port: int, n: int) -> dict[str, Any]:
         "death_median_s": round(statistics.median(death), 3) if death else None,
         "death_missed": sum(r["missed"] for r in reports),
         "heartbeat_timeout_s": HEARTBEAT_TIMEOUT.total_seconds(),
+        "round_requests_per_replica": round(sum(r["round_requests"] for r in reports) / n, 1),
         "requests_per_s": round(requests),
         "keys_per_s": round(keys),
         "limit_adds_per_s": round(limit["add"]),
@@ -286,31 +309,33 @@ def measure_one(port: int, n: int) -> dict[str, Any]:
 
 
 def demand(measured: dict[str, Any], n: int) -> dict[str, Any]:
-    """The store load of ``n`` replicas, scaled from a measured row: requests grow as N,
-    keys read as N squared (every replica reads every replica's two keys)."""
+    """The store load of ``n`` replicas, scaled from a measured row: requests and keys
+    read grow as N (one replica reads every replica's two keys, the others a few)."""
     base = measured["replicas"]
     return {
         "replicas": n,
         "simulated": False,
         "scaled_from": base,
         "requests_per_s": round(measured["requests_per_s"] * n / base),
-        "keys_per_s": round(measured["keys_per_s"] * (n / base) ** 2),
+        "keys_per_s": round(measured["keys_per_s"] * n / base),
         "limit_adds_per_s": measured["limit_adds_per_s"],
         "limit_keys_per_s": measured["limit_keys_per_s"],
     }
 
 
 def carried(rows: list[dict[str, Any]]) -> int:
-    """The most replicas whose liveness reads stay within the store's measured key rate.
+    """The most replicas whose watch stays within the store's measured rates.
 
-    The keys each pair of replicas costs come from the smallest run (whose watchers kept
-    their beat), the store's rate from the largest run that did not saturate it.
+    What each replica costs (requests and keys per second) comes from the smallest run
+    (whose watchers kept their beat), the store's rates from the largest run that did
+    not saturate it; both grow as N.
     """
     simulated = [row for row in rows if row.get("simulated", True)]
     within = [row for row in simulated if row["keys_per_s"] < row["limit_keys_per_s"]]
     smallest, largest = simulated[0], (within or simulated)[-1]
-    per_pair = smallest["keys_per_s"] / smallest["replicas"] ** 2
-    return int((largest["limit_keys_per_s"] / per_pair) ** 0.5)
+    keys = smallest["keys_per_s"] / smallest["replicas"]
+    requests = smallest["requests_per_s"] / smallest["replicas"]
+    return int(min(largest["limit_keys_per_s"] / keys, largest["limit_adds_per_s"] / requests))
 
 
 def measure(port: int, simulated: list[int], scaled: list[int]) -> list[dict[str, Any]]:

@@ -8,7 +8,15 @@ A :class:`Manager` forms a quorum of live replicas through that store, heals rep
 that join, and decides per step whether it may be committed.
 """
 
-from dist_collectives.ft.baby import (
+from dist_collectives.ft.coordination.bounded_store import StoreTimeoutError
+from dist_collectives.ft.coordination.quorum import Quorum, QuorumTimeoutError
+from dist_collectives.ft.coordination.store import (
+    RendezvousTimeoutError,
+    StoreAddressError,
+    create_store_client,
+)
+from dist_collectives.ft.errors import FTError, UnsupportedOperationError, WorkTimeoutError
+from dist_collectives.ft.groups.baby import (
     BabyClosedError,
     BabyProcessError,
     BabyTimeoutError,
@@ -16,32 +24,31 @@ from dist_collectives.ft.baby import (
     ProcessGroupBabyGloo,
     ProcessGroupBabyNCCL,
 )
-from dist_collectives.ft.bounded_store import StoreTimeoutError
-from dist_collectives.ft.ddp import DistributedDataParallel, ReplicaAveraging, ft_allreduce_hook
-from dist_collectives.ft.device_mesh import extend_device_mesh
-from dist_collectives.ft.dummy import ProcessGroupDummy
-from dist_collectives.ft.errors import FTError, UnsupportedOperationError, WorkTimeoutError
-from dist_collectives.ft.gloo import ProcessGroupGloo
-from dist_collectives.ft.managed import ManagedProcessGroup
-from dist_collectives.ft.manager import Manager, ManagerConfigError, ReplicaError
-from dist_collectives.ft.nccl import ProcessGroupNCCL
-from dist_collectives.ft.process_group import ProcessGroup, StoreAddressReusedError
-from dist_collectives.ft.quorum import Quorum, QuorumTimeoutError
-from dist_collectives.ft.quorum_worker import QuorumWorkerTimeoutError
-from dist_collectives.ft.reconfigurable import ProcessGroupReconfigurableGloo
-from dist_collectives.ft.reconfigure import (
+from dist_collectives.ft.groups.device_mesh import extend_device_mesh
+from dist_collectives.ft.groups.dummy import ProcessGroupDummy
+from dist_collectives.ft.groups.gloo import ProcessGroupGloo
+from dist_collectives.ft.groups.nccl import ProcessGroupNCCL
+from dist_collectives.ft.groups.process_group import ProcessGroup, StoreAddressReusedError
+from dist_collectives.ft.groups.reconfigurable import ProcessGroupReconfigurableGloo
+from dist_collectives.ft.groups.reconfigure import (
     HandleExchangeTimeoutError,
     ReconfigureOptions,
     reconfigure_with_store,
 )
-from dist_collectives.ft.state_transfer import StateTransferError
-from dist_collectives.ft.store import (
-    RendezvousTimeoutError,
-    StoreAddressError,
-    create_store_client,
+from dist_collectives.ft.groups.work import DummyWork, FutureWork, WorkFuture
+from dist_collectives.ft.groups.wrappers import (
+    ErrorSwallowingProcessGroupWrapper,
+    ProcessGroupWrapper,
 )
-from dist_collectives.ft.work import DummyWork, FutureWork, WorkFuture
-from dist_collectives.ft.wrappers import ErrorSwallowingProcessGroupWrapper, ProcessGroupWrapper
+from dist_collectives.ft.replica.ddp import (
+    DistributedDataParallel,
+    ReplicaAveraging,
+    ft_allreduce_hook,
+)
+from dist_collectives.ft.replica.managed import ManagedProcessGroup
+from dist_collectives.ft.replica.manager import Manager, ManagerConfigError, ReplicaError
+from dist_collectives.ft.replica.quorum_worker import QuorumWorkerTimeoutError
+from dist_collectives.ft.replica.state_transfer import StateTransferError
 
 __all__ = [
     "ProcessGroup",

@@ -1,0 +1,247 @@
+"""The Manager's watcher thread: heartbeats, the replica group's liveness, the step in flight.
+
+Every ``heartbeat_interval`` it expires overdue wrapped futures, beats this rank's
+heartbeat (group rank 0 also the replica's), and fails the step in flight when another
+replica reported an error or a wait of the step ran past its deadline. Every
+``_HEARTBEAT_CHECK_TICKS`` ticks it also reads the others' heartbeats, its replica
+group's and the registry version: heartbeats only back up the error path, and
+newcomers only wait a little longer, so they are read less often to keep the store
+traffic small.
+
+It also writes the failures the other threads queued in the state to the store, at
+once when woken (:meth:`Watcher.wake`): the threads that complete operations (a
+group's callbacks) make no store calls.
+
+The watcher owns its store connection and its liveness observer. It reads and writes
+the step only through :class:`~dist_collectives.ft.replica.manager_state.StepState`, and fails
+it through the executor's ``fail``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from dist_collectives.ft.coordination.bounded_store import KeyValueStore
+from dist_collectives.ft.coordination.quorum import REGISTRY_VERSION_KEY, Liveness, Quorum
+from dist_collectives.ft.errors import ReplicaError
+from dist_collectives.ft.replica.manager_config import ManagerConfig
+from dist_collectives.ft.replica.manager_decisions import (
+    COMMIT_FAIL,
+    broken_group_message,
+    commit_key,
+    error_key,
+    lost_member_error,
+    lost_members,
+    overdue_error,
+    watched_group_ranks,
+)
+from dist_collectives.ft.replica.manager_futures import WrappedFutures
+from dist_collectives.ft.replica.manager_state import StepState
+
+_HEARTBEAT_CHECK_TICKS = 2
+
+
+def reported_error(store: KeyValueStore, quorum: Quorum) -> ReplicaError | None:
+    """The error another replica wrote for ``quorum``'s step, if any."""
+    key = error_key(quorum)
+    if not store.check([key]):
+        return None
+    return ReplicaError(f"reported by replica {store.get(key).decode(errors='replace')}")
+
+
+class Watcher:
+    """The watcher thread of one Manager (see the module doc).
+
+    Args:
+        config: The Manager's settings.
+        state: The state the Manager's threads share.
+        store: The watcher's own connection to the job's store.
+        wrapped: The futures of ``wrap_future`` to expire.
+        group_name: This replica group in this incarnation (its heartbeats' keys).
+        fail: Fails the step of a generation (the executor's ``fail``).
+        log: Where the Manager's log lines go.
+    """
+
+    def __init__(
+        self,
+        config: ManagerConfig,
+        state: StepState,
+        store: KeyValueStore,
+        wrapped: WrappedFutures,
+        *,
+        group_name: str,
+        fail: Callable[[Exception, int | None], None],
+        log: logging.Logger,
+    ) -> None:
+        self._config = config
+        self._state = state
+        self._store = store
+        self._liveness = Liveness(store, config.heartbeat_timeout)
+        self._wrapped = wrapped
+        self._group_name = group_name
+        self._fail = fail
+        self._log = log
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._failing = False  # the watcher thread's own: whether its last store call failed
+        self._thread = threading.Thread(
+            target=self._loop, name=f"ft-monitor-{config.replica_id}", daemon=True
+        )
+
+    def start(self) -> None:
+        """Beats once, announces the replica (group rank 0), and starts the thread."""
+        if self._config.grouped:
+            self._liveness.beat_rank(self._group_name, self._config.group_rank)
+        if self._config.group_rank == 0:
+            self._liveness.announce(self._config.replica_id)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stops the thread, waits a little for it to end, and closes its connection."""
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=5)
+        close = getattr(self._store, "close", None)
+        if callable(close):
+            close()
+
+    def wake(self) -> None:
+        """Has the thread write the failures queued in the state now, not at its next tick."""
+        self._wake.set()
+
+    def _publish(self) -> None:
+        """Writes each queued failure to the store, for every other replica.
+
+        What could not be written is queued again, for the next tick.
+        """
+        queued = self._state.take_unpublished()
+        for index, (quorum, message) in enumerate(queued):
+            try:
+                self._store.set(error_key(quorum), message)
+                self._store.compare_set(commit_key(quorum), "", COMMIT_FAIL)
+            except Exception:
+                for later in queued[index:]:
+                    self._state.to_publish(*later)
+                raise
+
+    def _loop(self) -> None:
+        interval = self._config.heartbeat_interval.total_seconds()
+        ticks = 0
+        next_tick = time.monotonic() + interval
+        while not self._stop.is_set():
+            self._wake.wait(max(next_tick - time.monotonic(), 0.0))
+            self._wake.clear()
+            if self._stop.is_set():
+                break
+            due = time.monotonic() >= next_tick
+            try:
+                self._publish()
+                if due:
+                    next_tick = time.monotonic() + interval
+                    ticks += 1
+                    self._tick(slow_tick=ticks % _HEARTBEAT_CHECK_TICKS == 0)
+            except Exception as error:
+                next_tick = max(next_tick, time.monotonic() + interval)
+                self._store_failed(error)
+            else:
+                self._store_answered()
+
+    def _tick(self, *, slow_tick: bool) -> None:
+        self._wrapped.expire()
+        self._beat(check_group=slow_tick)
+        if slow_tick:
+            version = int(self._store.add(REGISTRY_VERSION_KEY, 0))
+            self._state.saw_registry_version(version)
+        self._watch_step(check_heartbeats=slow_tick)
+
+    def _store_failed(self, error: Exception) -> None:
+        """Logs the first failed store call of an outage; the others until it ends at debug."""
+        if self._stop.is_set():
+            return
+        if self._failing:
+            self._log.debug("ft monitor: store call failed again: %s", error)
+            return
+        self._failing = True
+        self._log.warning("ft monitor: store call failed: %s", error, exc_info=True)
+
+    def _store_answered(self) -> None:
+        if self._failing:
+            self._failing = False
+            self._log.warning("ft monitor: the store answers again")
+
+    def _beat(self, *, check_group: bool) -> None:
+        """Beats this rank's heartbeat; group rank 0 beats the group's while it is whole.
+
+        In a replica group, rank 0 watches every rank and the others watch rank 0. When a
+        watched rank stops beating, the group is broken for good (it rejoins only by
+        restarting whole): this rank stops beating, fails the step and ends its own wait
+        for the group (rank 0's for its ranks, another rank's for rank 0's decision);
+        rank 0 also marks the group as left, so that the other groups leave it out at once.
+        """
+        config = self._config
+        if config.grouped and check_group and self._state.group_broken is None:
+            watched = watched_group_ranks(config.group_rank, config.group_world_size)
+            stale = self._liveness.stale_ranks(self._group_name, watched)
+            if stale:
+                self._break_group(stale)
+        if self._state.group_broken is not None:
+            return
+        if config.grouped:
+            self._liveness.beat_rank(self._group_name, config.group_rank)
+        if config.group_rank == 0:
+            self._liveness.beat(config.replica_id)
+
+    def _break_group(self, stale: list[int]) -> None:
+        message = broken_group_message(self._config.replica_id, stale)
+        waits = self._state.break_group(message)
+        if waits is None:
+            return
+        if self._config.group_rank == 0:
+            self._liveness.leave(self._config.replica_id)
+            if waits.arrival_key is not None:
+                self._store.compare_set(waits.arrival_key, "", "broken")
+        elif waits.awaited_key is not None:
+            self._store.compare_set(waits.awaited_key, "", f"fail:{message}"[:1000])
+        self._log.warning("%s", message)
+        if waits.step_active:
+            self._fail(ReplicaError(message), waits.generation)
+
+    def _watch_step(self, *, check_heartbeats: bool) -> None:
+        watched = self._state.watched_step()
+        if watched is None:
+            return
+        quorum, generation = watched.quorum, watched.generation
+        overdue = overdue_error(
+            time.monotonic(),
+            allreduce_deadline=watched.allreduce_deadline,
+            allreduce_unfinished=watched.operations is not None and watched.operations.unfinished(),
+            vote_deadline=watched.vote_deadline,
+            timeout=self._config.timeout,
+        )
+        if overdue is not None:
+            self._fail(overdue, generation)
+            return
+        reported = reported_error(self._store, quorum)
+        if reported is not None:
+            self._fail(reported, generation)
+            return
+        if not check_heartbeats:
+            return
+        config = self._config
+        alive = self._liveness.alive_members(
+            quorum.quorum_id,
+            quorum.members,
+            config.replica_id,
+            monitor=config.group_rank == 0 and quorum.members[0] == config.replica_id,
+        )
+        lost = lost_members(quorum, alive, config.replica_id)
+        if not lost:
+            return
+        key = commit_key(quorum)
+        decision = self._store.get(key) if self._store.check([key]) else None
+        error = lost_member_error(lost, decision)
+        if error is not None:
+            self._fail(error, generation)
