@@ -420,6 +420,13 @@ def prefetch(session: nox.Session) -> None:
 # members for half a minute): the package and other-torch sessions leave them out.
 ONCE_IN_CLUSTER = (PACKAGES_DIR / "dist-launch" / "tests" / "test_etcd_survival.py",)
 _NOT_ONCE_IN_CLUSTER = [f"--ignore={path}" for path in ONCE_IN_CLUSTER]
+# Jobs across hosts (network namespaces: cut cables, lost and preempted nodes): what
+# they test is the launchers' protocol over a network, not torch's API, and each takes
+# 20-60 s; the ``integration`` session runs them once, the other torches' sessions not.
+ONCE_IN_INTEGRATION = tuple(
+    ROOT / "tests-integration" / name for name in ("test_multinode.py", "test_two_hosts.py")
+)
+_NOT_ONCE_IN_INTEGRATION = [f"--ignore={path}" for path in ONCE_IN_INTEGRATION]
 
 
 @nox.session
@@ -609,6 +616,9 @@ def cluster(session: nox.Session) -> None:
 def other_torch(session: nox.Session, version: str) -> None:
     """Every package's tests and tests-integration on another torch, in one venv.
 
+    The jobs across network-namespace hosts (:data:`ONCE_IN_INTEGRATION`) run only in
+    the ``integration`` session.
+
     ``nox -s "torch(2.15)"`` runs them on the newest torch, ``nox -s "torch(2.11)"`` on
     the lowest one the packages declare (both default sessions), ``nox -s "torch(2.14)"``
     on the release before the newest. One venv for all four packages, so that torch
@@ -624,7 +634,13 @@ def other_torch(session: nox.Session, version: str) -> None:
     order = ["dist-collectives", "dist-launch", "dist-workspace", "dist-core"]
     packages = sorted(PACKAGES, key=lambda name: order.index(name) if name in order else 0)
     test_dirs = [str(PACKAGES_DIR / package / "tests") for package in packages]
-    _pytest(session, str(ROOT / "tests-integration"), *test_dirs, *_NOT_ONCE_IN_CLUSTER)
+    _pytest(
+        session,
+        str(ROOT / "tests-integration"),
+        *test_dirs,
+        *_NOT_ONCE_IN_CLUSTER,
+        *_NOT_ONCE_IN_INTEGRATION,
+    )
 
 
 @nox.session
