@@ -730,8 +730,8 @@ def test_cut_cable_ends_both_sides_and_names_the_unreachable_node(
 
     Both sides end within ``--hang-timeout`` + 5 s (asserted with a generous margin;
     the figures are printed), each naming the node it cannot reach, by name and
-    address, and that node's ranks. c10d: the store's side ends with its hang (75), the
-    other is fenced (137). Static: both are fenced, neither being a majority.
+    address, and that node's ranks. The store's side (c10d's store, or static's
+    launchers' store on node 0) ends with its hang (75); the other is fenced (137).
     """
     job = dist_launch_job
     net = hosts(2)
@@ -763,18 +763,19 @@ def test_cut_cable_ends_both_sides_and_names_the_unreachable_node(
             rf"since \d\d:\d\d:\d\d; {ranks}",
             node.output,
         ), outputs
-    if mode == "static":
-        # No store to arbitrate: neither half of two nodes is a majority, both are fenced.
-        assert [n.process.returncode for n in job.nodes] == [137, 137], outputs
-        assert outputs.count("no majority") == 2, outputs
-        return
     # The store's side goes on to its hang report; the side cut off from it is fenced.
     assert [n.process.returncode for n in job.nodes] == [75, 137], outputs
-    assert re.search(
-        rf"{first.name} \({re.escape(first.address)}:{PORT}\), which served the rendezvous, "
-        r"stopped answering at \d\d:\d\d:\d\d .*--rdzv-backend etcd",
-        job.nodes[1].output,
-    ), outputs
+    if mode == "static":
+        store_node = (
+            rf"node 0 \({re.escape(first.address)}:{PORT + 1}\), "
+            "which serves the launchers' store"
+        )
+    else:
+        store_node = (
+            rf"{first.name} \({re.escape(first.address)}:{PORT}\), which served the rendezvous, "
+            r"stopped answering at \d\d:\d\d:\d\d .*--rdzv-backend etcd"
+        )
+    assert re.search(store_node, job.nodes[1].output), outputs
     (path,) = (tmp_path / first.name).glob("cut/*/attempt_0/hang.json")
     hang = json.loads(path.read_text())
     (unreachable,) = hang["unreachable"]
