@@ -29,10 +29,15 @@ PY = sys.executable
 NODE_LAUNCH = [PY, "-m", "dist_launch", "--nproc-per-node", "2"]
 CHECKPOINT = str(SCRIPTS / "checkpoint_on_sigterm.py")
 CHECKPOINT_SECONDS = "4"
+# tests-integration's training loop: a line per all_reduce step (see its docstring).
+STEPS = str(SCRIPTS.parent.parent / "tests-integration" / "scripts" / "elastic_steps.py")
 # Generous bounds on how long a node may take to end after another failed: a loaded
 # machine must not miss them (the measured figures are printed).
 NODE_LOST_BOUND = 30.0
 RANK_FAILED_BOUND = 10.0
+CUT_HANG_TIMEOUT = 10
+# The target is --hang-timeout + 5 s on both sides; the bound leaves a loaded machine room.
+CUT_BOUND = CUT_HANG_TIMEOUT + 5 + 15
 _HOST_LINE = re.compile(r"rank (\d+)/\d+ port \d+ sum \d+ host (\S+) master (\S+)")
 
 
@@ -182,3 +187,70 @@ def test_a_rank_failing_on_node2_ends_both_nodes_naming_it(
         )
         assert named in own, (task, err)
     assert "ValueError: rank 3 fails on purpose" in err
+
+
+def node_files_with(directory: Path, pattern: str, count: int, timeout: float) -> None:
+    """Waits, bounded, until the nodes' output files hold ``count`` lines matching ``pattern``.
+
+    Raises:
+        TimeoutError: They do not within ``timeout`` seconds (the message holds them).
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        text = "".join(path.read_text() for path in sorted(directory.glob("*.out")))
+        if len(re.findall(pattern, text, re.MULTILINE)) >= count:
+            return
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"no {count} x {pattern!r} in {timeout:g} s:\n{text}")
+        time.sleep(0.1)  # polling files a node writes: nothing to wait on instead
+
+
+def test_a_cut_cable_ends_both_nodes_and_names_the_unreachable_one(
+    job_env: dict[str, str], tag: str, tmp_path: Path
+) -> None:
+    """node2's cable is pulled mid-step in a job started by the docs' line.
+
+    Each node's output goes to a file of its own (``srun -o %N.out``: node2's cannot
+    reach srun once cut), and a shell beside each launcher writes its exit code and the
+    time. node1 serves the launchers' store (node 0): it ends with its hang report (75),
+    naming node2 unreachable; node2, cut off from the store, is fenced (137), naming the
+    store's node. Both within --hang-timeout + 5 s (asserted with a margin; printed).
+    """
+    require_cluster_tools()
+    out = tmp_path / "out"
+    out.mkdir()
+    launch = [*NODE_LAUNCH, "--hang-timeout", str(CUT_HANG_TIMEOUT), "--grace-period", "1"]
+    # The exit file is written once the launcher has exited, with the wall clock then.
+    wrapped = ["sh", "-c", f'"$@"; echo "$? $(date +%s.%N)" > {out}/$SLURMD_NODENAME.exit', "sh"]
+    argv = ["srun", "-N2", "-J", tag, "-o", f"{out}/%N.out", *wrapped, *launch, STEPS]
+    env = {**job_env, "MAX_STEPS": "100000", "FINISH_FILE": "/none", "COLLECTIVE_TIMEOUT": "600"}
+    # A cluster of its own: the cut node's slurmd and steps are not the module's to reuse.
+    with multi_node_slurm(2, first_job_id=first_job_id() + 700) as cluster:
+        srun = cluster.slurm.popen(argv, env, process_group=0)
+        try:
+            # Mid-training: every rank has stepped a while (and every board beaten).
+            node_files_with(out, r"\bstep attempt=.* step=20 ", 4, timeout=120)
+            cut = time.time()
+            cluster.network.cut(cluster.host("node2"))
+            ended = {}
+            deadline = time.monotonic() + 90
+            while len(ended) < 2 and time.monotonic() < deadline:
+                for path in out.glob("*.exit"):
+                    code, when = path.read_text().split()
+                    ended[path.stem] = (int(code), float(when) - cut)
+                time.sleep(0.1)  # polling the shells' files, as above
+            outputs = {path.stem: path.read_text() for path in out.glob("*.out")}
+        finally:
+            srun.kill()
+            srun.wait(10)
+    print(f"\ncut node2 under SLURM: {ended}")
+    assert sorted(ended) == ["node1", "node2"], (ended, outputs)
+    assert [ended["node1"][0], ended["node2"][0]] == [75, 137], (ended, outputs)
+    assert max(seconds for _, seconds in ended.values()) < CUT_BOUND, (ended, outputs)
+    node2 = cluster.host("node2")
+    assert re.search(
+        rf"node2 \({re.escape(node2.address)}\) unreachable from node1 since "
+        r"\d\d:\d\d:\d\d; ranks 2-3",
+        outputs["node1"],
+    ), outputs
+    assert "which serves the launchers' store" in outputs["node2"], outputs

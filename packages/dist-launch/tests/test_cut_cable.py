@@ -42,6 +42,24 @@ def test_a_quiet_but_beating_job_has_nobody_unreachable() -> None:
     assert found == []
 
 
+def test_a_node_never_heard_from_is_silent_since_this_node_began_listening() -> None:
+    # A cable cut before the peer's first heartbeat was read (a cut in the first step).
+    found = unreachable_nodes(
+        [NODE1, NODE2], {1: 99.0}, 99.5, now=100.0, silent_after=5.0, seen_from="node0",
+        listening_since=90.0,
+    )  # fmt: skip
+    assert found == [Unreachable(NODE2, 90.0, "node0")]
+
+
+def test_a_node_not_yet_heard_from_in_a_new_round_is_not_unreachable() -> None:
+    # The false alarm beside it: a peer's first beat may take a few seconds to arrive.
+    found = unreachable_nodes(
+        [NODE1, NODE2], {1: 99.0}, 99.5, now=100.0, silent_after=5.0, seen_from="node0",
+        listening_since=97.0,
+    )  # fmt: skip
+    assert found == []
+
+
 def test_a_silent_store_makes_every_other_node_unreachable_since_its_last_answer() -> None:
     found = unreachable_nodes(
         [NODE1, NODE2], {1: 99.0, 2: 99.0}, 80.0, now=100.0, silent_after=5.0, seen_from="node0"

@@ -44,6 +44,15 @@ UNREACHABLE_KEY = "dist_launch/unreachable"
 FIRST_ALARM_KEY = "dist_launch/hang/first"
 
 
+def marked_unreachable(store: BoardStore, nodes: list[int]) -> set[int]:
+    """Those of ``nodes`` that a node's job board found cut off (``mark_unreachable``).
+
+    Such a node's launcher may still live, on its side of the cut, but nothing it does
+    reaches this store again: the nodes that end wait no longer for it.
+    """
+    return {node for node in nodes if store.check([f"{UNREACHABLE_KEY}/{node}"])}
+
+
 class BoardStore(Protocol):
     """What the board needs of a store (torch's ``Store`` has it)."""
 

@@ -95,6 +95,7 @@ class CutWatch:
             now=time.time() if now is None else now,
             silent_after=self.silent_after if silent_after is None else silent_after,
             seen_from=self.seen_from,
+            listening_since=self._started,
         )
 
     def at_hang(self) -> list[Unreachable]:

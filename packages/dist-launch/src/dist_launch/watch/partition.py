@@ -76,6 +76,7 @@ def unreachable_nodes(
     now: float,
     silent_after: float,
     seen_from: str,
+    listening_since: float | None = None,
 ) -> list[Unreachable]:
     """The other nodes this node cannot reach, by node rank.
 
@@ -87,6 +88,10 @@ def unreachable_nodes(
         silent_after: Seconds without a heartbeat (or an answer) that make a node
             unreachable; a few exchange periods, so that one late beat is no cut.
         seen_from: How this node names itself (``node1``).
+        listening_since: When this node started reading the peers' heartbeats (its
+            round's start): a peer never heard from is silent since then. A cable cut
+            before a peer's first beat was read is a cut all the same (None: such a
+            peer is not counted).
 
     Returns:
         Every peer silent for longer than ``silent_after``: all of them, since the
@@ -97,7 +102,7 @@ def unreachable_nodes(
         return [Unreachable(peer, since, seen_from) for peer in peers]
     found = []
     for peer in peers:
-        beat = heartbeats.get(peer.node)
+        beat = heartbeats.get(peer.node, listening_since)
         if beat is not None and now - beat > silent_after:
             found.append(Unreachable(peer, beat, seen_from))
     return found
