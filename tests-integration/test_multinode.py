@@ -295,7 +295,9 @@ def test_a_raising_rank_ends_every_node_naming_it(
             flags = c10d_flags(first, "2", 2)
         job.start(host, [*flags, "--grace-period", "1"], env)
     codes = job.wait_exits()
-    assert all(code != 0 for code in codes), job.outputs()
+    # The class of the job's first failure (a ValueError: 1) on every node, also where
+    # the ranks only lost their peers (137 alone): a requeue rule must see one class.
+    assert codes == [1, 1], job.outputs()
     (raised,) = [m for n in job.nodes for m in RAISED.finditer(n.output)]
     (failing,) = [e for e in job.events("start") if e.rank == 3]
     node = next(n for n in job.nodes if n.host.name == failing.host)

@@ -22,8 +22,9 @@ from dist_launch.agent.next_step import (
     needs_membership,
 )
 from dist_launch.agent.round import RoundResult
-from dist_launch.agent.run_outcome import RunOutcome
-from dist_launch.diagnostics.failure_class import FailureClass, Fingerprint
+from dist_launch.agent.run_outcome import RunOutcome, exit_code_of
+from dist_launch.diagnostics.failure_class import FailureClass, FailureKind, Fingerprint
+from dist_launch.exit_codes import ExitCode
 from dist_launch.rendezvous.protocol import FailureCount, FailureRecord, RoundChange
 
 DETERMINISTIC = FailureClass(
@@ -290,3 +291,23 @@ COUNT_ROWS: list[tuple[str, FailureCount | Exception, Restart | End]] = [
 )
 def test_decision_after_count(count: FailureCount | Exception, action: Restart | End) -> None:
     assert decide_after_count(count, FINAL, max_restarts=2) == action
+
+
+@pytest.mark.parametrize(
+    ("own", "first", "exits"),
+    [
+        # Ranks that only lost a peer to another node's ValueError: 1, as that node.
+        ("infrastructure", "error", ExitCode.FAILED),
+        # A peer's rank killed by a signal (OOM): 137 everywhere.
+        ("error", "infrastructure", ExitCode.INFRASTRUCTURE),
+        # The first failure has no class (a hang, a cut): this node's own.
+        ("infrastructure", "", ExitCode.INFRASTRUCTURE),
+    ],
+)
+def test_every_node_exits_with_the_class_of_the_jobs_first_failure(
+    own: FailureKind, first: str, exits: ExitCode
+) -> None:
+    count = FailureCount(3, "job", "rank 3 on node 1 (h): x", first)
+    action = decide_after_count(count, RunOutcome("failed", GROUP, failure=own), max_restarts=2)
+    assert isinstance(action, End)
+    assert exit_code_of(action.outcome) == exits

@@ -45,9 +45,9 @@ def test_the_command_line_entry_points_are_kept() -> None:
     # pyproject's console script, `python -m dist_launch`, and docs/cli.rst's parser.
     pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
     script = tomllib.loads(pyproject.read_text())["project"]["scripts"]["dist-launch"]
-    assert script == "dist_launch.cli:main"
+    assert script == "dist_launch.cli:run"  # main(), then a prompt exit
     cli = importlib.import_module("dist_launch.cli")
-    assert callable(cli.main)
+    assert callable(cli.main) and callable(cli.run)
     assert cli.build_parser().prog == "dist-launch"
     assert importlib.util.find_spec("dist_launch.__main__") is not None
 

@@ -1,5 +1,5 @@
 """``python -m dist_launch``: the ``dist-launch`` command."""
 
-from dist_launch.cli import main
+from dist_launch.cli import run
 
-raise SystemExit(main())
+run()

@@ -441,8 +441,12 @@ class Agent:
         This node's ranks only lost their peers; a preempted node says it leaves as its
         stop signal arrives, but its workers may end (and break this node's
         collectives) a moment before its word is in the store. Signals are served
-        meanwhile.
+        meanwhile. No node leaves a round that cannot shrink (a static job, ``--nnodes N``,
+        or a round at its minimum: :meth:`Rendezvous.can_leave` is the same for every
+        node of a round): the store is read once, with no wait.
         """
+        if not rdzv.can_leave():
+            return rdzv.membership_changing()
         deadline = time.monotonic() + MEMBERSHIP_SETTLE_SECONDS
         while not rdzv.membership_changing():
             if time.monotonic() >= deadline or self._interrupted is not None:

@@ -42,9 +42,10 @@ from __future__ import annotations
 
 import signal
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast, get_args
 
 from dist_launch.agent.run_outcome import RunOutcome
+from dist_launch.diagnostics.failure_class import FailureKind
 from dist_launch.exit_codes import ExitCode
 from dist_launch.rendezvous.protocol import FailureCount, FailureRecord
 
@@ -231,4 +232,17 @@ def decide_after_count(
     if count.scope == "node":
         return End(final)
     why = f"restart budget spent ({max_restarts} job-wide); first failure: {count.first_failure}"
-    return End(replace(final, message=why), close_job=why)
+    return End(replace(final, message=why, failure=_job_kind(count, final)), close_job=why)
+
+
+def _job_kind(count: FailureCount, final: RunOutcome) -> FailureKind | None:
+    """The class this node exits with: the job's first failure's, where it has one.
+
+    A node whose ranks only lost their peers would exit 137 (infrastructure) while the
+    node of the cause, a ValueError, exits 1: a scheduler told to requeue on 137 would
+    rerun a job that fails the same way. The first failure's class decides for all.
+    """
+    kind = count.first_kind
+    if final.status == "failed" and kind in get_args(FailureKind):
+        return cast(FailureKind, kind)
+    return final.failure

@@ -436,8 +436,10 @@ class Round:
                 # The cut is the cause: every node's log names it, none waits for another's.
                 record = cut_record(self._lost, self.assignment)
         elif ending == "failed":
-            record = FailureRecord.of_round(outcome, self.assignment.group_rank)
             failure = classify_failure(outcome, self.previous_failure)
+            record = dataclasses.replace(
+                FailureRecord.of_round(outcome, self.assignment.group_rank), kind=failure.kind
+            )
         elif ending == "timed_out":
             outcome.timeout = self.plan.timeout  # the job's, not this round's remainder
         return RoundResult(

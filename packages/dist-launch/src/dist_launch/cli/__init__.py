@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dist_launch.cli.entry_point import main
+from dist_launch.cli.entry_point import main, run
 from dist_launch.cli.parser import build_parser
 
-__all__ = ["build_parser", "main"]
+__all__ = ["build_parser", "main", "run"]

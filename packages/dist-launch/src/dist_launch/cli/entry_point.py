@@ -6,8 +6,13 @@ torch is the longest step of a start), then hands the plan to the agent.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import logging
+import os
+import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from dist_launch.cli.parser import PROG, plan_from_args
 from dist_launch.output.launcher_log import configure_launcher_logging
@@ -46,3 +51,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     from dist_launch.agent.agent import Agent  # noqa: PLC0415 - after the fork server started
 
     return Agent(plan, loop=loop, fork_server=fork_server).run()
+
+
+def run() -> NoReturn:
+    """The ``dist-launch`` program: :func:`main`, then the process ends at once.
+
+    Once :func:`main` returns, the report is out, every worker reaped and every thread
+    of the launcher joined; what is left is the interpreter's own teardown, torch's
+    included, which took 1-3 s on a loaded host (a node of a failed job ended that
+    much after the others, past the 2 s the job's end is promised in). So the exit
+    handlers run and the streams are flushed here, and the process exits without it.
+    """
+    code = main()
+    atexit._run_exitfuncs()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)

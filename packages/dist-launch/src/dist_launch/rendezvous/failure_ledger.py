@@ -78,7 +78,8 @@ def count_round_failure(
         first = _wait_for_cause(round_store, nodes, cause_wait, gone)
     else:
         first = round_failures(round_store, nodes)
-    return FailureCount(total, "job", (first[0] if first else record).describe())
+    named = first[0] if first else record
+    return FailureCount(total, "job", named.describe(), named.kind)
 
 
 def _wait_for_cause(

@@ -8,7 +8,7 @@ from dist_launch.rendezvous.job_board import UNREACHABLE_KEY
 from dist_launch.rendezvous.store_deadline import RendezvousStore
 
 # How often a node that ended looks whether the others have (or were found cut off).
-EVERY_NODE_POLL_SECONDS = 0.5
+EVERY_NODE_POLL_SECONDS = 0.1
 
 
 def every_node(

@@ -54,6 +54,10 @@ class FailureRecord:
     # True when this node's ranks only lost, or wait on, a peer elsewhere: its record is
     # an effect, and another node's record (if one comes) names the cause.
     consequence: bool = False
+    # The class of the failure (diagnostics.failure_class's FailureKind: "error",
+    # "deterministic", "infrastructure"); "" when it has none (a hang, a cut). Every
+    # node of the job exits with the class of the round's first failure.
+    kind: str = ""
 
     def describe(self) -> str:
         """``rank 5 on node 1 (host-b): ValueError: ...``."""
@@ -91,6 +95,7 @@ class FailureCount:
     restarts: int  # failed rounds counted so far, this one included
     scope: RestartScope
     first_failure: str  # the round's earliest failure, described for the log
+    first_kind: str = ""  # that failure's class (FailureRecord.kind), "" when unknown
 
 
 ChangeKind = Literal["closed", "unreachable", "membership"]
