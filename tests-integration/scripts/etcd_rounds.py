@@ -6,11 +6,12 @@ TORCHELASTIC_RESTART_COUNT, the wall time it started, its PID), then all-reduces
 breaks or, in a round of ``FINISH_WORLD`` ranks, for 20 steps and exits 0.
 
 Read from the environment:
-    NODE_TAG: the node's name, written in the marker.
+    NODE_TAG: the node's name, written in the marker (default: the host name).
     FINISH_WORLD: the world size of the round that finishes (default 2).
 """
 
 import os
+import socket
 import sys
 import time
 from pathlib import Path
@@ -24,9 +25,8 @@ dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 name = f"{os.environ['MASTER_PORT']}-{rank}"
 restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-(out / (name + ".tmp")).write_text(
-    f"{os.environ['NODE_TAG']} {world} {restarts} {started} {os.getpid()}"
-)
+node = os.environ.get("NODE_TAG") or socket.gethostname()
+(out / (name + ".tmp")).write_text(f"{node} {world} {restarts} {started} {os.getpid()}")
 (out / (name + ".tmp")).rename(out / name)
 deadline = time.monotonic() + 150
 steps = 0
