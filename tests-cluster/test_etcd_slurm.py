@@ -9,8 +9,10 @@ node holding one member of a three-member etcd cluster::
 
 Once a round of three runs, the node whose worker holds rank 0 (the round's workers'
 store) is made etcd's leader and killed: every process of it, slurmd and its etcd
-member included. The two other nodes' launchers re-form a round of two and finish, each
-task exiting 0. The worker is tests-integration's scripts/etcd_rounds.py; the time from
+member included, and SLURM is told the node is down (as its controller finds out
+``SlurmdTimeout`` later): without ``--no-kill`` SLURM would then end the step on every
+node ("Job step aborted"). The two other nodes' launchers re-form a round of two and
+finish, each task exiting 0. The worker is tests-integration's scripts/etcd_rounds.py; the time from
 the death to the re-formed round is printed with the timeouts that bound it.
 
 Needs root, SLURM's programs and etcd; ``nox -s cluster`` installs them and sets
@@ -89,13 +91,15 @@ def test_srun_no_kill_job_on_etcd_outlives_the_node_of_its_store(
                 etcd.make_leader(etcd.members[NODES.index(lost)])
                 killed_at = time.time()
                 cluster.host(lost).kill_everything()  # launcher, worker, slurmd, etcd member
+                # SLURM finds out (SlurmdTimeout later; here at once): without --no-kill
+                # it would now end the step on the other nodes too.
+                cluster.mark_down(lost)
                 wait_for(
                     lambda: stdout.text().count("finished") == 2,
                     "the other two nodes' ranks finishing",
                     logs,
                 )
                 finished_at = time.time()
-                cluster.mark_down(lost)  # as the controller would, SlurmdTimeout later
                 srun.wait(60)
             finally:
                 if srun.poll() is None:
