@@ -416,9 +416,11 @@ def prefetch(session: nox.Session) -> None:
             session.log(f"installing {spec} into {template} in the background")
 
 
-# Scenarios the cluster session runs once, on TORCH_SPEC (three launchers and three etcd
-# members for half a minute): the package and other-torch sessions leave them out.
-ONCE_IN_CLUSTER = (PACKAGES_DIR / "dist-launch" / "tests" / "test_etcd_survival.py",)
+# Scenarios the cluster session runs once, on TORCH_SPEC, where etcd is installed and the
+# session runs as root: three hosts (network namespaces), each with an etcd member and
+# a launcher, for half a minute a test. The integration and other-torch sessions leave
+# them out.
+ONCE_IN_CLUSTER = (ROOT / "tests-integration" / "test_etcd_nodes.py",)
 _NOT_ONCE_IN_CLUSTER = [f"--ignore={path}" for path in ONCE_IN_CLUSTER]
 # Jobs across hosts (network namespaces: cut cables, lost and preempted nodes): what
 # they test is the launchers' protocol over a network, not torch's API, and each takes
@@ -435,7 +437,7 @@ _NOT_ONCE_IN_INTEGRATION = [f"--ignore={path}" for path in ONCE_IN_INTEGRATION]
 def tests(session: nox.Session, package: str) -> None:
     """One package's tests, in a venv holding only that package and what it declares."""
     _install_packages(session, [package], extras="[test]")
-    _pytest(session, str(PACKAGES_DIR / package / "tests"), *_NOT_ONCE_IN_CLUSTER)
+    _pytest(session, str(PACKAGES_DIR / package / "tests"))
 
 
 _WORK_TREE_CHECK = """
@@ -542,7 +544,7 @@ def integration(session: nox.Session) -> None:
     """Tests that need several packages at once, real processes and real faults."""
     _install_packages(session, PACKAGES, extras="")
     session.install("pytest>=8", "pytest-timeout>=2", "pytest-xdist>=3")
-    _pytest(session, str(ROOT / "tests-integration"))
+    _pytest(session, str(ROOT / "tests-integration"), *_NOT_ONCE_IN_CLUSTER)
 
 
 # What the real-launcher session installs (Debian), and the programs it needs from them.
@@ -557,21 +559,23 @@ CLUSTER_PROGRAMS = (
 # etcd-server's, for dist-launch's etcd rendezvous tests.
 ETCD_PROGRAMS = ("etcd",)
 # dist-launch's tests of its etcd rendezvous (they start etcd servers themselves).
-ETCD_TESTS = ("test_etcd_rendezvous.py", "test_etcd_survival.py", "test_rendezvous.py")
+ETCD_TESTS = ("test_etcd_rendezvous.py", "test_rendezvous.py")
 
 
 @nox.session
 @_timed
 def cluster(session: nox.Session) -> None:
-    """Real srun, sbatch, scancel and mpirun against SLURM clusters of 1 and 2 nodes; etcd.
+    """Real srun, sbatch, scancel and mpirun against SLURM clusters of 1 to 3 nodes; etcd.
 
     tests-cluster/ brings the clusters up itself (munged, slurmctld and slurmd as child
     processes, stopped on every exit path; the two-node cluster's nodes are network
     namespaces, removed on every exit path). Needs root: the Debian packages are
     installed with apt-get when a program is missing. Without root it is skipped, except
     in CI (``CI`` set), where it fails. Runs once, on ``TORCH_SPEC``. Then dist-launch's
-    etcd rendezvous tests run against the etcd servers they start, required to run
-    (``DIST_LAUNCH_REQUIRE_ETCD``): elsewhere they skip when etcd is not installed.
+    etcd rendezvous tests run against the etcd servers they start, and the jobs on etcd
+    across three namespace hosts (:data:`ONCE_IN_CLUSTER`), required to run
+    (``DIST_LAUNCH_REQUIRE_ETCD``, also for tests-cluster's job on etcd under SLURM):
+    elsewhere they skip when etcd is not installed.
     """
     if os.geteuid() != 0:
         reason = "needs root (apt-get, and slurmd runs jobs as any user)"
@@ -596,8 +600,11 @@ def cluster(session: nox.Session) -> None:
     session.install("pytest>=8", "pytest-timeout>=2", "pytest-xdist>=3")
     # Each xdist worker brings up a cluster of its own (three daemons): two are enough
     # to keep the waiting tests side by side.
-    _pytest(session, str(ROOT / "tests-cluster"), workers="2")
+    _pytest(
+        session, str(ROOT / "tests-cluster"), workers="2", env={"DIST_LAUNCH_REQUIRE_ETCD": "1"}
+    )
     etcd_tests = [str(PACKAGES_DIR / "dist-launch" / "tests" / name) for name in ETCD_TESTS]
+    etcd_tests += [str(path) for path in ONCE_IN_CLUSTER]
     _pytest(
         session,
         "-m",

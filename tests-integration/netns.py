@@ -11,6 +11,10 @@ Every namespace and hosts file :func:`network` made is removed on every way out,
 including a SIGKILLed test process: a watcher process in a session of its own waits
 for the test process's end (the end of a pipe) and removes what is left.
 
+Namespaces are named ``<prefix>-h<i>-<tag>`` and ``<prefix>-sw-<tag>``, the prefix
+``dist`` unless ``DIST_TEST_NETNS_PREFIX`` gives another (so that people sharing a
+machine can tell theirs apart).
+
 Needs root, iproute2 and util-linux (``unshare``, ``nsenter``). Outside CI a test that
 lacks them is skipped; in CI (where ``CI`` is set and the job runs as root) it fails
 instead, so the cross-host path is always exercised there.
@@ -33,6 +37,7 @@ SUBNET = "10.231.{}.{}"
 NETNS_ETC = Path("/etc/netns")
 NETNS_RUN = Path("/run/netns")  # where ip netns keeps its namespaces
 MAX_HOSTS = 4
+PREFIX_VARIABLE = "DIST_TEST_NETNS_PREFIX"
 
 # Runs argv under a hostname of its own: ``ip netns exec`` gives a network namespace but
 # keeps the machine's UTS namespace, and a launcher that names itself by
@@ -170,6 +175,8 @@ def _watch(namespaces: Sequence[str]) -> subprocess.Popen[bytes]:
 def network(count: int, names: Sequence[str] = ()) -> Iterator[Network]:
     """``count`` hosts on one switch; every namespace and hosts file removed afterwards.
 
+    Reads ``DIST_TEST_NETNS_PREFIX``: the namespaces' prefix (``dist`` by default).
+
     Args:
         count: How many hosts (2 to :data:`MAX_HOSTS`).
         names: Their hostnames; by default ``node<i>-<tag>``, unique on this machine.
@@ -183,9 +190,10 @@ def network(count: int, names: Sequence[str] = ()) -> Iterator[Network]:
     if len(names) != count:
         raise ValueError(f"network({count}): {len(names)} names given")
     octet = int(tag[:2], 16) % 200 + 20
-    switch = f"dist-sw-{tag}"
+    prefix = os.environ.get(PREFIX_VARIABLE) or "dist"
+    switch = f"{prefix}-sw-{tag}"
     hosts = tuple(
-        Host(f"dist-h{i}-{tag}", f"v{i}{tag}", SUBNET.format(octet, i + 1), names[i])
+        Host(f"{prefix}-h{i}-{tag}", f"v{i}{tag}", SUBNET.format(octet, i + 1), names[i])
         for i in range(count)
     )
     ports = tuple(f"p{i}{tag}" for i in range(count))

@@ -1,8 +1,11 @@
-"""Real etcd servers for the tests: one member or several, on loopback, as child processes.
+"""Real etcd servers for the tests: one member or several, as child processes.
 
 Each member gets its own data directory under the test's temporary directory and two
-free loopback ports (client, peer); every member is stopped by its PID (SIGTERM, then
-SIGKILL) when the context ends, whatever happened. Without the ``etcd`` program the
+free loopback ports (client, peer); or, given places (tests-integration's network
+namespaces), each member runs in its own place on that place's address and etcd's
+default ports, and this process talks to it through a short Python run there. Every
+member is stopped by its PID (SIGTERM, then SIGKILL) when the context ends, whatever
+happened. Without the ``etcd`` program the
 tests skip, saying what to install, unless ``DIST_LAUNCH_REQUIRE_ETCD`` is set (``nox -s
 cluster`` sets it, having installed it): then they fail.
 """
@@ -16,9 +19,10 @@ import shutil
 import socket
 import ssl
 import subprocess
+import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +31,27 @@ import pytest
 
 INSTALL = "apt-get install -y etcd-server (etcd 3.4 or later)"
 START_SECONDS = 30.0  # how long a cluster may take to elect a leader
+CLIENT_PORT, PEER_PORT = 2379, 2380  # etcd's own, for members each at an address of its own
+# Run in a member's place (its network namespace): POSTs argv[2] to the URL argv[1] and
+# prints etcd's answer; exits 1 when the member does not answer.
+_REQUEST = """
+import sys, urllib.request
+data = sys.argv[2].encode() if len(sys.argv) > 2 else None
+try:
+    with urllib.request.urlopen(urllib.request.Request(sys.argv[1], data=data), timeout=5) as a:
+        sys.stdout.buffer.write(a.read())
+except OSError:
+    sys.exit(1)
+"""
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where a member runs: an address of its own and the command prefix that runs a
+    program there (``["ip", "netns", "exec", namespace]``)."""
+
+    address: str
+    prefix: tuple[str, ...]
 
 
 def require_etcd() -> str:
@@ -93,6 +118,7 @@ class EtcdMember:
     client_port: int
     process: subprocess.Popen[bytes]
     tls: ssl.SSLContext | None = None  # how a client reaches it over https
+    place: Place | None = None  # None: on loopback here
 
     @property
     def url(self) -> str:
@@ -100,7 +126,8 @@ class EtcdMember:
 
     @property
     def endpoint(self) -> str:
-        return f"127.0.0.1:{self.client_port}"
+        address = "127.0.0.1" if self.place is None else self.place.address
+        return f"{address}:{self.client_port}"
 
     def kill(self) -> None:
         """SIGKILL, reaped."""
@@ -128,16 +155,50 @@ class EtcdCluster:
                 return by_id[str(status["leader"])]
         raise LookupError("no etcd member names a leader")
 
+    def make_leader(self, member: EtcdMember) -> None:
+        """Hands the leadership to ``member`` (etcd's MoveLeader), waiting until it leads.
 
-def _post(member: EtcdMember, path: str) -> dict[str, Any] | None:
-    """etcd's JSON answer to ``/v3/<path>``, or None when the member does not answer."""
-    request = urllib.request.Request(f"{member.url}/v3/{path}", data=b"{}")
+        Raises:
+            TimeoutError: It did not lead within :data:`START_SECONDS`.
+        """
+        deadline = time.monotonic() + START_SECONDS
+        while (leader := self.leader()) is not member:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"etcd member {member.name} did not take the lead")
+            body = json.dumps({"targetID": _member_id(member)})
+            _post(leader, "maintenance/transfer-leadership", body)
+            time.sleep(0.2)  # polling the members' status, not ordering our own threads
+
+
+def _request(member: EtcdMember, url: str, body: str | None) -> bytes | None:
+    """The member's answer to a GET (``body`` None) or POST of ``url``; None if none."""
+    if member.place is not None:
+        argv = [*member.place.prefix, sys.executable, "-c", _REQUEST, url]
+        try:
+            done = subprocess.run(
+                [*argv, *([] if body is None else [body])], capture_output=True, timeout=15
+            )
+        except subprocess.TimeoutExpired:
+            return None
+        return done.stdout if done.returncode == 0 else None
+    data = None if body is None else body.encode()
     try:
-        with urllib.request.urlopen(request, timeout=5.0, context=member.tls) as answer:
-            found: dict[str, Any] = json.loads(answer.read())
+        with urllib.request.urlopen(
+            urllib.request.Request(url, data=data), timeout=5.0, context=member.tls
+        ) as answer:
+            found: bytes = answer.read()
             return found
     except OSError:
         return None
+
+
+def _post(member: EtcdMember, path: str, body: str = "{}") -> dict[str, Any] | None:
+    """etcd's JSON answer to ``/v3/<path>``, or None when the member does not answer."""
+    answer = _request(member, f"{member.url}/v3/{path}", body)
+    if answer is None:
+        return None
+    found: dict[str, Any] = json.loads(answer)
+    return found
 
 
 def _member_id(member: EtcdMember) -> str | None:
@@ -146,13 +207,8 @@ def _member_id(member: EtcdMember) -> str | None:
 
 
 def _healthy(member: EtcdMember) -> bool:
-    try:
-        with urllib.request.urlopen(
-            f"{member.url}/health", timeout=1, context=member.tls
-        ) as answer:
-            return b'"true"' in answer.read()
-    except OSError:
-        return False
+    answer = _request(member, f"{member.url}/health", None)
+    return answer is not None and b'"true"' in answer
 
 
 def _stop(member: EtcdMember) -> None:
@@ -166,19 +222,31 @@ def _stop(member: EtcdMember) -> None:
 
 @contextlib.contextmanager
 def etcd_cluster(
-    directory: Path, size: int = 1, tls: TlsFiles | None = None
+    directory: Path,
+    size: int = 1,
+    tls: TlsFiles | None = None,
+    places: Sequence[Place] = (),
 ) -> Iterator[EtcdCluster]:
     """Starts ``size`` members on loopback; yields once every one answers healthy.
 
-    With ``tls``, clients must use https and present a certificate the CA signed.
+    With ``tls``, clients must use https and present a certificate the CA signed. With
+    ``places``, one member runs in each place (``size`` is ignored), without TLS.
 
     Raises:
         TimeoutError: The cluster was not healthy within :data:`START_SECONDS`.
     """
     program = require_etcd()
-    ports = _free_ports(2 * size)
+    if places:
+        size = len(places)
+        addresses = [place.address for place in places]
+        ports = [port for _ in places for port in (CLIENT_PORT, PEER_PORT)]
+    else:
+        addresses = ["127.0.0.1"] * size
+        ports = _free_ports(2 * size)
     names = [f"m{index}" for index in range(size)]
-    peers = ",".join(f"{name}=http://127.0.0.1:{ports[2 * i + 1]}" for i, name in enumerate(names))
+    peers = ",".join(
+        f"{name}=http://{addresses[i]}:{ports[2 * i + 1]}" for i, name in enumerate(names)
+    )
     members: list[EtcdMember] = []
     scheme, client_tls, context = "http", [], None
     if tls is not None:
@@ -190,23 +258,26 @@ def etcd_cluster(
     try:
         for index, name in enumerate(names):
             client, peer = ports[2 * index], ports[2 * index + 1]
+            address = addresses[index]
             log = (directory / f"etcd-{name}.log").open("wb")
             command = [
+                *(places[index].prefix if places else ()),
                 program,
                 f"--name={name}",
                 f"--data-dir={directory / f'etcd-{name}'}",
-                f"--listen-client-urls={scheme}://127.0.0.1:{client}",
-                f"--advertise-client-urls={scheme}://127.0.0.1:{client}",
+                f"--listen-client-urls={scheme}://{address}:{client}",
+                f"--advertise-client-urls={scheme}://{address}:{client}",
                 *client_tls,
-                f"--listen-peer-urls=http://127.0.0.1:{peer}",
-                f"--initial-advertise-peer-urls=http://127.0.0.1:{peer}",
+                f"--listen-peer-urls=http://{address}:{peer}",
+                f"--initial-advertise-peer-urls=http://{address}:{peer}",
                 f"--initial-cluster={peers}",
                 "--initial-cluster-state=new",
                 f"--initial-cluster-token=dist-launch-test-{ports[0]}",
             ]
             process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
             log.close()
-            members.append(EtcdMember(name, client, process, context))
+            place = places[index] if places else None
+            members.append(EtcdMember(name, client, process, context, place))
         deadline = time.monotonic() + START_SECONDS
         while not all(_healthy(member) for member in members):
             dead = [m.name for m in members if m.process.poll() is not None]

@@ -115,6 +115,7 @@ def test_the_silence_bound_is_the_shorter_of_hang_timeout_and_keep_alive() -> No
     assert silence_bound(10.0, 15.0) == 10.0
     assert silence_bound(None, 15.0) == 15.0
     assert silence_bound(1.0, 15.0) >= 5.0  # never a second or two: a loaded host lags
+    assert silence_bound(None, 3.0, 6.0) == 11.0  # etcd: an election's stall on top
 
 
 def test_node_ranks_follow_the_assignment() -> None:

@@ -8,6 +8,7 @@ process, each with its own etcd client and lease, against the one-member etcd of
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import threading
@@ -31,7 +32,8 @@ from dist_launch.rendezvous.etcd import (
     etcd_endpoints,
     etcd_settings,
 )
-from dist_launch.rendezvous.etcd_gateway import EtcdGateway
+from dist_launch.rendezvous.etcd_gateway import EtcdError, EtcdGateway
+from dist_launch.rendezvous.etcd_http import CONNECT_SECONDS
 from dist_launch.rendezvous.etcd_store import EtcdStore
 from dist_launch.rendezvous.job_board import JobBoard
 from dist_launch.rendezvous.protocol import Assignment, FailureRecord, RendezvousUsageError
@@ -63,6 +65,27 @@ def closed_port() -> int:
     return port
 
 
+@contextlib.contextmanager
+def silent_port() -> Iterator[int]:
+    """A loopback port that, like a member whose cable is cut, never completes a
+    connection: its listening socket's queue is full and it accepts nothing, so the
+    kernel drops every further handshake."""
+    with contextlib.ExitStack() as stack:
+        server = stack.enter_context(socket.socket())
+        server.bind(("127.0.0.1", 0))
+        server.listen(0)
+        port: int = server.getsockname()[1]
+        for _ in range(8):  # Linux queues backlog + 1 connections
+            client = stack.enter_context(socket.socket())
+            client.settimeout(0.5)
+            try:
+                client.connect(("127.0.0.1", port))
+            except TimeoutError:
+                yield port
+                return
+        pytest.skip("this kernel completes every connection to a listening socket")
+
+
 # -- settings: no process ----------------------------------------------------------------
 
 
@@ -90,6 +113,15 @@ def test_the_lease_lasts_as_long_as_torchs_keep_alive(script: str) -> None:
     assert (settings.protocol, settings.lease_ttl) == ("http", 8)
     with pytest.raises(RendezvousUsageError, match="protocol=ftp"):
         etcd_settings(etcd_plan(script, "h", "job", rdzv_conf="protocol=ftp"))
+
+
+def test_a_stopped_gateway_tries_no_member() -> None:
+    gateway = EtcdGateway([("127.0.0.1", closed_port())])
+    assert gateway.stop(wait=1.0)  # no call under way
+    started = time.monotonic()
+    with pytest.raises(EtcdError, match="not tried: this node stopped calling etcd"):
+        gateway.put(b"k", b"v")
+    assert time.monotonic() - started < 0.5
 
 
 def test_torchruns_etcd_v2_spelling_is_accepted_and_etcd_needs_an_endpoint(script: str) -> None:
@@ -277,6 +309,22 @@ def test_a_dead_first_member_is_passed_over(etcd_endpoint: str) -> None:
     gateway.put(b"dist-launch/test/failover", b"1")
     assert gateway.get(b"dist-launch/test/failover") is not None
     assert gateway.endpoints[gateway._current] == (host, int(port))
+
+
+@pytest.mark.processes
+def test_a_first_member_cut_off_is_passed_over_within_the_connect_bound(
+    etcd_endpoint: str,
+) -> None:
+    """A member that answers nothing (cut off) costs a call the connect bound, not the
+    request's timeout: with 5 s per request, a node's 3 s lease would lapse first."""
+    host, port = etcd_endpoint.split(":")
+    with silent_port() as silent:
+        gateway = EtcdGateway([("127.0.0.1", silent), (host, int(port))], timeout=5.0)
+        started = time.monotonic()
+        gateway.put(b"dist-launch/test/cut-first", b"1")
+        took = time.monotonic() - started
+    assert gateway.endpoints[gateway._current] == (host, int(port))
+    assert CONNECT_SECONDS <= took < CONNECT_SECONDS + 2.0, took
 
 
 @pytest.mark.processes

@@ -30,6 +30,7 @@ from typing import Any
 from dist_launch.plan.launch_plan import LaunchPlan
 from dist_launch.rendezvous.c10d import C10dRendezvous, route_address
 from dist_launch.rendezvous.etcd_gateway import DEFAULT_ETCD_PORT, EtcdGateway, EtcdTls
+from dist_launch.rendezvous.etcd_http import CONNECT_SECONDS
 from dist_launch.rendezvous.etcd_lease import NodeLease
 from dist_launch.rendezvous.protocol import Assignment, RendezvousUsageError
 from dist_launch.rendezvous.rdzv_conf import conf_seconds
@@ -38,6 +39,11 @@ logger = logging.getLogger(__name__)
 
 # Seconds one etcd request may take on one member before the next member is tried.
 REQUEST_SECONDS = 5.0
+# How long a healthy majority's etcd may leave a call without an answer: when etcd's
+# leader is cut off, a request that a member forwarded to it waits out its timeout while
+# the others elect a new one, and the lost member costs its connect bound. The silence
+# that fences a node (cut off from etcd's majority) is this much longer than c10d's.
+STALL_SECONDS = REQUEST_SECONDS + CONNECT_SECONDS
 # torch's c10d defaults, kept for etcd: the store's waits, and the keep-alive.
 DEFAULT_READ_TIMEOUT = 60.0
 DEFAULT_KEEP_ALIVE_INTERVAL = 5
@@ -134,6 +140,8 @@ class EtcdRendezvous(C10dRendezvous):
         lease: This node's lease.
     """
 
+    store_stall_seconds = STALL_SECONDS  # read by the cut watch (see STALL_SECONDS)
+
     def __init__(
         self, plan: LaunchPlan, handler: Any, gateway: EtcdGateway, lease: NodeLease
     ) -> None:
@@ -171,9 +179,19 @@ class EtcdRendezvous(C10dRendezvous):
         return max(dropped, self.assignment.group_world_size - alive)
 
     def close(self) -> None:
-        """c10d's ending (every node marks its end), then this node's lease ends."""
+        """c10d's ending (every node marks its end), then this node's lease ends.
+
+        A node fenced off a cut (its store given up) leaves its lease to lapse instead
+        of revoking it (each try would wait on members it cannot reach), and stops its
+        calls to etcd that are still under way, waiting at most one request's timeout
+        for them: they run on threads that torch's C++ store calls into, which must
+        not be left inside etcd calls when the interpreter exits.
+        """
         super().close()
-        self.lease.end()
+        fenced = self.deadline.silenced is not None
+        self.lease.end(revoke=not fenced)
+        if fenced:
+            self._gateway.stop(self._gateway.timeout + 1.0)
 
 
 def _torch_handler(plan: LaunchPlan, settings: EtcdSettings, gateway: EtcdGateway) -> Any:

@@ -2,28 +2,30 @@
 
 Every etcd server since 3.3 answers its v3 API as JSON over HTTP on the client port
 (``POST /v3/kv/range``, ``/v3/kv/txn``, ``/v3/lease/grant``, ...; keys and values in
-base64, 64-bit numbers as strings). Speaking it with :mod:`urllib` needs no gRPC, no
+base64, 64-bit numbers as strings). Speaking it with :mod:`http.client` needs no gRPC, no
 protobuf and no generated code, so no protobuf release can break the launcher; see the
 README ("Several nodes") for why no etcd library was chosen.
 
 :class:`EtcdGateway` holds the cluster's endpoints and moves to the next one when one
-does not answer, so a job outlives any one etcd member. It knows only the few calls
-the rendezvous needs: read one key, count a prefix, write, compare-and-set on a key's
-``mod_revision``, delete, and leases.
+does not answer, so a job outlives any one etcd member; a member that does not even
+accept a connection (cut off) is passed over within a second (:mod:`.etcd_http`). It
+knows only the few calls the rendezvous needs: read one key, count a prefix, write,
+compare-and-set on a key's ``mod_revision``, delete, and leases.
 """
 
 from __future__ import annotations
 
 import base64
+import http.client
 import json
 import logging
 import ssl
 import threading
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from typing import Any
+
+from dist_launch.rendezvous import etcd_http
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +105,9 @@ class EtcdGateway:
         self.retry_seconds = retry_seconds
         self._context = self._tls_context(tls or EtcdTls()) if protocol == "https" else None
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)  # notified as calls end
+        self._calls = 0  # calls under way
+        self._stopped = False
         self._current = 0  # the endpoint that answered last
         self._answered = False  # whether any member ever answered this client
 
@@ -139,16 +144,39 @@ class EtcdGateway:
         data = json.dumps(body).encode()
         deadline = time.monotonic() + self.retry_seconds
         pause = FIRST_RETRY_SECONDS
-        while True:
-            answer, errors = self._try_each(path, data)
-            if answer is not None:
-                self._answered = True
-                return answer
-            left = deadline - time.monotonic()
-            if left <= 0 or not self._answered:
-                raise EtcdError("no etcd endpoint answered: " + "; ".join(errors))
-            time.sleep(min(pause, left))
-            pause = min(pause * 2, LONGEST_RETRY_SECONDS)
+        with self._lock:
+            self._calls += 1
+        try:
+            while True:
+                if self._stopped:
+                    raise EtcdError(f"{path} not tried: this node stopped calling etcd")
+                answer, errors = self._try_each(path, data)
+                if answer is not None:
+                    self._answered = True
+                    return answer
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._answered or self._stopped:
+                    raise EtcdError("no etcd endpoint answered: " + "; ".join(errors))
+                time.sleep(min(pause, left))
+                pause = min(pause * 2, LONGEST_RETRY_SECONDS)
+        finally:
+            with self._lock:
+                self._calls -= 1
+                self._idle.notify_all()
+
+    def stop(self, wait: float) -> bool:
+        """Makes every later call fail at once, and ends the retries of those under way.
+
+        Args:
+            wait: Seconds to wait for the calls under way to end (a request already
+                sent ends within :attr:`timeout`).
+
+        Returns:
+            Whether no call was left under way.
+        """
+        with self._lock:
+            self._stopped = True
+            return self._idle.wait_for(lambda: self._calls == 0, wait)
 
     def _try_each(self, path: str, data: bytes) -> tuple[dict[str, Any] | None, list[str]]:
         """One try on every member, from the one that answered last; each one's error."""
@@ -157,25 +185,24 @@ class EtcdGateway:
         errors: list[str] = []
         for step in range(len(self.endpoints)):
             index = (first + step) % len(self.endpoints)
-            request = urllib.request.Request(
-                self._url(index, path), data=data, headers={"Content-Type": "application/json"}
-            )
+            host, port = self.endpoints[index]
             try:
-                with urllib.request.urlopen(
-                    request, timeout=self.timeout, context=self._context
-                ) as response:
-                    answer: dict[str, Any] = json.loads(response.read() or b"{}")
-            except urllib.error.HTTPError as error:
-                detail = error.read().decode(errors="replace")
-                if error.code >= 500:
-                    # A member without a leader or cut off from its quorum (503, 504):
-                    # another member may have one.
-                    errors.append(f"{self._url(index, path)}: {detail.strip()}")
-                    continue
-                raise EtcdError(f"etcd refused {path} ({error.code}): {detail.strip()}") from None
-            except (OSError, ValueError) as error:  # URLError, timeouts, resets, bad JSON
+                status, raw = etcd_http.post(
+                    host, port, f"/v3/{path}", data, timeout=self.timeout, context=self._context
+                )
+                answer: dict[str, Any] = json.loads(raw or b"{}") if status < 400 else {}
+            except (OSError, ValueError, http.client.HTTPException) as error:
+                # Timeouts (a member cut off: see etcd_http), refusals, resets, bad JSON.
                 errors.append(f"{self._url(index, path)}: {error}")
                 continue
+            if status >= 500:
+                # A member without a leader or cut off from its quorum (503, 504):
+                # another member may have one.
+                errors.append(f"{self._url(index, path)}: {raw.decode(errors='replace').strip()}")
+                continue
+            if status >= 400:
+                detail = raw.decode(errors="replace").strip()
+                raise EtcdError(f"etcd refused {path} ({status}): {detail}")
             if index != first:
                 logger.info("etcd: %s answers now", self._url(index, ""))
                 with self._lock:

@@ -63,11 +63,19 @@ class NodeLease:
         """Sets ``key`` for as long as the lease lives."""
         self._gateway.put(key.encode(), value.encode(), lease=self.lease)
 
-    def end(self) -> None:
-        """Stops renewing and ends the lease now (its keys go); idempotent, never raises."""
+    def end(self, *, revoke: bool = True) -> None:
+        """Stops renewing and ends the lease now (its keys go); idempotent, never raises.
+
+        Args:
+            revoke: False for a node that cannot reach etcd (fenced off a cut): it
+                waits for nothing, and etcd ends the lease ``ttl`` seconds after its
+                last renewal, as it does a dead node's.
+        """
         if self._ended.is_set():
             return
         self._ended.set()
+        if not revoke:
+            return
         self._thread.join(self._gateway.timeout + self._interval)
         with contextlib.suppress(Exception):
             self._gateway.revoke_lease(self.lease)

@@ -83,6 +83,12 @@ class StoreDeadline:
         self._silenced: str | None = None
         self._waiting: set[_Call[object]] = set()
 
+    @property
+    def silenced(self) -> str | None:
+        """Why the store was given up (:meth:`silence`), or None while it is not."""
+        with self._lock:
+            return self._silenced
+
     def silence(self, why: str) -> None:
         """Takes the store for silent from now on: every later call fails at once.
 

@@ -148,7 +148,9 @@ class CutWatch:
         self._on_fence(self.fenced)
 
 
-def silence_bound(hang_seconds: float | None, node_dead_after: float) -> float:
+def silence_bound(
+    hang_seconds: float | None, node_dead_after: float, stall_seconds: float = 0.0
+) -> float:
     """Seconds of store silence that fence a node: torch's keep-alive bound, or less.
 
     A node's peers drop it after ``keep_alive_interval * keep_alive_max_attempt`` of
@@ -159,9 +161,11 @@ def silence_bound(hang_seconds: float | None, node_dead_after: float) -> float:
     Args:
         hang_seconds: ``--hang-timeout`` when fixed, else None.
         node_dead_after: torch's keep-alive bound.
+        stall_seconds: How long a store that is healthy may leave a node without an
+            answer (etcd electing a new leader), added on top.
     """
     bound = node_dead_after if hang_seconds is None else min(hang_seconds, node_dead_after)
-    return max(MIN_SILENCE_SECONDS, bound)
+    return max(MIN_SILENCE_SECONDS, bound) + stall_seconds
 
 
 def node_ranks(base_rank: int, nproc: int, nodes: int, own: int) -> dict[int, tuple[int, ...]]:
@@ -194,7 +198,8 @@ def start_cut_watch(
         hostname: This node's host name.
         on_fence: Called once, on the loop, when this side is fenced.
         rdzv: The rendezvous; its ``lost_store(error, since)``, where it has one,
-            names the store's node in the fencing message.
+            names the store's node in the fencing message, and its
+            ``store_stall_seconds``, where it has them, lengthen the silence that fences.
     """
     address = route_address(assignment.master_addr, assignment.master_port) or ""
     if address.startswith("127.") or address == "::1":
@@ -218,7 +223,11 @@ def start_cut_watch(
         node_ranks(
             assignment.base_rank, plan.nproc, assignment.group_world_size, assignment.group_rank
         ),
-        silence_bound(hang_seconds, plan.rdzv_timeouts.node_dead_after),
+        silence_bound(
+            hang_seconds,
+            plan.rdzv_timeouts.node_dead_after,
+            float(getattr(rdzv, "store_stall_seconds", 0.0)),
+        ),
         on_fence,
         store_node,
     )
