@@ -1,7 +1,7 @@
 """Quorum at scale: N simulated replicas against one TCPStore on loopback.
 
 Each simulated replica is what a :class:`dist_collectives.ft.Manager` does with the
-store, through the product's own functions (``Liveness``, ``compute_quorum``), on
+store, through the store coordinator's own functions (``Liveness``, ``compute_quorum``), on
 the same three connections a Manager opens for them:
 
 - a watcher thread that beats every 100 ms (``Liveness.beat``), polls the quorum's
@@ -44,7 +44,6 @@ CHECK_TICKS = 2  # the Manager's watcher reads liveness every second beat
 HEARTBEAT_TIMEOUT = timedelta(seconds=2)  # the Manager's default
 LIMIT_THREADS = 8  # per process, for the store's own rate
 LIMIT_SECONDS = 1.5
-REGISTRY_VERSION_KEY = "replicas_version"
 
 
 class _Counting:
@@ -116,7 +115,7 @@ def _store_limit(port: int, n: int, seconds: float) -> dict[str, float]:
 
 
 def _worker(index: int, port: int, n: int, queue: Any, connecting: Any) -> None:
-    from dist_collectives.ft.coordination.quorum import Liveness, compute_quorum
+    from dist_collectives.ft.coordination.store_coordinator import Keys, Liveness, compute_quorum
 
     namespace = f"scale{n}"
     ids = [f"r{i:04d}" for i in range(index, n, PROCESSES)]
@@ -176,11 +175,11 @@ def _worker(index: int, port: int, n: int, queue: Any, connecting: Any) -> None:
             liveness.beat(rid)
             slow = ticks % CHECK_TICKS == 0
             if slow:
-                store.add(REGISTRY_VERSION_KEY, 0)
+                store.add(Keys.REGISTRY_VERSION, 0)
             if not watching.is_set():
                 continue
-            store.check(["err/0"])
             quorum = quorums[rid]
+            store.check([Keys.error(quorum)])
             if slow and rid not in learned:
                 alive = liveness.alive_members(
                     quorum.quorum_id, quorum.members, rid, monitor=rid == quorum.members[0]

@@ -11,7 +11,13 @@ import pytest
 
 from dist_collectives.ft import ReplicaError
 from dist_collectives.ft import manager_decisions as decide
-from dist_collectives.ft.quorum import Quorum
+from dist_collectives.ft.coordination.coordinator import Verdict, proposed_verdict
+from dist_collectives.ft.coordination.quorum import Quorum, group_step, watched_group_ranks
+from dist_collectives.ft.coordination.store_coordinator import (
+    Keys,
+    decode_verdict,
+    encode_verdict,
+)
 
 TIMEOUT = timedelta(seconds=60)
 
@@ -39,61 +45,45 @@ def _quorum(
 
 def test_keys_of_a_step_name_its_quorum_and_step() -> None:
     quorum = _quorum((4, 4))
-    assert decide.commit_key(quorum) == "commit/3/4"
-    assert decide.votes_key(quorum) == "votes/3/4"
-    assert decide.error_key(quorum) == "err/3"
+    assert Keys.commit(quorum) == "commit/3/4"
+    assert Keys.votes(quorum) == "votes/3/4"
+    assert Keys.error(quorum) == "err/3"
+
+
+SAME = Verdict(committed=True, reuse_quorum=True)
+FULL = Verdict(committed=True, reuse_quorum=False)
 
 
 @pytest.mark.parametrize("votes", [1, 2])
 def test_only_the_last_voter_proposes_a_decision(votes: int) -> None:
     quorum = _quorum((4, 4, 4))
-    assert decide.commit_proposal(votes, quorum, group_world_size=1, registry_version=7) is None
-    assert decide.commit_proposal(3, quorum, group_world_size=1, registry_version=7) is not None
+    assert proposed_verdict(votes, quorum, group_world_size=1, registry_version=7) is None
+    assert proposed_verdict(3, quorum, group_world_size=1, registry_version=7) is not None
 
 
 def test_every_rank_of_every_group_votes_before_the_decision() -> None:
     quorum = _quorum((4, 4))
-    assert decide.commit_proposal(3, quorum, group_world_size=2, registry_version=7) is None
-    assert (
-        decide.commit_proposal(4, quorum, group_world_size=2, registry_version=7)
-        == decide.COMMIT_SAME
-    )
+    assert proposed_verdict(3, quorum, group_world_size=2, registry_version=7) is None
+    assert proposed_verdict(4, quorum, group_world_size=2, registry_version=7) == SAME
 
 
 def test_the_last_voter_keeps_the_quorum_when_nobody_announced_itself() -> None:
     quorum = _quorum((4, 4), registry_version=7)
-    assert (
-        decide.commit_proposal(2, quorum, group_world_size=1, registry_version=7)
-        == decide.COMMIT_SAME
-    )
+    assert proposed_verdict(2, quorum, group_world_size=1, registry_version=7) == SAME
     # The watcher may not have read the registry since the quorum was decided.
-    assert (
-        decide.commit_proposal(2, quorum, group_world_size=1, registry_version=0)
-        == decide.COMMIT_SAME
-    )
+    assert proposed_verdict(2, quorum, group_world_size=1, registry_version=0) == SAME
 
 
 def test_the_last_voter_asks_for_a_round_when_a_replica_announced_itself() -> None:
     quorum = _quorum((4, 4), registry_version=7)
-    assert (
-        decide.commit_proposal(2, quorum, group_world_size=1, registry_version=8)
-        == decide.COMMIT_FULL
-    )
+    assert proposed_verdict(2, quorum, group_world_size=1, registry_version=8) == FULL
 
 
-@pytest.mark.parametrize(
-    ("decision", "committed", "reuse"),
-    [
-        (decide.COMMIT_SAME, True, True),
-        (decide.COMMIT_FULL, True, False),
-        (decide.COMMIT_FAIL, False, False),
-    ],
-)
-def test_a_stored_decision_reads_as_committed_and_reuse(
-    decision: str, committed: bool, reuse: bool
-) -> None:
-    outcome = decide.read_commit(decision.encode())
-    assert (outcome.committed, outcome.reuse_quorum) == (committed, reuse)
+@pytest.mark.parametrize("verdict", [SAME, FULL, Verdict(committed=False)])
+def test_a_stored_verdict_reads_back_as_written(verdict: Verdict) -> None:
+    raw = encode_verdict(verdict)
+    assert decode_verdict(raw.encode()) == verdict
+    assert not raw.startswith(("ok", "fail"))  # a JSON record, not a prefix code
 
 
 # -- the next step's quorum -----------------------------------------------------------------
@@ -206,13 +196,13 @@ def test_members_lost_are_those_not_alive_but_never_this_replica() -> None:
 
 
 def test_a_lost_member_fails_a_step_that_is_not_committed() -> None:
-    for decision in (None, decide.COMMIT_FAIL.encode()):
+    for decision in (None, Verdict(committed=False)):
         error = decide.lost_member_error(["r2"], decision)
         assert isinstance(error, ReplicaError) and "['r2']" in str(error)
 
 
 def test_a_member_that_left_after_the_commit_does_not_fail_the_step() -> None:
-    assert decide.lost_member_error(["r2"], decide.COMMIT_FULL.encode()) is None
+    assert decide.lost_member_error(["r2"], FULL) is None
     assert decide.lost_member_error([], None) is None
 
 
@@ -220,9 +210,9 @@ def test_a_member_that_left_after_the_commit_does_not_fail_the_step() -> None:
 
 
 def test_group_rank_0_watches_every_other_rank_and_the_others_watch_rank_0() -> None:
-    assert list(decide.watched_group_ranks(0, 4)) == [1, 2, 3]
-    assert list(decide.watched_group_ranks(2, 4)) == [0]
-    assert list(decide.watched_group_ranks(0, 1)) == []
+    assert list(watched_group_ranks(0, 4)) == [1, 2, 3]
+    assert list(watched_group_ranks(2, 4)) == [0]
+    assert list(watched_group_ranks(0, 1)) == []
 
 
 def test_a_broken_group_message_names_the_group_and_its_stale_ranks() -> None:
@@ -284,4 +274,4 @@ def test_a_long_cause_is_cut_to_a_bounded_length() -> None:
 def test_a_group_asks_with_the_oldest_step_any_of_its_ranks_holds(
     own: int, others: list[int], step: int
 ) -> None:
-    assert decide.group_step(own, others) == step
+    assert group_step(own, others) == step

@@ -7,11 +7,10 @@ from dist_collectives.ft.manager_decisions import (
     ReceiveState,
     SendState,
     describe_action,
-    kept_a_failed_quorum,
     quorum_actions,
     request_is_stale,
 )
-from dist_collectives.ft.quorum import Quorum
+from dist_collectives.ft.quorum import Quorum, kept_a_failed_quorum
 
 STORE = "127.0.0.1:29500/ns"
 

@@ -12,7 +12,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from dist_collectives.ft.manager_decisions import COMMIT_FULL, commit_proposal
+from dist_collectives.ft.coordination.coordinator import Verdict, proposed_verdict
 from dist_collectives.ft.quorum import (
     REGISTRY_VERSION_KEY,
     Liveness,
@@ -67,8 +67,10 @@ def test_a_replica_joining_after_its_round_closed_without_it_makes_the_members_h
         with pytest.raises(QuorumTimeoutError):  # alone in the next round: too few to close
             _join(store, "c", 0, timeout=timedelta(seconds=0.3))
         version = int(store.add(REGISTRY_VERSION_KEY, 0))
-        members_commit = commit_proposal(2, quorum, group_world_size=1, registry_version=version)
-        assert members_commit == COMMIT_FULL, "the members would reuse a quorum c waits to join"
+        members_commit = proposed_verdict(2, quorum, group_world_size=1, registry_version=version)
+        assert members_commit == Verdict(committed=True, reuse_quorum=False), (
+            "the members would reuse a quorum c waits to join"
+        )
 
         second = [pool.submit(_join, store, "c", 0)]
         second += [pool.submit(_join, store, r, 1, previous=quorum) for r in "ab"]

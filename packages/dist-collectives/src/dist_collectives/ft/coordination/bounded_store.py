@@ -70,6 +70,8 @@ class KeyValueStore(Protocol):
 
     def multi_get(self, keys: list[str]) -> list[bytes]: ...  # noqa: D102
 
+    def wait(self, keys: list[str], timeout: timedelta) -> None: ...  # noqa: D102
+
 
 class _Link:
     """One TCPStore connection and the thread that makes every call on it."""

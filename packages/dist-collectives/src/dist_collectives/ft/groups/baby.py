@@ -31,6 +31,16 @@ How tensors get to the child:
 
 The pipe carries this process's own messages to its own child (operation names,
 shared tensors, IPC handles, error strings); nothing from another host is unpickled.
+
+Why the child is not supervised by :class:`dist_core.supervisor.Supervisor`: that
+supervisor owns a *group* of ranks for a launcher. Its ``run()`` blocks the caller
+until the group ends, stops every rank when one fails, and writes each rank's output
+to its ``RankFiles``. A baby group has one child per configuration, whose end is
+learnt on the pipe by the reader thread (EOF), which also fails the pending
+operations. The child is killed from there, or by the per-operation timeout. A new
+``configure`` replaces the child while the caller goes on. None of the supervisor's
+loop, grace period or root-cause choice applies. What both share, killing and
+reaping on every exit path, is done here in a few lines (``_retire``).
 """
 
 from __future__ import annotations

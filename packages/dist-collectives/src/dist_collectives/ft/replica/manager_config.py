@@ -11,6 +11,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from dist_collectives.ft.coordination.coordinator import CoordinatorSettings
 from dist_collectives.ft.errors import ManagerConfigError
 
 # The store's key prefix when a Manager is given none.
@@ -83,6 +84,20 @@ class ManagerConfig:
     def grouped(self) -> bool:
         """Whether a replica is a group of several ranks."""
         return self.group_world_size > 1
+
+    def coordinator_settings(self) -> CoordinatorSettings:
+        """What the replica's coordinator needs of these settings."""
+        return CoordinatorSettings(
+            replica_id=self.replica_id,
+            group_rank=self.group_rank,
+            group_world_size=self.group_world_size,
+            min_replicas=self.min_replica_size,
+            timeout=self.timeout,
+            heartbeat_timeout=self.heartbeat_timeout,
+            join_timeout=self.join_timeout,
+            first_quorum_window=self.first_quorum_window,
+            init_sync=self.init_sync,
+        )
 
 
 def check_arguments(

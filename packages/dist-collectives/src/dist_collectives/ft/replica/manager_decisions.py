@@ -15,72 +15,20 @@ import re
 from collections.abc import Collection, Sequence
 from datetime import timedelta
 
+from dist_collectives.ft.coordination.coordinator import Verdict
 from dist_collectives.ft.coordination.quorum import Quorum
 from dist_collectives.ft.errors import ReplicaError
 
-# The values of a step's commit decision in the store; the first write wins.
-COMMIT_SAME = "ok:same"  # committed; nobody announced itself or asked to join: reuse the quorum
-COMMIT_FULL = "ok:full"  # committed; the next step forms a quorum in a round
-COMMIT_FAIL = "fail"
 # A failure's cause in the log: its first line, at most this long.
 CAUSE_CHARS = 200
 # gloo's messages start with the C++ source location: "[/path/to/pair.cc:537] Read error".
 _SOURCE_LOCATION = re.compile(r"\[[^\]\s]+\.(?:cc|cpp|h|hpp):\d+\]\s*")
 
 
-def commit_key(quorum: Quorum) -> str:
-    """The store key of the commit decision of ``quorum``'s step."""
-    return f"commit/{quorum.quorum_id}/{quorum.max_step}"
-
-
-def votes_key(quorum: Quorum) -> str:
-    """The store counter of the votes cast for ``quorum``'s step."""
-    return f"votes/{quorum.quorum_id}/{quorum.max_step}"
-
-
-def error_key(quorum: Quorum) -> str:
-    """The store key under which a replica reports the error that failed ``quorum``'s step."""
-    return f"err/{quorum.quorum_id}"
-
-
-def commit_proposal(
-    votes: int, quorum: Quorum, *, group_world_size: int, registry_version: int
-) -> str | None:
-    """What the voter that cast vote number ``votes`` proposes as the step's decision.
-
-    Only the last voter proposes (every rank of every member group votes once): it
-    proposes :data:`COMMIT_SAME` when no replica announced itself or asked to join a
-    round since the quorum was decided, as far as ``registry_version`` (the registry
-    version its watcher last read) tells, so that the next step reuses the quorum
-    without a round; else :data:`COMMIT_FULL`.
-
-    Returns:
-        The proposal, or None when other voters are still to come.
-    """
-    if votes < len(quorum.members) * group_world_size:
-        return None
-    return COMMIT_SAME if registry_version <= quorum.registry_version else COMMIT_FULL
-
-
-@dataclasses.dataclass(frozen=True)
-class CommitOutcome:
-    """A step's commit decision as a replica reads it."""
-
-    committed: bool
-    reuse_quorum: bool  # the next step takes the same quorum one step on, without a round
-
-
-def read_commit(decision: bytes) -> CommitOutcome:
-    """The outcome of a stored commit decision."""
-    return CommitOutcome(
-        committed=decision.startswith(b"ok"), reuse_quorum=decision == COMMIT_SAME.encode()
-    )
-
-
 def reused_quorum(last: Quorum | None, *, reuse: bool, group_broken: bool) -> Quorum | None:
     """The next step's quorum when it needs no round, else None.
 
-    The last step committed with :data:`COMMIT_SAME`: same members, same group, one
+    The last step's verdict let the next step reuse its quorum: same members, same group, one
     step on. A broken replica group always asks for a round (its rank 0 then fails it).
     """
     if not reuse or group_broken or last is None:
@@ -187,15 +135,6 @@ def describe_action(action: QuorumAction) -> str:
     return f"sending its state to ranks {list(action.healers)}"
 
 
-def kept_a_failed_quorum(quorum: Quorum, failed_quorum_id: int | None) -> bool:
-    """Whether a decided quorum keeps the id of a configuration whose step failed here.
-
-    Such a group is never used again: the failed step's exchanges may still be running
-    on it and would pair with the next step's.
-    """
-    return failed_quorum_id is not None and quorum.quorum_id == failed_quorum_id
-
-
 def request_is_stale(request_generation: int, current_generation: int) -> bool:
     """Whether a quorum request of ``request_generation`` was superseded by a newer step.
 
@@ -236,36 +175,17 @@ def lost_members(quorum: Quorum, alive: Collection[str], replica_id: str) -> lis
     return [m for m in quorum.members if m not in alive and m != replica_id]
 
 
-def lost_member_error(lost: Sequence[str], decision: bytes | None) -> ReplicaError | None:
+def lost_member_error(lost: Sequence[str], decision: Verdict | None) -> ReplicaError | None:
     """The error that fails a step whose quorum lost the members ``lost``, if any.
 
     Args:
         lost: The members that stopped beating their heartbeat or left.
-        decision: The step's commit decision if one is stored yet: a member that left
-            after the step committed does not fail it (the next quorum is without it).
+        decision: The step's verdict if one was reached yet: a member that left after
+            the step committed does not fail it (the next quorum is without it).
     """
-    if not lost or (decision is not None and decision.startswith(b"ok")):
+    if not lost or (decision is not None and decision.committed):
         return None
     return ReplicaError(f"replicas {list(lost)} stopped beating their heartbeat or left")
-
-
-def watched_group_ranks(group_rank: int, group_world_size: int) -> range:
-    """The ranks of its replica group whose heartbeat a rank watches.
-
-    Rank 0 watches every other rank; the others watch rank 0.
-    """
-    return range(1, group_world_size) if group_rank == 0 else range(1)
-
-
-def group_step(own: int, others: Sequence[int]) -> int:
-    """The step a replica group asks for a quorum with: the oldest any of its ranks holds.
-
-    Args:
-        own: The step of group rank 0, which asks for the group.
-        others: The steps the group's other ranks hold (those whose load of a healed
-            state failed hold an older one than the ranks that loaded it).
-    """
-    return min(own, *others)
 
 
 def broken_group_message(replica_id: str, stale: Sequence[int]) -> str:

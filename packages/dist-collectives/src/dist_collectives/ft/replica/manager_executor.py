@@ -1,45 +1,45 @@
-"""The Manager's executor: the store and group calls of a step, and the threads that make them.
+"""The Manager's executor: a step's calls to the coordinator and the group, and their threads.
 
-It reads what the protocol needs (the store, the group, the clock), asks
-:mod:`dist_collectives.ft.replica.manager_decisions` what follows, records the outcome in the
-:class:`~dist_collectives.ft.replica.manager_state.StepState` and does it. The protocol itself,
-step by step:
+It keeps no protocol of its own, as torchft's Manager keeps none: the quorum and the
+commit are calls to its :class:`~dist_collectives.ft.coordination.coordinator.ReplicaCoordinator`
+(by default the job's store's,
+:class:`~dist_collectives.ft.coordination.store_coordinator.StoreCoordinator`, which owns
+every store key and value). It asks :mod:`dist_collectives.ft.replica.manager_decisions`
+what follows, records the outcome in the
+:class:`~dist_collectives.ft.replica.manager_state.StepState` and does it:
 
 1. ``start_quorum`` starts a step and its
-   :class:`~dist_collectives.ft.replica.generation.Generation`:
-   it reuses the last quorum when the last commit allowed it, else it asks the
-   *quorum worker* (:mod:`dist_collectives.ft.replica.quorum_worker`) to join a round
-   (:mod:`dist_collectives.ft.coordination.quorum`; in a replica group only group rank 0 does, and
-   publishes the decision to its ranks), configure the group when the quorum id
-   changed, and send or receive a state to heal.
+   :class:`~dist_collectives.ft.replica.generation.Generation`: it reuses the last
+   quorum when the last verdict allowed it, else it asks the *quorum worker*
+   (:mod:`dist_collectives.ft.replica.quorum_worker`) for the coordinator's quorum,
+   configures the group when the quorum id changed, and sends or receives a state to
+   heal.
 2. ``allreduce`` hands each tensor to the step's generation, which exchanges a buffer
    of its own and writes the result into the tensor only on success.
-3. ``should_commit`` waits for the allreduces, loads a healed state and votes: the last
-   voter writes the decision, the others wait for it.
-4. Meanwhile the *watcher* thread (:mod:`dist_collectives.ft.replica.manager_watcher`), which
-   the executor starts and stops, beats the heartbeats, reads the registry version,
-   and fails the step when another replica reported an error, a member stopped
-   beating, or a wait ran past its deadline; it also writes every failure to the
-   store, so that the others stop waiting too.
+3. ``should_commit`` waits for the allreduces, loads a healed state and votes through
+   the coordinator.
+4. Meanwhile the *watcher* thread (:mod:`dist_collectives.ft.replica.manager_watcher`)
+   beats through the coordinator, reads the registry version, and fails the step when
+   another replica reported an error, a member stopped beating, or a wait ran past its
+   deadline; it also reports every failure, so that the others stop waiting too.
 
 Threads, and what each owns besides the shared :class:`StepState`:
 
 - the training thread (the caller of the Manager): whether the next step may reuse
   the quorum, the future of this step's quorum, whether the executor was shut down,
-  the count of quorum requests, and the vote's store connection;
-- the quorum worker, started once: every quorum round, ``configure`` of the group and
-  state transfer; its round connection and its liveness observer (through which it
-  closes rounds);
-- the watcher, started once: its own store connection and the liveness observer of
-  heartbeats and of the replica group;
+  the count of quorum requests; it calls the coordinator's ``vote`` and ``leave``;
+- the quorum worker, started once: every quorum request, ``configure`` of the group
+  and state transfer; it calls the coordinator's ``quorum`` and ``drop``;
+- the watcher, started once: the coordinator's other calls;
 - callback threads (a group's, a wrapped future's): nothing; they record failures in
-  the state and make no store call.
+  the state and make no call to the coordinator.
 
-Every store connection is a :class:`~dist_collectives.ft.coordination.bounded_store.BoundedStore`
-of its one owning thread: no store call outlasts the Manager's timeout, even with a
-store server that stopped answering. The step's operations are its generation's,
-behind that object's own condition; the buffer pool and the wrapped futures each have
-their own lock (:mod:`dist_collectives.ft.replica.manager_futures`).
+The store coordinator gives each of these threads its own
+:class:`~dist_collectives.ft.coordination.bounded_store.BoundedStore`: no store call
+outlasts the Manager's timeout, even with a store server that stopped answering. The
+step's operations are its generation's, behind that object's own condition; the buffer
+pool and the wrapped futures each have their own lock
+(:mod:`dist_collectives.ft.replica.manager_futures`).
 """
 
 from __future__ import annotations
@@ -57,40 +57,34 @@ import torch.distributed as dist
 from torch.futures import Future
 
 from dist_collectives.ft.coordination.bounded_store import BoundedStore, StoreTimeoutError
-from dist_collectives.ft.coordination.quorum import (
-    Liveness,
-    Quorum,
-    compute_quorum,
+from dist_collectives.ft.coordination.coordinator import (
+    FailureReport,
+    JoinRequest,
+    ReplicaCoordinator,
+    Verdict,
 )
-from dist_collectives.ft.errors import ManagerConfigError, ReplicaError
+from dist_collectives.ft.coordination.quorum import Quorum
+from dist_collectives.ft.coordination.store_coordinator import StoreCoordinator
+from dist_collectives.ft.errors import ReplicaError
 from dist_collectives.ft.groups.process_group import ProcessGroup
 from dist_collectives.ft.groups.reconfigure import reconfigure_with_store
 from dist_collectives.ft.groups.work import WorkFuture, future_for
 from dist_collectives.ft.replica.generation import Generation
 from dist_collectives.ft.replica.manager_config import ManagerConfig
 from dist_collectives.ft.replica.manager_decisions import (
-    COMMIT_FAIL,
-    COMMIT_SAME,
     Configure,
     Failure,
     ReceiveState,
-    commit_key,
-    commit_proposal,
     describe_action,
-    error_key,
     failure_cause,
-    group_step,
-    kept_a_failed_quorum,
     lost_since,
     membership_change,
     quorum_actions,
-    read_commit,
     request_is_stale,
-    votes_key,
 )
 from dist_collectives.ft.replica.manager_futures import BufferPool, WrappedFutures
 from dist_collectives.ft.replica.manager_state import StepState
-from dist_collectives.ft.replica.manager_watcher import Watcher, reported_error
+from dist_collectives.ft.replica.manager_watcher import Watcher
 from dist_collectives.ft.replica.quorum_worker import (
     QuorumRequest,
     QuorumWorker,
@@ -98,9 +92,6 @@ from dist_collectives.ft.replica.quorum_worker import (
 )
 from dist_collectives.ft.replica.state_transfer import recv_state, send_state
 
-# The wait for a commit decision ends through the watcher, which fails the step at the
-# deadline; the wait's own timeout, this much later, only catches a store that is gone.
-_VOTE_WAIT_GRACE_SECONDS = 5.0
 # The training thread waits this much longer than the timeout for the quorum worker, so
 # that the worker's own bounded error (a store call that timed out, naming the call)
 # reaches it before its own "still busy" one.
@@ -124,6 +115,8 @@ class ManagerExecutor:
         state_dict: Returns this replica's state, sent to replicas that heal.
         log: Where the Manager's log lines go (its module's logger: the lines are
             documented there).
+        coordinator: Speaks to the other replicas; by default the job's store's
+            (:class:`~dist_collectives.ft.coordination.store_coordinator.StoreCoordinator`).
 
     Raises:
         ManagerConfigError: This rank's replica group size differs from the job's.
@@ -137,28 +130,26 @@ class ManagerExecutor:
         load_state_dict: Callable[[Any], None],
         state_dict: Callable[[], Any],
         log: logging.Logger,
+        coordinator: ReplicaCoordinator | None = None,
     ) -> None:
         self._pg = pg
         self._config = config
         self._load_state_dict = load_state_dict
         self._state_dict = state_dict
         self._log = log
-        # Separate connections, one per thread: a TCPStore client serialises its
-        # callers, and the quorum worker and the commit vote block in waits that must
-        # not delay the error watcher (its own connection, below); the worker closes
-        # rounds through a second one (its liveness') while the first waits.
-        self._store = self._connect("vote")
-        self._quorum_store = self._connect("quorum")
-        self._quorum_liveness = Liveness(self._connect("round"), config.heartbeat_timeout)
-
         # Shared between threads: one lock each.
         self.state = StepState()
         self._buffers = BufferPool()
         self._wrapped = WrappedFutures()
+        # Every word with the other replicas goes through the coordinator; the store's
+        # gives each of this executor's threads its own bounded connection.
+        self._coordinator: ReplicaCoordinator = coordinator or StoreCoordinator(
+            config.coordinator_settings(), self._connect, self.state
+        )
         # Owned by the training thread: whether the last commit lets the next step reuse
         # its quorum, the future of this step's quorum, whether shutdown() ran, and how
-        # many quorums this rank asked for (the key its group rank 0 publishes each
-        # decision under).
+        # many quorums this rank asked for (the number its group rank 0 answers each
+        # request under).
         self._reuse_quorum = False
         self._quorum_future: concurrent.futures.Future[Quorum] | None = None
         self._quorum_waited_since: float | None = None
@@ -168,17 +159,9 @@ class ManagerExecutor:
         # Looked up once: the lookup missed on most groups, and a miss costs an exception.
         error_of = getattr(pg, "error", None)
         self._error_of: Callable[[], object] | None = error_of if callable(error_of) else None
-        self._incarnation = 0
-        if config.grouped:
-            self._join_group()
+        self._coordinator.join()
         self._watcher = Watcher(
-            config,
-            self.state,
-            self._connect("watch"),
-            self._wrapped,
-            group_name=self._group_name(),
-            fail=self.fail,
-            log=log,
+            config, self.state, self._coordinator, self._wrapped, fail=self.fail, log=log
         )
         self._watcher.start()
         self._worker: QuorumWorker[Quorum] = QuorumWorker(
@@ -188,32 +171,6 @@ class ManagerExecutor:
             drop=self._drop_quorum_request,
             log=log,
         )
-
-    def _join_group(self) -> None:
-        """Checks the group size against the job's and counts this rank's incarnation.
-
-        Every rank of a group counts its own starts; a group restarts as a whole, so its
-        ranks agree on the count and use it to keep apart the decisions group rank 0
-        publishes in each incarnation.
-        """
-        config = self._config
-        size = self._store.compare_set("group_world_size", "", str(config.group_world_size))
-        if size.decode() != str(config.group_world_size):
-            raise ManagerConfigError(
-                f"replica {config.replica_id}: group_world_size={config.group_world_size}, "
-                f"but the job's replica groups have {size.decode()} ranks; every group must "
-                "have the same size (rank i of each group averages with rank i of the others)"
-            )
-        self._incarnation = int(
-            self._store.add(f"incarnation/{config.replica_id}/{config.group_rank}", 1)
-        )
-
-    def _group_name(self) -> str:
-        """This group in this incarnation: its ranks' heartbeats and decisions go under it."""
-        return f"{self._config.replica_id}/{self._incarnation}"
-
-    def _group_key(self, request: int) -> str:
-        return f"group/{self._group_name()}/{request}"
 
     def _connect(self, role: str) -> BoundedStore:
         return BoundedStore(
@@ -291,92 +248,17 @@ class ManagerExecutor:
         except Exception as error:
             self.report_error(error)
 
-    def _group_quorum(self, request: int, step: int) -> Quorum:
-        """This group's decision: computed by group rank 0, read by the other ranks.
-
-        Rank 0 asks for the group with the oldest step any of its ranks holds: a rank
-        whose load of a healed state failed (or whose step failed before it loaded)
-        holds an older state than a rank that loaded it, and the group must then heal
-        again, every rank of it, or that rank trains on from its old state unseen.
-        """
-        config = self._config
-        if config.group_world_size == 1:
-            return self._compute_quorum(step)
-        key = self._group_key(request)
-        arrived = f"{key}/arrived"
-        if config.group_rank > 0:
-            self._quorum_store.set(f"{key}/step/{config.group_rank}", str(step))
-            # Rank 0 asks for the group only once every rank has asked for this step.
-            if self._quorum_store.add(f"{key}/count", 1) == config.group_world_size - 1:
-                self._quorum_store.set(arrived, "all")
-            # The watcher ends the wait if rank 0 stops beating.
-            broken = self.state.wait_for_group(awaited_key=key)
-            if broken is not None:
-                raise ReplicaError(broken)
-            self._quorum_store.wait([key], self._config.timeout)
-            raw = bytes(self._quorum_store.get(key))
-            if raw.startswith(b"fail:"):
-                raise ReplicaError(
-                    f"replica {self._config.replica_id}: no quorum for the group: "
-                    f"{raw[5:].decode(errors='replace')}"
-                )
-            return Quorum.from_json(raw)
-        try:
-            if self.state.wait_for_group(arrival_key=arrived) is None:
-                # Ended by the last rank to arrive, or by the watcher when a rank stopped
-                # beating (it writes "broken"): a group whose rank died mid-step never
-                # joins the next round with the ranks it has left.
-                self._quorum_store.wait([arrived], self._config.timeout)
-            broken = self.state.group_broken
-            if broken is not None:
-                raise ReplicaError(broken)
-            others = [f"{key}/step/{rank}" for rank in range(1, config.group_world_size)]
-            steps = [int(raw) for raw in self._quorum_store.multi_get(others)]
-            quorum = self._compute_quorum(group_step(step, steps))
-        except Exception as error:
-            self._quorum_store.set(key, f"fail:{type(error).__name__}: {error}"[:1000])
-            raise
-        self._quorum_store.set(key, quorum.to_json())
-        return quorum
-
-    def _compute_quorum(self, step: int) -> Quorum:
-        """The round's decision; one more round when it kept the id of a failed step.
-
-        A step of this replica that failed on a configuration leaves that group unused
-        for good: its exchanges may still run and would pair with the next step's.
-        The round keeps the id only when nobody reported the failure under it before
-        the round was decided (the watcher writes it as soon as it can); then this
-        replica reports it and joins the next round, which gives a new id.
-        """
-        quorum = self._round(step, self.state.last_quorum)
-        if kept_a_failed_quorum(quorum, self.state.failed_quorum_id):
-            message = (
-                f"{self._config.replica_id}: quorum {quorum.quorum_id} kept the id of a "
-                "configuration whose step failed"
-            )
-            self._quorum_store.set(error_key(quorum), message)
-            quorum = self._round(step, quorum)
-        return quorum
-
-    def _round(self, step: int, previous: Quorum | None) -> Quorum:
-        return compute_quorum(
-            self._quorum_store,
-            self._config.replica_id,
-            step,
-            liveness=self._quorum_liveness,
-            min_replicas=self._config.min_replica_size,
-            join_timeout=self._config.join_timeout,
-            timeout=self._config.timeout,
-            previous=previous,
-            first_quorum_window=self._config.first_quorum_window,
-            init_sync=self._config.init_sync,
-        )
-
     def _serve_quorum(self, request: QuorumRequest) -> Quorum:
         """On the quorum worker: the round, then the actions the decision calls for."""
         config = self._config
         self._worker.doing = f"the quorum round of step {request.step}"
-        quorum = self._group_quorum(request.number, request.step)
+        join = JoinRequest(
+            request.number,
+            request.step,
+            previous=self.state.last_quorum,
+            failed_quorum_id=self.state.failed_quorum_id,
+        )
+        quorum = self._coordinator.quorum(join, time.monotonic() + config.timeout.total_seconds())
         if not self.state.adopt_quorum(quorum, request.generation):
             return quorum  # a newer start_quorum took over; leave the group alone
         configured_id, configured_members = self.state.configured
@@ -416,9 +298,7 @@ class ManagerExecutor:
 
     def _drop_quorum_request(self, request: QuorumRequest) -> None:
         """On the quorum worker: a superseded request; its group ranks stop waiting for it."""
-        if self._config.grouped and self._config.group_rank == 0:
-            with contextlib.suppress(Exception):  # they time out on their own otherwise
-                self._quorum_store.set(self._group_key(request.number), "fail:superseded")
+        self._coordinator.drop(request.number)
 
     def wait_for_quorum(self) -> Quorum | None:
         """This step's quorum; None when the step failed or timed out before it formed."""
@@ -532,8 +412,7 @@ class ManagerExecutor:
         )
         quorum = failed.quorum
         if publish and quorum is not None:
-            message = f"{self._config.replica_id}: {type(error).__name__}: {error}"[:1000]
-            self.state.to_publish(quorum, message)
+            self.state.to_publish(quorum, FailureReport.of(self._config.replica_id, error).message)
             self._watcher.wake()
 
     def should_commit(self) -> bool:
@@ -595,98 +474,44 @@ class ManagerExecutor:
         )
 
     def _vote(self, quorum: Quorum, deadline: float) -> bool:
-        """Votes; True when the step is committed everywhere.
+        """Votes through the coordinator; True when the step is committed everywhere.
 
-        Three store round trips on the way of the step's last voter: its ``add``, its
-        ``compare_set`` of the decision, and the others' read of it once their ``wait``
-        ends. The last voter writes ``ok:same`` when no replica announced itself or asked
-        to join a round since the quorum was decided, as far as its watcher has read the
-        registry version (every few heartbeat intervals, see the watcher): the next step
-        then reuses the quorum without a round; else it writes ``ok:full``. An error
-        writes ``fail``. The first write wins. A replica that announced itself (or waits
-        in a round the members did not join) is thus taken in at the first commit after
-        the voters' watchers saw it, a fraction of a second later (well within
-        ``join_timeout``, which the new replica's round waits for the others).
+        A verdict that lets the next step reuse the quorum skips its round. A replica
+        that announced itself (or waits in a round the members did not join) is taken
+        in at the first commit after the voters' watchers saw it, a fraction of a
+        second later (well within ``join_timeout``).
         """
-        key = commit_key(quorum)
-        decision: bytes | None = None
+        error = self.state.error
+        failure = None if error is None else FailureReport.of(self._config.replica_id, error)
         try:
-            if self.state.error is None:
-                proposal = commit_proposal(
-                    self._store.add(votes_key(quorum), 1),
-                    quorum,
-                    group_world_size=self._config.group_world_size,
-                    registry_version=self.state.registry_version,
-                )
-                if proposal is not None:
-                    decision = self._store.compare_set(key, "", proposal)
-            if decision is None:
-                decision = self._await_decision(quorum, deadline)
-        except StoreTimeoutError as error:
-            # The store does not answer: no decision can be read, so this replica does
+            verdict = self._coordinator.vote(
+                quorum, deadline, failure=failure, registry_version=self.state.registry_version
+            )
+        except StoreTimeoutError as timeout:
+            # The store does not answer: no verdict can be read, so this replica does
             # not commit; the watcher writes the failure once the store answers again.
-            self.report_error(error)
-            decision = COMMIT_FAIL.encode()
-        outcome = read_commit(decision)
-        self._reuse_quorum = outcome.reuse_quorum
-        committed = outcome.committed
-        if not committed and self.state.error is None:
+            self.report_error(timeout)
+            verdict = Verdict(committed=False)
+        if verdict.timed_out:
+            # The coordinator reported it to the others already.
+            self.fail(
+                TimeoutError(f"no commit decision within {self._config.timeout}"),
+                None,
+                publish=False,
+            )
+        self._reuse_quorum = verdict.reuse_quorum
+        if not verdict.committed and self.state.error is None:
             # Another replica failed the step before this one's watcher saw why: take
             # its reason now, so that errored() and the log say it before "discarded".
-            try:
-                reported = reported_error(self._store, quorum)
-            except StoreTimeoutError:
-                reported = None
+            reported = verdict.failure
             self.fail(
-                reported or ReplicaError("another replica failed the step"),
+                ReplicaError(f"reported by replica {reported}")
+                if reported is not None
+                else ReplicaError("another replica failed the step"),
                 self.state.generation,
                 publish=False,
             )
-        return committed
-
-    def _await_decision(self, quorum: Quorum, deadline: float) -> bytes:
-        """The commit decision, after one blocking wait (no check first: it is rarely there).
-
-        The wait ends when the last voter writes the decision, or when any replica
-        fails the step: each writes ``fail`` to the key (:meth:`_fail`), this replica's
-        watcher too when a peer stops beating or the deadline passes. No wait with a
-        short timeout, then: torch logs a warning each time one runs out.
-        """
-        key = commit_key(quorum)
-        if self.state.error is not None:  # failed before voting: publish it here, to be sure
-            self._publish_failure(quorum)
-        else:
-            self.state.set_deadlines(allreduce=None, vote=deadline)
-            try:
-                grace = max(deadline - time.monotonic(), 0.0) + _VOTE_WAIT_GRACE_SECONDS
-                self._store.wait([key], timedelta(seconds=grace))
-            except StoreTimeoutError:
-                raise
-            except Exception:  # torch raises DistStoreError (or RuntimeError) on a timeout
-                if not self._store.check([key]):
-                    self.report_error(
-                        TimeoutError(f"no commit decision within {self._config.timeout}")
-                    )
-                    self._publish_failure(quorum)
-            finally:
-                self.state.set_deadlines(allreduce=None, vote=None)
-        # The key exists now, so this reads it in one round trip (get would first wait
-        # again): compare_set answers with the stored value unless it equals "ok:same",
-        # which it then leaves as it is.
-        return bytes(self._store.compare_set(key, COMMIT_SAME, COMMIT_SAME))
-
-    def _publish_failure(self, quorum: Quorum) -> None:
-        """Writes this step's failure to the store from the training thread, before it ends.
-
-        The watcher writes it too, as soon as it can; this write makes sure that
-        ``err/<quorum id>`` exists before this replica asks for its next quorum, so that
-        the round gives the group a new id instead of keeping the one whose exchanges
-        failed.
-        """
-        error = self.state.error
-        message = f"{self._config.replica_id}: {type(error).__name__}: {error}"[:1000]
-        self._store.set(error_key(quorum), message)
-        self._store.compare_set(commit_key(quorum), "", COMMIT_FAIL)
+        return verdict.committed
 
     def shutdown(self) -> None:
         """Leaves the quorum for good, stops the worker and the watcher, releases the group."""
@@ -705,17 +530,12 @@ class ManagerExecutor:
             )
         self._watcher.stop()
         try:
-            if self._config.group_rank == 0:  # the group leaves with its rank 0
-                Liveness(self._store, timedelta(seconds=1)).leave(self._config.replica_id)
-            else:  # a counter of 0 reads as "not started": rank 0 does not break the group
-                self._store.set(f"hb/{self._group_name()}/{self._config.group_rank}", "0")
+            self._coordinator.leave()  # the group leaves with its rank 0
         except Exception:
             self._log.warning(
                 "could not tell the store that %s left", self._config.replica_id, exc_info=True
             )
-        for store in (self._store, self._quorum_store, self._quorum_liveness.store):
-            if isinstance(store, BoundedStore):
-                store.close()
+        self._coordinator.close()
         self._pg.shutdown()
 
 

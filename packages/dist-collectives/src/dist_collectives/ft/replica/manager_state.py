@@ -288,6 +288,14 @@ class StepState:
                 self._awaited_key = awaited_key
             return self._group_broken
 
+    def group_wait(self, *, arrival: str | None = None, awaited: str | None = None) -> str | None:
+        """As :meth:`wait_for_group`: the coordinator's ``WaitObserver`` side."""
+        return self.wait_for_group(arrival_key=arrival, awaited_key=awaited)
+
+    def vote_wait(self, deadline: float | None) -> None:
+        """The vote waits for its verdict until ``deadline`` (None: no longer)."""
+        self.set_deadlines(allreduce=None, vote=deadline)
+
     # -- the watcher's transitions ------------------------------------------------------
 
     def saw_registry_version(self, version: int) -> None:

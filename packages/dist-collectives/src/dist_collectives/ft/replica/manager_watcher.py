@@ -12,9 +12,11 @@ It also writes the failures the other threads queued in the state to the store, 
 once when woken (:meth:`Watcher.wake`): the threads that complete operations (a
 group's callbacks) make no store calls.
 
-The watcher owns its store connection and its liveness observer. It reads and writes
-the step only through :class:`~dist_collectives.ft.replica.manager_state.StepState`, and fails
-it through the executor's ``fail``.
+It speaks to the other replicas only through the Manager's coordinator (the watcher's
+methods of :class:`~dist_collectives.ft.coordination.coordinator.ReplicaCoordinator`).
+It reads and writes the step only through
+:class:`~dist_collectives.ft.replica.manager_state.StepState`, and fails it through the
+executor's ``fail``.
 """
 
 from __future__ import annotations
@@ -24,32 +26,19 @@ import threading
 import time
 from collections.abc import Callable
 
-from dist_collectives.ft.coordination.bounded_store import KeyValueStore
-from dist_collectives.ft.coordination.quorum import REGISTRY_VERSION_KEY, Liveness, Quorum
+from dist_collectives.ft.coordination.coordinator import FailureReport, ReplicaCoordinator
 from dist_collectives.ft.errors import ReplicaError
 from dist_collectives.ft.replica.manager_config import ManagerConfig
 from dist_collectives.ft.replica.manager_decisions import (
-    COMMIT_FAIL,
     broken_group_message,
-    commit_key,
-    error_key,
     lost_member_error,
     lost_members,
     overdue_error,
-    watched_group_ranks,
 )
 from dist_collectives.ft.replica.manager_futures import WrappedFutures
 from dist_collectives.ft.replica.manager_state import StepState
 
 _HEARTBEAT_CHECK_TICKS = 2
-
-
-def reported_error(store: KeyValueStore, quorum: Quorum) -> ReplicaError | None:
-    """The error another replica wrote for ``quorum``'s step, if any."""
-    key = error_key(quorum)
-    if not store.check([key]):
-        return None
-    return ReplicaError(f"reported by replica {store.get(key).decode(errors='replace')}")
 
 
 class Watcher:
@@ -58,9 +47,8 @@ class Watcher:
     Args:
         config: The Manager's settings.
         state: The state the Manager's threads share.
-        store: The watcher's own connection to the job's store.
+        coordinator: The Manager's coordinator (its watcher's methods are this thread's).
         wrapped: The futures of ``wrap_future`` to expire.
-        group_name: This replica group in this incarnation (its heartbeats' keys).
         fail: Fails the step of a generation (the executor's ``fail``).
         log: Where the Manager's log lines go.
     """
@@ -69,19 +57,16 @@ class Watcher:
         self,
         config: ManagerConfig,
         state: StepState,
-        store: KeyValueStore,
+        coordinator: ReplicaCoordinator,
         wrapped: WrappedFutures,
         *,
-        group_name: str,
         fail: Callable[[Exception, int | None], None],
         log: logging.Logger,
     ) -> None:
         self._config = config
         self._state = state
-        self._store = store
-        self._liveness = Liveness(store, config.heartbeat_timeout)
+        self._coordinator = coordinator
         self._wrapped = wrapped
-        self._group_name = group_name
         self._fail = fail
         self._log = log
         self._stop = threading.Event()
@@ -92,21 +77,14 @@ class Watcher:
         )
 
     def start(self) -> None:
-        """Beats once, announces the replica (group rank 0), and starts the thread."""
-        if self._config.grouped:
-            self._liveness.beat_rank(self._group_name, self._config.group_rank)
-        if self._config.group_rank == 0:
-            self._liveness.announce(self._config.replica_id)
+        """Starts the thread (the coordinator's ``join`` beat once and announced the replica)."""
         self._thread.start()
 
     def stop(self) -> None:
-        """Stops the thread, waits a little for it to end, and closes its connection."""
+        """Stops the thread and waits a little for it to end."""
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout=5)
-        close = getattr(self._store, "close", None)
-        if callable(close):
-            close()
 
     def wake(self) -> None:
         """Has the thread write the failures queued in the state now, not at its next tick."""
@@ -120,8 +98,7 @@ class Watcher:
         queued = self._state.take_unpublished()
         for index, (quorum, message) in enumerate(queued):
             try:
-                self._store.set(error_key(quorum), message)
-                self._store.compare_set(commit_key(quorum), "", COMMIT_FAIL)
+                self._coordinator.report(quorum, FailureReport(self._config.replica_id, message))
             except Exception:
                 for later in queued[index:]:
                     self._state.to_publish(*later)
@@ -153,8 +130,7 @@ class Watcher:
         self._wrapped.expire()
         self._beat(check_group=slow_tick)
         if slow_tick:
-            version = int(self._store.add(REGISTRY_VERSION_KEY, 0))
-            self._state.saw_registry_version(version)
+            self._state.saw_registry_version(self._coordinator.registry_version())
         self._watch_step(check_heartbeats=slow_tick)
 
     def _store_failed(self, error: Exception) -> None:
@@ -183,28 +159,19 @@ class Watcher:
         """
         config = self._config
         if config.grouped and check_group and self._state.group_broken is None:
-            watched = watched_group_ranks(config.group_rank, config.group_world_size)
-            stale = self._liveness.stale_ranks(self._group_name, watched)
+            stale = self._coordinator.stale_ranks()
             if stale:
                 self._break_group(stale)
         if self._state.group_broken is not None:
             return
-        if config.grouped:
-            self._liveness.beat_rank(self._group_name, config.group_rank)
-        if config.group_rank == 0:
-            self._liveness.beat(config.replica_id)
+        self._coordinator.beat()
 
     def _break_group(self, stale: list[int]) -> None:
         message = broken_group_message(self._config.replica_id, stale)
         waits = self._state.break_group(message)
         if waits is None:
             return
-        if self._config.group_rank == 0:
-            self._liveness.leave(self._config.replica_id)
-            if waits.arrival_key is not None:
-                self._store.compare_set(waits.arrival_key, "", "broken")
-        elif waits.awaited_key is not None:
-            self._store.compare_set(waits.awaited_key, "", f"fail:{message}"[:1000])
+        self._coordinator.break_group(message, arrival=waits.arrival_key, awaited=waits.awaited_key)
         self._log.warning("%s", message)
         if waits.step_active:
             self._fail(ReplicaError(message), waits.generation)
@@ -224,24 +191,16 @@ class Watcher:
         if overdue is not None:
             self._fail(overdue, generation)
             return
-        reported = reported_error(self._store, quorum)
+        reported = self._coordinator.reported(quorum)
         if reported is not None:
-            self._fail(reported, generation)
+            self._fail(ReplicaError(f"reported by replica {reported}"), generation)
             return
         if not check_heartbeats:
             return
-        config = self._config
-        alive = self._liveness.alive_members(
-            quorum.quorum_id,
-            quorum.members,
-            config.replica_id,
-            monitor=config.group_rank == 0 and quorum.members[0] == config.replica_id,
-        )
-        lost = lost_members(quorum, alive, config.replica_id)
+        alive = self._coordinator.alive_members(quorum)
+        lost = lost_members(quorum, alive, self._config.replica_id)
         if not lost:
             return
-        key = commit_key(quorum)
-        decision = self._store.get(key) if self._store.check([key]) else None
-        error = lost_member_error(lost, decision)
+        error = lost_member_error(lost, self._coordinator.decision(quorum))
         if error is not None:
             self._fail(error, generation)
