@@ -617,37 +617,84 @@ def cluster(session: nox.Session) -> None:
     )
 
 
+# What the other torches' sessions repeat of the process tests: those of what changes
+# between torch versions. Every in-process test (the fast lane) runs on them too. The
+# rest (signals, output, the command line, Kubernetes' variables, installs, the demo)
+# exercise the launchers' own mechanics, the same on any torch: they run once, on
+# TORCH_SPEC, in the package and integration sessions.
+OTHER_TORCH_PROCESS_TESTS = {
+    # Process groups, collectives, the ft replica protocol: all of it.
+    "dist-collectives": ("",),
+    # init_process_group, backend choice, run_ranks, the environment report.
+    "dist-core": ("test_backend.py", "test_ranks.py", "test_testing.py", "test_collect_env.py"),
+    # torch's elastic rendezvous and stores, its flight recorder, torchrun's flags.
+    "dist-launch": (
+        "test_rendezvous.py", "test_etcd_rendezvous.py", "test_store_deadline.py",
+        "test_hang.py", "test_hang_detection.py", "test_records.py", "test_slow_ranks.py",
+        "test_torchrun_flags.py",
+    ),
+    # Tensors through the exchange and the Hugging Face export (safetensors, dtypes).
+    "dist-workspace": ("test_exchange.py", "test_hf_export.py"),
+}  # fmt: skip
+# tests-integration's, likewise: a torchrun parity run and ft replica groups.
+OTHER_TORCH_INTEGRATION_TESTS = ("test_torchrun_parity.py", "test_ft_replica_launch.py")
+
+
+def other_torch_selection() -> tuple[list[str], list[str]]:
+    """The other torches' tests: the test directories and the process tests' paths.
+
+    Every test directory is for the fast lane; the paths are those of
+    :data:`OTHER_TORCH_PROCESS_TESTS` and tests-integration's, longest first.
+    """
+    # The longest first (dist-collectives' replica groups take 50 s, tests-integration's
+    # 30-60 s each): pytest-xdist hands tests out in this order, and a long test handed
+    # out last leaves the other workers idle at the end.
+    order = ["dist-collectives", "dist-launch", "dist-workspace", "dist-core"]
+    packages = sorted(PACKAGES, key=lambda name: order.index(name) if name in order else 0)
+    directories = [str(PACKAGES_DIR / package / "tests") for package in packages]
+    integration = ROOT / "tests-integration"
+    processes = [str(integration / name) for name in OTHER_TORCH_INTEGRATION_TESTS]
+    for package in packages:
+        tests = PACKAGES_DIR / package / "tests"
+        for name in OTHER_TORCH_PROCESS_TESTS.get(package, ()):
+            processes.append(str(tests / name) if name else str(tests))
+    return [*directories, str(integration)], processes
+
+
+@nox.session
+def torchrun_multinode(session: nox.Session) -> None:
+    """tests-integration's jobs across hosts under torchrun too, beside dist-launch.
+
+    Not a default session: it checks that each scenario is one torchrun passes (the
+    comparison the issues' tables give), not this project's code. Needs root.
+    """
+    _install_packages(session, PACKAGES, extras="")
+    session.install("pytest>=8", "pytest-timeout>=2", "pytest-xdist>=3")
+    path = str(ROOT / "tests-integration" / "test_multinode.py")
+    _pytest(session, path, "-k", "torchrun", env={"DIST_TEST_TORCHRUN": "1"})
+
+
 @nox.session(name="torch")
 @nox.parametrize("version", list(OTHER_TORCH_SPECS), ids=list(OTHER_TORCH_SPECS))
 @_timed
 def other_torch(session: nox.Session, version: str) -> None:
-    """Every package's tests and tests-integration on another torch, in one venv.
-
-    The jobs across network-namespace hosts (:data:`ONCE_IN_INTEGRATION`) run only in
-    the ``integration`` session.
+    """Every package's in-process tests and the process tests of torch's API, on another torch.
 
     ``nox -s "torch(2.15)"`` runs them on the newest torch, ``nox -s "torch(2.11)"`` on
     the lowest one the packages declare (both default sessions), ``nox -s "torch(2.14)"``
     on the release before the newest. One venv for all four packages, so that torch
-    installs once per session, and one pytest run, so that its workers share the load.
+    installs once per session. Two pytest runs: the fast lane of every test directory,
+    then the process tests of what changes between torch versions
+    (:data:`OTHER_TORCH_PROCESS_TESTS`); the others run once, on ``TORCH_SPEC``.
     """
     free_gib = shutil.disk_usage(ROOT).free / 2**30
     session.log(f"{free_gib:.1f} GiB free on the disk of {ROOT}; this venv takes about 5 GiB")
     _install_packages(session, PACKAGES, extras="[test]", torch_spec=OTHER_TORCH_SPECS[version])
     session.run("python", "-m", "dist_core")  # its report names the torch it runs on
-    # The longest tests first (tests-integration's take 30-60 s each, dist-collectives'
-    # replica groups 50): pytest-xdist hands tests out in this order, and a long test
-    # handed out last leaves the other workers idle at the end.
-    order = ["dist-collectives", "dist-launch", "dist-workspace", "dist-core"]
-    packages = sorted(PACKAGES, key=lambda name: order.index(name) if name in order else 0)
-    test_dirs = [str(PACKAGES_DIR / package / "tests") for package in packages]
-    _pytest(
-        session,
-        str(ROOT / "tests-integration"),
-        *test_dirs,
-        *_NOT_ONCE_IN_CLUSTER,
-        *_NOT_ONCE_IN_INTEGRATION,
-    )
+    directories, processes = other_torch_selection()
+    once = [*_NOT_ONCE_IN_CLUSTER, *_NOT_ONCE_IN_INTEGRATION]
+    _pytest(session, "-m", "not processes", *directories, *once)
+    _pytest(session, "-m", "processes", *processes, *once)
 
 
 @nox.session
