@@ -189,6 +189,27 @@ def test_the_side_whose_store_is_silent_is_fenced_once_and_names_the_store_node(
         board.stop()
 
 
+@pytest.mark.parametrize(("silent", "fenced_at_hang"), [(8.0, False), (10.0, True)])
+def test_at_a_hang_a_store_that_may_stall_fences_only_past_its_stall(
+    silent: float, fenced_at_hang: bool
+) -> None:
+    # etcd electing a leader leaves a healthy node unanswered for up to its stall (6 s);
+    # a hang then must not fence it after the usual 3 s of silence.
+    store = FakeStore()
+    board = JobBoard(store, 1, 2, IDLE)
+    fenced: list[str] = []
+    try:
+        board._exchange()
+        watch = _watch(board, fenced)
+        watch.stall_seconds = 6.0
+        assert board.store_answered_at is not None
+        board.store_answered_at -= silent
+        watch.at_hang()
+        assert bool(fenced) == fenced_at_hang
+    finally:
+        board.stop()
+
+
 def test_a_store_given_up_fails_every_call_at_once_and_frees_its_waiters() -> None:
     deadline = StoreDeadline("node0:29400", seconds=60.0)
     blocked = threading.Event()

@@ -44,6 +44,8 @@ class CutWatch:
         silent_after: Seconds of silence that make a node (or the store) unreachable.
         on_fence: Called once, on the loop, with the fencing message.
         store_node: How the messages name the store's node, when the store is silent.
+        stall_seconds: How long a healthy store may leave a node without an answer
+            (etcd electing a leader): added to the silence that fences at a hang too.
     """
 
     def __init__(
@@ -54,8 +56,10 @@ class CutWatch:
         silent_after: float,
         on_fence: Callable[[str], None],
         store_node: Callable[[float], str],
+        stall_seconds: float = 0.0,
     ) -> None:
         self.board = board
+        self.stall_seconds = stall_seconds
         self.seen_from = seen_from
         self.node_ranks = node_ranks
         self.silent_after = silent_after
@@ -104,7 +108,7 @@ class CutWatch:
         The bound is shorter than the watch's own: the ranks are quiet already.
         """
         lost = self.unreachable(silent_after=HANG_SILENCE_SECONDS)
-        if time.time() - self._store_answered_at() > HANG_SILENCE_SECONDS:
+        if time.time() - self._store_answered_at() > HANG_SILENCE_SECONDS + self.stall_seconds:
             self._fence(
                 self._store_answered_at(), lost, "this node cannot reach the rendezvous store"
             )
@@ -217,17 +221,15 @@ def start_cut_watch(
 
     policy = plan.hang_policy
     hang_seconds = policy.seconds if policy.mode == "fixed" else None
+    stall_seconds = float(getattr(rdzv, "store_stall_seconds", 0.0))
     return CutWatch(
         board,
         hostname,
         node_ranks(
             assignment.base_rank, plan.nproc, assignment.group_world_size, assignment.group_rank
         ),
-        silence_bound(
-            hang_seconds,
-            plan.rdzv_timeouts.node_dead_after,
-            float(getattr(rdzv, "store_stall_seconds", 0.0)),
-        ),
+        silence_bound(hang_seconds, plan.rdzv_timeouts.node_dead_after, stall_seconds),
         on_fence,
         store_node,
+        stall_seconds,
     )
