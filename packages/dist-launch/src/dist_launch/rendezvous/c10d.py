@@ -28,7 +28,8 @@ from typing import Any
 
 from dist_launch.plan.launch_plan import LaunchPlan
 from dist_launch.rendezvous.failure_ledger import count_round_failure, round_failures
-from dist_launch.rendezvous.job_board import JobBoard
+from dist_launch.rendezvous.job_board import JobBoard, marked_unreachable
+from dist_launch.rendezvous.launcher_heartbeat import Heartbeat, Pulse
 from dist_launch.rendezvous.membership_watch import MembershipWatch
 from dist_launch.rendezvous.node_barrier import every_node
 from dist_launch.rendezvous.protocol import (
@@ -209,6 +210,11 @@ class C10dRendezvous:
         self._rounds = 0
         self.cause_wait_seconds = CAUSE_WAIT_SECONDS
         self._left = False  # this node left the job (preempted): close() closes nothing
+        # This launcher's heartbeat in the round's store, and its view of the others':
+        # a node that died reports nothing, and torch's keep-alive notices it only after
+        # keep_alive_interval x keep_alive_max_attempt (15 s by default).
+        self._heartbeat: Heartbeat | None = None
+        self._pulse: Pulse | None = None
 
     # -- rounds -----------------------------------------------------------------------
 
@@ -229,6 +235,8 @@ class C10dRendezvous:
         )
         store = BoundedStore(info.store, self.deadline)
         self._round_store = store
+        self._stop_heartbeat()
+        self._heartbeat, self._pulse = Heartbeat(store, info.rank), None
         # torch hands out the round's PrefixStore; the job's counters live beneath it.
         job_store = BoundedStore(getattr(info.store, "underlying_store", info.store), self.deadline)
         self._job_store = job_store
@@ -362,7 +370,24 @@ class C10dRendezvous:
             (self._job_store, self._prefix + "restarts"),
             self.assignment.group_world_size,
             (self.timeouts.read, self.cause_wait_seconds),
+            self._gone,
         )
+
+    def _gone(self) -> set[int]:
+        """The round's other nodes whose launchers stopped beating or were found cut off."""
+        store, assignment = self._round_store, self.assignment
+        if store is None or assignment is None:
+            return set()
+        others = [n for n in range(assignment.group_world_size) if n != assignment.group_rank]
+        if self._pulse is None:
+            self._pulse = Pulse(store, others)
+        gone = self._pulse.gone()
+        return gone | marked_unreachable(store, sorted(set(others) - gone))
+
+    def _stop_heartbeat(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+            self._heartbeat = None
 
     def failures(self) -> list[FailureRecord]:
         """The failure records of the current round: causes first, then earliest."""
@@ -471,11 +496,13 @@ class C10dRendezvous:
         once.
         """
         if self._left:
+            self._stop_heartbeat()
             # torch's shutdown() would close the rendezvous for the nodes that go on.
             with contextlib.suppress(Exception):
                 self.handler._stop_heartbeats()
             return
         waited = self._every_node("ended", ENDED_WAIT_SECONDS)
+        self._stop_heartbeat()
         if waited is not None:
             logger.info("not every node had ended %.1f s after this one (%s)", *waited)
         with contextlib.suppress(Exception):
@@ -493,4 +520,11 @@ class C10dRendezvous:
         store, assignment = self._round_store, self.assignment
         if store is None or assignment is None:
             return None
-        return every_node(store, event, assignment.group_world_size, seconds)
+        return every_node(
+            store,
+            event,
+            assignment.group_world_size,
+            seconds,
+            node=assignment.group_rank,
+            gone=self._gone,
+        )
