@@ -353,7 +353,9 @@ def _one_round(backend: str, agents: int, endpoint: str) -> dict[str, Any]:
             with lock:
                 counters.append(counter)
             made.next_round()
-            made.handler._stop_heartbeats()  # the round is what is measured
+            # The round is what is measured: neither torch's nor the launcher's beats.
+            made.handler._stop_heartbeats()
+            made._stop_heartbeat()
             with lock:
                 joined.append(1)
         except Exception as error:  # any agent's failure fails the point
