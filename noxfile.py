@@ -374,15 +374,18 @@ def _pytest(
 
 
 def _shared_torch_site() -> dict[str, str]:
-    """``DIST_TEST_TORCH_SITE``: the site-packages of the ``TORCH_SPEC`` template, if made.
+    """What tests-integration's install test may reuse of this run, as variables.
 
-    tests-integration's install test makes a venv of its own with that torch; it links
-    this one instead of unpacking it again.
+    ``DIST_TEST_TORCH_SITE``: the site-packages of the ``TORCH_SPEC`` template, if made;
+    ``DIST_TEST_WHEELS``: the run's wheels of the packages, once built. The test makes
+    a venv of its own: it links that torch instead of unpacking it again, and installs
+    the wheels instead of building them again.
     """
+    wheels = {"DIST_TEST_WHEELS": str(_WHEELS)} if _WHEELS.is_dir() else {}
     template = ROOT / ".nox" / "_torch" / TORCH_SPEC.replace("==", "-")
     if not (template / "complete").exists():
-        return {}
-    return {"DIST_TEST_TORCH_SITE": str(_site_packages(template))}
+        return wheels
+    return {"DIST_TEST_TORCH_SITE": str(_site_packages(template)), **wheels}
 
 
 @nox.session(python=False)

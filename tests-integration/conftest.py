@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
+import os
 import shutil
 import subprocess
 import sys
@@ -70,27 +72,40 @@ class DemoRun:
 
 @pytest.fixture(scope="session")
 def demo_run(tmp_path_factory: pytest.TempPathFactory) -> DemoRun:
-    """Runs examples/train.py on 4 ranks under dist-launch, once per test session."""
-    base = tmp_path_factory.mktemp("demo")
-    export_dir, report_dir = base / "export", base / "report"
-    completed = subprocess.run(
-        [
-            console_script("dist-launch"),
-            "-n",
-            "4",
-            str(EXAMPLES / "train.py"),
-            "--steps",
-            "20",
-            "--export-dir",
-            str(export_dir),
-            "--report-dir",
-            str(report_dir),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    output = completed.stdout + completed.stderr
-    assert completed.returncode == 0, output
-    return DemoRun(export_dir, report_dir, output)
+    """Runs examples/train.py on 4 ranks under dist-launch, once per pytest run.
+
+    pytest-xdist's workers share the run's base directory: the first worker that needs
+    the demo runs it there, under a lock, and the others wait for it and read its
+    outputs (it trains for a minute or two on a loaded machine: once is enough).
+    """
+    base = tmp_path_factory.getbasetemp()
+    # Under xdist each worker's base is a folder of the run's; alone, it is the run's.
+    shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "demo"
+    shared.mkdir(exist_ok=True)
+    export_dir, report_dir = shared / "export", shared / "report"
+    done = shared / "output.txt"
+    with (shared / "lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # bounded by the demo's own 300 s timeout
+        if not done.exists():
+            completed = subprocess.run(
+                [
+                    console_script("dist-launch"),
+                    "-n",
+                    "4",
+                    str(EXAMPLES / "train.py"),
+                    "--steps",
+                    "20",
+                    "--export-dir",
+                    str(export_dir),
+                    "--report-dir",
+                    str(report_dir),
+                ],
+                capture_output=True,
+                text=True,
+                timeout=300,
+                check=False,
+            )
+            output = completed.stdout + completed.stderr
+            assert completed.returncode == 0, output
+            done.write_text(output)
+    return DemoRun(export_dir, report_dir, done.read_text())

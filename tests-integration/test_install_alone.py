@@ -33,17 +33,13 @@ def test_dist_workspace_alone_inspects_the_demo_export(demo_run: Any, tmp_path: 
         (site / "shared_torch.pth").write_text(shared + "\n")
     installed = _run([python, "-m", "pip", "install", "-q", "torch==2.13.0"])
     assert installed.returncode == 0, installed.stderr
-    installed = _run(
-        [
-            python,
-            "-m",
-            "pip",
-            "install",
-            "-q",
-            str(ROOT / "packages" / "dist-core"),
-            str(ROOT / "packages" / "dist-workspace"),
-        ]
-    )
+    # The run's wheels where nox built them (DIST_TEST_WHEELS), else the source folders.
+    wheels = os.environ.get("DIST_TEST_WHEELS")
+    packages = [str(ROOT / "packages" / name) for name in ("dist-core", "dist-workspace")]
+    if wheels:
+        names = ("dist_core", "dist_workspace")
+        packages = [str(next(Path(wheels).glob(f"{name}-*.whl"))) for name in names]
+    installed = _run([python, "-m", "pip", "install", "-q", *packages])
     assert installed.returncode == 0, installed.stderr
     listed = _run([python, "-m", "pip", "list", "--format=freeze"]).stdout.lower()
     ours = sorted(line.split("==")[0] for line in listed.splitlines() if line.startswith("dist-"))
