@@ -27,7 +27,8 @@ pytestmark = [pytest.mark.processes, pytest.mark.timeout(240)]
 # One rank (gloo, world size 1): three all_reduces on the world, a broadcast on a group
 # of its own, then the records file a worker writes when the launcher asks.
 # gloo marks a collective completed in the recorder from its own thread, just after the
-# caller's wait returned: the probe reads again (bounded) until the records caught up.
+# caller's wait returned: the probe reads again (bounded) until the records, and the
+# count read from them, caught up (on a loaded host the count lagged: 2 of 4).
 PROBE = """\
 import sys, time
 import torch
@@ -48,9 +49,8 @@ deadline = time.monotonic() + 10
 while True:
     records = collect(0, {"id": 1, "kind": "hang"})
     groups = parse_rank_records(records, 0, "probe").groups.values()
-    if time.monotonic() > deadline or all(
-        group.last_completed == group.last_enqueued for group in groups
-    ):
+    caught_up = all(group.last_completed == group.last_enqueued for group in groups)
+    if time.monotonic() > deadline or (caught_up and counter.read() == 4):
         break
     time.sleep(0.01)
 # What the beacon publishes as progress: every group's completed collectives.
