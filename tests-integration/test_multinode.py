@@ -588,16 +588,20 @@ def test_srun_environment_without_node_flags(
     "kind",
     [
         "dist-launch",
-        pytest.param(
-            "torchrun",
-            marks=pytest.mark.xfail(
-                strict=False,
-                reason="torchrun counts restarts per node (pytorch#108158): the healthy "
-                "node restarts on the failing node's re-rendezvous without counting (its "
-                "workers start twice as attempt 0), waits a collective timeout, and its "
-                "report does not name the failing node",
-            ),
-        ),
+        *[
+            pytest.param(
+                "torchrun",
+                marks=pytest.mark.xfail(
+                    strict=False,
+                    reason="torchrun counts restarts per node (pytorch#108158): the healthy "
+                    "node restarts on the failing node's re-rendezvous without counting "
+                    "(its workers start twice as attempt 0), waits a collective timeout, "
+                    "and its report does not name the failing node",
+                ),
+            )
+            for kind in LAUNCHERS
+            if kind == "torchrun"
+        ],
     ],
 )
 @pytest.mark.parametrize("failing", ["other_node", "store_node"])
