@@ -151,3 +151,43 @@ def test_a_suspicion_waiting_for_the_records_does_not_spin_the_loop(tmp_path: Pa
         assert watch.suspicion is None
     finally:
         watch.close()
+
+
+class CountingStore(FakeStore):
+    """A fake store that counts the calls made to it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self.calls += 1
+        super().set(key, value)
+
+    def check(self, keys: list[str]) -> bool:
+        self.calls += 1
+        return super().check(keys)
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        self.calls += 1
+        return super().multi_get(keys)
+
+
+def test_a_heartbeat_costs_the_store_the_same_calls_whatever_the_node_count() -> None:
+    # Every node's board reads every other node's beat each period: per-node reads made
+    # the store's load grow with the square of the node count.
+    costs = []
+    for nodes in (2, 16):
+        store = CountingStore()
+        boards = [JobBoard(store, node, nodes, IDLE) for node in range(nodes)]
+        try:
+            for board in boards:
+                board._heartbeat()
+            before = store.calls
+            boards[0]._heartbeat()
+            costs.append(store.calls - before)
+            assert len(boards[0].heartbeats()) == nodes - 1
+        finally:
+            for board in boards:
+                board.stop()
+    assert costs == [3, 3]

@@ -215,18 +215,27 @@ class JobBoard:
                     }
 
     def _heartbeat(self) -> None:
-        """Stamps this node's heartbeat; reads the others' that are there."""
+        """Stamps this node's heartbeat; reads the others' that are there.
+
+        Two calls once every node has beaten (a check and one ``multi_get`` of all the
+        beats), not two per node: each node's board reads every other node's beat each
+        period, so the store's load would grow with the square of the node count.
+        """
         store = self._store
         started = time.time()
         store.set(alive_key(self.node), json.dumps({"t": started, "who": self._who}))
-        for other in self._others:
-            key = alive_key(other)
-            if not store.check([key]):
-                continue
-            beat = json.loads(store.multi_get([key])[0])
+        keys = [alive_key(other) for other in self._others]
+        if keys and store.check(keys):
+            present = self._others
+        else:  # the first periods: some nodes have not beaten yet
+            present = [o for o, key in zip(self._others, keys, strict=True) if store.check([key])]
+        if present:
+            beats = store.multi_get([alive_key(other) for other in present])
             with self._lock:
-                self._beats[other] = float(beat["t"])
-                self._whos[other] = dict(beat.get("who") or {})
+                for other, value in zip(present, beats, strict=True):
+                    beat = json.loads(value)
+                    self._beats[other] = float(beat["t"])
+                    self._whos[other] = dict(beat.get("who") or {})
         self.store_answered_at = started
 
     def _run(self) -> None:
