@@ -56,6 +56,8 @@ def every_node(
                     for other in range(nodes)
                     if other != node and not store.check([f"dist_launch/{event}/{other}"])
                 }
+                if not missing:  # every node came; the last one sets all_<event> next
+                    return None
                 dead = gone()
                 if missing <= dead:
                     why = f"node(s) {sorted(missing)} stopped beating"
