@@ -475,6 +475,17 @@ class _Round:
         me = _json(replica_id)
         self.closing = bytes(store.compare_set(self.closer_key, "", me)) == me.encode()
 
+    def wake_in(self, tick: float, now: float) -> float:
+        """How long a waiting member may sleep: a tick for the closer, else until its next look.
+
+        Only the closer has anything to do on a timer (close a round that became due);
+        the others only look at the closer now and then, and the decision's write
+        wakes them at once.
+        """
+        if self.closing:
+            return tick
+        return max(tick, self._closer_checked_at + self._closer_check_every - now)
+
     def take_over_if_idle(self, store: KeyValueStore, replica_id: str, now: float) -> None:
         """Becomes the closer if the closer stopped closing (checked less and less often).
 
@@ -565,7 +576,8 @@ def _wait_for_decision(
 
     Waits for the decision key on ``store`` (on its link thread, when it has one) and,
     every ``tick``, closes the round through ``liveness``'s connection when this replica
-    is the round's closer and the round is due (or checks that the closer still closes).
+    is the round's closer and the round is due; a member that does not close wakes
+    only to check, now and then, that the closer still closes.
     Returns None at the deadline.
     """
     wait_async = getattr(store, "wait_async", None)
@@ -576,7 +588,8 @@ def _wait_for_decision(
             time.sleep(tick)  # a plain store: the tick is the only way to learn of it
         else:
             try:
-                waiting.result(timeout=tick)
+                now = time.monotonic()
+                waiting.result(timeout=min(attempt.wake_in(tick, now), max(deadline - now, tick)))
                 return bytes(store.get(attempt.decision_key))
             except concurrent.futures.TimeoutError:
                 pass
