@@ -427,6 +427,12 @@ def _replica_groups(port: int, store: Any) -> dict[str, Any]:
     }
 
 
+def _load_text(row: dict[str, Any]) -> str:
+    """The load average before the quorum and after the death (a scaled row has none)."""
+    load = row.get("load_average")
+    return f"{load[0]:.1f}-{load[1]:.1f}" if load else ""
+
+
 def _transfer_and_scale(port: int, args: Any, only: str | None) -> dict[str, Any]:
     """Parts 4 and 5 (see the module doc): measures, prints, returns their JSON entries."""
     from _lib import ft_quorum_scale, ft_transfer
@@ -464,19 +470,21 @@ def _transfer_and_scale(port: int, args: Any, only: str | None) -> dict[str, Any
         carried = ft_quorum_scale.carried(rows)
         results["quorum_scale"] = {
             "heartbeat_s": ft_quorum_scale.HEARTBEAT_S,
+            "beat_s": ft_quorum_scale.HEARTBEAT_S * ft_quorum_scale.BEAT_TICKS,
             "heartbeat_timeout_s": ft_quorum_scale.HEARTBEAT_TIMEOUT.total_seconds(),
             "processes": ft_quorum_scale.PROCESSES,
             "rows": rows,
             "carried_replicas": carried,
         }
         print(
-            "quorum at scale: one TCPStore, replicas beating every 100 ms "
-            "(threads in 4 processes; heartbeat timeout 2 s)"
+            "quorum at scale: one TCPStore, replicas ticking every 100 ms and beating "
+            f"every 500 ms (threads in {ft_quorum_scale.PROCESSES} processes; heartbeat "
+            "timeout 2 s)"
         )
         print(
             f"{'replicas':>9}{'quorum s':>10}{'calls/replica':>14}{'death seen':>12}"
             f"{'requests/s':>12}{'keys/s':>11}{'limit keys/s':>14}{'used':>7}"
-            f"{'store adds/s':>14}"
+            f"{'store adds/s':>14}{'load avg':>12}"
         )
         for row in rows:
             used = row["keys_per_s"] / row["limit_keys_per_s"]
@@ -491,7 +499,7 @@ def _transfer_and_scale(port: int, args: Any, only: str | None) -> dict[str, Any
             print(
                 f"{row['replicas']:>9}{timing}{row['requests_per_s']:>12}"
                 f"{row['keys_per_s']:>11}{row['limit_keys_per_s']:>14}{used:>6.0%}"
-                f"{row['limit_adds_per_s']:>14}"
+                f"{row['limit_adds_per_s']:>14}{_load_text(row):>12}"
             )
         print(
             f"  one store carries about {carried} replicas' watch at this heartbeat "

@@ -4,9 +4,10 @@ Each simulated replica is what a :class:`dist_collectives.ft.Manager` does with 
 store, through the store coordinator's own functions (``Liveness``, ``compute_quorum``), on
 the same three connections a Manager opens for them:
 
-- a watcher thread that beats every 100 ms (``Liveness.beat``), polls the quorum's
-  error key every beat and, every second beat, reads the registry version and who of
-  the quorum is alive (``Liveness.alive_members``: the quorum's first member reads
+- a watcher thread that ticks every 100 ms: it beats every fifth tick (``Liveness.beat``,
+  every 500 ms: a quarter of the 2 s heartbeat timeout) and reads the registry
+  version with it, polls the quorum's error key every tick and, every second tick,
+  reads who of the quorum is alive (``Liveness.alive_members``: the quorum's first member reads
   every heartbeat and publishes whom it found gone; the others read that record and
   the first member's heartbeat), as the Manager's watcher does while a step runs;
 - ``compute_quorum`` with ``min_replicas=N`` on a bounded connection (the Manager's
@@ -31,6 +32,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import statistics
+import sys
 import threading
 import time
 from datetime import timedelta
@@ -38,12 +40,19 @@ from typing import Any
 
 from _lib.processes import collect, reap
 
-PROCESSES = 4
-HEARTBEAT_S = 0.1  # the Manager's default heartbeat_interval
-CHECK_TICKS = 2  # the Manager's watcher reads liveness every second beat
+# How many processes the replicas' threads are spread over (FT_BENCH_SCALE_PROCESSES):
+# fewer threads per process hand the GIL around less.
+PROCESSES = int(os.environ.get("FT_BENCH_SCALE_PROCESSES", "4"))
+HEARTBEAT_S = 0.1  # the Manager's default heartbeat_interval: the watcher's tick
+CHECK_TICKS = 2  # the Manager's watcher reads liveness every second tick
 HEARTBEAT_TIMEOUT = timedelta(seconds=2)  # the Manager's default
+# The Manager's beat: a quarter of the heartbeat timeout (ManagerConfig.beat_interval).
+BEAT_TICKS = 5
 LIMIT_THREADS = 8  # per process, for the store's own rate
 LIMIT_SECONDS = 1.5
+# How long a process waits for the others between phases: the processes connect one
+# after the other, 3N clients in all (minutes at 4,096 on a loaded machine).
+SETUP_WAIT = timedelta(seconds=1800)
 
 
 class _Counting:
@@ -148,7 +157,7 @@ def _worker(index: int, port: int, n: int, queue: Any, connecting: Any) -> None:
         control.set("limit_done", "1")
     else:
         limit = None
-        control.wait(["limit_done"], timedelta(seconds=300))
+        control.wait(["limit_done"], SETUP_WAIT)
     stopped = threading.Event()  # the victim's heartbeat
     done = threading.Event()
     watching = threading.Event()
@@ -162,20 +171,23 @@ def _worker(index: int, port: int, n: int, queue: Any, connecting: Any) -> None:
         ticks = 0
         next_beat = time.monotonic()
         while not done.is_set():
-            next_beat += HEARTBEAT_S
+            # A tick without a store call (before the watch, all but the beat's) is left
+            # out: the thread sleeps to the next one with a call, to spare the cores.
+            skip = 1 if watching.is_set() else BEAT_TICKS - ticks % BEAT_TICKS
+            next_beat += HEARTBEAT_S * skip
             delay = next_beat - time.monotonic()
             if delay > 0:
                 done.wait(delay)
             else:
                 late_beats[0] += 1
                 next_beat = time.monotonic()
-            ticks += 1
+            ticks += skip
             if rid == victim and stopped.is_set():
                 continue
-            liveness.beat(rid)
             slow = ticks % CHECK_TICKS == 0
-            if slow:
-                store.add(Keys.REGISTRY_VERSION, 0)
+            if ticks % BEAT_TICKS == 0:
+                liveness.beat(rid)
+                store.add(Keys.REGISTRY_VERSION, 0)  # the Manager reads newcomers with the beat
             if not watching.is_set():
                 continue
             quorum = quorums[rid]
@@ -191,7 +203,7 @@ def _worker(index: int, port: int, n: int, queue: Any, connecting: Any) -> None:
     for thread in threads:
         thread.start()
     control.add("ready", 1)
-    control.wait(["go"], timedelta(seconds=300))
+    control.wait(["go"], SETUP_WAIT)
     asked_at = float(control.get("go"))
     decided: dict[str, float] = {}
     sizes: list[int] = []
@@ -216,11 +228,11 @@ def _worker(index: int, port: int, n: int, queue: Any, connecting: Any) -> None:
     for thread in askers:
         thread.join()
     control.add("decided", 1)
-    control.wait(["watch"], timedelta(seconds=300))
+    control.wait(["watch"], SETUP_WAIT)
     watching.set()
     before = list(counts)
     started = time.monotonic()
-    control.wait(["kill"], timedelta(seconds=300))
+    control.wait(["kill"], SETUP_WAIT)
     load_seconds = time.monotonic() - started
     load = [(after - b) / load_seconds for after, b in zip(counts, before, strict=True)]
     if victim in watchers:
@@ -265,23 +277,26 @@ def measure_one(port: int, n: int) -> dict[str, Any]:
     ]
     for proc in procs:
         proc.start()
-    import sys
+    started = time.monotonic()
 
-    t0 = time.monotonic()
-
-    def phase(name):
-        print(f"  [{n}] {name} at {time.monotonic() - t0:.1f}s", file=sys.stderr, flush=True)
+    def phase(name: str) -> None:
+        print(f"  [{n}] {name} at {time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
 
     try:
         while int(control.add("ready", 0)) < PROCESSES:
             time.sleep(0.05)  # the processes connect 3N clients and measure the limit
+        phase("connected")
+        load_before = os.getloadavg()[0]
         control.set("go", repr(time.time()))
         while int(control.add("decided", 0)) < PROCESSES:
             time.sleep(0.05)
+        phase("decided")
         control.set("watch", "1")
         time.sleep(2.0)  # the watch's steady load
         control.set("kill", "1")
         reports = collect(queue, procs, len(procs), 120)
+        phase("death seen")
+        load_after = os.getloadavg()[0]
     finally:
         reap(procs, 30)
     limit = next(r["limit"] for r in reports if r["limit"] is not None)
@@ -304,6 +319,7 @@ def measure_one(port: int, n: int) -> dict[str, Any]:
         "limit_adds_per_s": round(limit["add"]),
         "limit_keys_per_s": round(limit["multi_get"]),
         "late_beats": sum(r["late_beats"] for r in reports),
+        "load_average": [round(load_before, 1), round(load_after, 1)],
     }
 
 

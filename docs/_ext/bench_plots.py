@@ -481,7 +481,7 @@ def _draw_ft_scale(axes: Axes, scale: Data) -> None:
     axes.set_yscale("log")
     _ranks_axis(axes, ns)
     axes.set(
-        xlabel="replicas, one TCPStore, 100 ms heartbeats",
+        xlabel="replicas, one TCPStore, 500 ms heartbeats (100 ms ticks)",
         ylabel="per second",
         title=f"Quorum at scale: one store carries about {scale['carried_replicas']} replicas",
     )

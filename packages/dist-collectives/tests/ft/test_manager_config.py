@@ -85,3 +85,18 @@ def test_the_log_names_a_grouped_rank_with_its_group_rank() -> None:
     assert CONFIG.label == "r" and not CONFIG.grouped
     grouped = dataclasses.replace(CONFIG, group_rank=1, group_world_size=2)
     assert grouped.label == "r rank 1" and grouped.grouped
+
+
+@pytest.mark.parametrize(
+    ("interval_ms", "timeout_s", "beat_ms"),
+    [(100, 2, 500), (100, 0.2, 100), (1000, 2, 1000), (100, 60, 15000)],
+)
+def test_a_rank_beats_four_times_per_heartbeat_timeout_and_never_between_ticks(
+    interval_ms: int, timeout_s: float, beat_ms: int
+) -> None:
+    config = dataclasses.replace(
+        CONFIG,
+        heartbeat_interval=timedelta(milliseconds=interval_ms),
+        heartbeat_timeout=timedelta(seconds=timeout_s),
+    )
+    assert config.beat_interval == timedelta(milliseconds=beat_ms)

@@ -119,6 +119,15 @@ def test_a_watch_reads_a_few_keys_per_member_and_the_first_reads_for_everyone() 
     print(f"keys read: first member {counters[members[0]].keys}, others {sorted(set(others))}")
     assert max(others) <= 4
     assert counters[members[0]].keys >= 2 * len(members)
+    # Once the first member's record exists, a member's look is one call of three keys.
+    before = {name: (counters[name].calls, counters[name].keys) for name in members[1:]}
+    for name in members[1:]:
+        assert watchers[name].alive_members(7, members, name, monitor=False) == set(members)
+    looks = {
+        (counters[name].calls - calls, counters[name].keys - keys)
+        for name, (calls, keys) in before.items()
+    }
+    assert looks == {(1, 3)}
 
 
 def _join(store: dist.Store, name: str, *, minimum: int, timeout: float) -> tuple[str, ...]:

@@ -33,8 +33,12 @@ from dist_collectives.ft.errors import FTError
 # completes a round wakes the waiters at once; the tick only bounds how late a round
 # closes after a replica died.
 ROUND_TICK_SECONDS = 0.1
-# How often a member that does not close its round checks that the closer still does.
+# How often a member that does not close its round first checks that the closer still
+# does; each check that finds the closer at work doubles the wait for the next, up to
+# CLOSER_CHECK_MAX_SECONDS, so that a round of N members that lasts T seconds costs the
+# store about N * log2(T) checks, not N * T.
 CLOSER_CHECK_SECONDS = 1.0
+CLOSER_CHECK_MAX_SECONDS = 8.0
 # Names that moved to the store coordinator, importable from here as before.
 _MOVED = ("Liveness", "compute_quorum", "REGISTRY_VERSION_KEY")
 

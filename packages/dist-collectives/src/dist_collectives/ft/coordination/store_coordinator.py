@@ -15,8 +15,9 @@ it). The first to join becomes the round's *closer* (``compare_set`` on
 (:func:`~dist_collectives.ft.coordination.quorum.round_is_due`) and counts its checks in
 ``r<round>/closing``; it writes the decision with ``compare_set``, so the first writer
 wins and every replica reads the same decision. Every other member only waits for the
-decision, and every ``CLOSER_CHECK_SECONDS`` reads that counter: one that stood still
-since its last look means the closer died or left, and the member takes its place. A
+decision, and reads that counter ``CLOSER_CHECK_SECONDS`` after joining, then at
+doubling intervals up to ``CLOSER_CHECK_MAX_SECONDS``: one that stood still since its
+last look means the closer died or left, and the member takes its place. A
 replica thus makes a handful of store calls per round whatever the number of replicas
 (see ``benchmarks/ft.py --only scale``). The round counter then moves on, and a replica
 that arrived too late joins the next round. The job's first round also waits until no
@@ -66,6 +67,7 @@ from dist_collectives.ft.coordination.coordinator import (
     proposed_verdict,
 )
 from dist_collectives.ft.coordination.quorum import (
+    CLOSER_CHECK_MAX_SECONDS,
     CLOSER_CHECK_SECONDS,
     ROUND_TICK_SECONDS,
     HeartbeatClock,
@@ -305,6 +307,7 @@ class Liveness:
         self._timeout = heartbeat_timeout.total_seconds()
         self._clock = HeartbeatClock()
         self._published = 0
+        self._record_of: int | None = None  # the quorum whose ``alive`` record exists
 
     @property
     def store(self) -> KeyValueStore:
@@ -362,7 +365,8 @@ class Liveness:
         One member reads everybody's heartbeat (the first member, whose caller passes
         ``monitor``: its group rank 0) and publishes whom it found gone in
         ``alive/<quorum_id>``; every other member reads that record and the monitor's own
-        heartbeat, two store calls of a few keys. A record that stood still for the
+        heartbeat, one store call of three keys (two the first time, which creates the
+        record). A record that stood still for the
         heartbeat timeout while the monitor beats (it no longer watches a step) makes the
         reader read everybody itself. The store then reads O(members) keys per interval,
         not O(members²).
@@ -375,8 +379,13 @@ class Liveness:
             self._store.set(key, _json({"seq": self._published, "gone": found}))
             return alive & set(members)
         head = members[0]
-        record = bytes(self._store.compare_set(key, "", ""))  # creates a missing record
-        counter, left = self._store.multi_get([Keys.heartbeat(head), Keys.left(head)])
+        head_keys = [Keys.heartbeat(head), Keys.left(head)]
+        if self._record_of == quorum_id:  # the record exists: one read of three keys
+            record, counter, left = self._store.multi_get([key, *head_keys])
+        else:
+            record = bytes(self._store.compare_set(key, "", ""))  # creates a missing record
+            counter, left = self._store.multi_get(head_keys)
+            self._record_of = quorum_id
         now = time.monotonic()
         head_alive = is_alive(
             self._clock.quiet_for(head, counter, now), left=decode_flag(left), timeout=self._timeout
@@ -459,25 +468,48 @@ class _Round:
         self.closing = False
         self._closer_seen: tuple[int, str] | None = None
         self._closer_checked_at = self.joined_at
+        self._closer_check_every = CLOSER_CHECK_SECONDS
 
     def elect(self, store: KeyValueStore, replica_id: str) -> None:
         """Makes this replica the round's closer if nobody is yet (one store call)."""
         me = _json(replica_id)
         self.closing = bytes(store.compare_set(self.closer_key, "", me)) == me.encode()
 
+    def wake_in(self, tick: float, now: float) -> float:
+        """How long a waiting member may sleep: a tick for the closer, else until its next look.
+
+        Only the closer has anything to do on a timer (close a round that became due);
+        the others only look at the closer now and then, and the decision's write
+        wakes them at once.
+        """
+        if self.closing:
+            return tick
+        return max(tick, self._closer_checked_at + self._closer_check_every - now)
+
     def take_over_if_idle(self, store: KeyValueStore, replica_id: str, now: float) -> None:
-        """Every ``CLOSER_CHECK_SECONDS``, becomes the closer if the closer stopped closing.
+        """Becomes the closer if the closer stopped closing (checked less and less often).
 
         The closer counts its checks; when the count and the closer stood still since
         this replica's last look, the closer is gone (or no longer in the round) and this
-        replica takes its place with ``compare_set`` (one replica wins).
+        replica takes its place with ``compare_set`` (one replica wins). The first look
+        comes ``CLOSER_CHECK_SECONDS`` after joining; each look that finds the closer at
+        work doubles the wait for the next, up to ``CLOSER_CHECK_MAX_SECONDS``. A look
+        is one ``multi_get`` (two calls the first time, which creates the counter).
         """
-        if self.closing or now - self._closer_checked_at < CLOSER_CHECK_SECONDS:
+        if self.closing or now - self._closer_checked_at < self._closer_check_every:
             return
         self._closer_checked_at = now
-        seen = (int(store.add(self.closing_key, 0)), store.get(self.closer_key).decode())
+        if self._closer_seen is None:
+            seen = (int(store.add(self.closing_key, 0)), store.get(self.closer_key).decode())
+        else:
+            count, closer = store.multi_get([self.closing_key, self.closer_key])
+            seen = (int(count), bytes(closer).decode())
         me = _json(replica_id)
         if seen != self._closer_seen:
+            if self._closer_seen is not None:
+                self._closer_check_every = min(
+                    2 * self._closer_check_every, CLOSER_CHECK_MAX_SECONDS
+                )
             self._closer_seen = seen
             return
         won = store.compare_set(self.closer_key, seen[1], me)
@@ -544,7 +576,8 @@ def _wait_for_decision(
 
     Waits for the decision key on ``store`` (on its link thread, when it has one) and,
     every ``tick``, closes the round through ``liveness``'s connection when this replica
-    is the round's closer and the round is due (or checks that the closer still closes).
+    is the round's closer and the round is due; a member that does not close wakes
+    only to check, now and then, that the closer still closes.
     Returns None at the deadline.
     """
     wait_async = getattr(store, "wait_async", None)
@@ -555,7 +588,8 @@ def _wait_for_decision(
             time.sleep(tick)  # a plain store: the tick is the only way to learn of it
         else:
             try:
-                waiting.result(timeout=tick)
+                now = time.monotonic()
+                waiting.result(timeout=min(attempt.wake_in(tick, now), max(deadline - now, tick)))
                 return bytes(store.get(attempt.decision_key))
             except concurrent.futures.TimeoutError:
                 pass

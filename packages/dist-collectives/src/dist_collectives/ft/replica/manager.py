@@ -103,11 +103,13 @@ class Manager:
         store_addr: Host of the job's store.
         store_port: Port of the job's store.
         timeout: How long a quorum, a collective or a commit may take.
-        heartbeat_interval: How often this replica beats its heartbeat and polls for
-            errors of other replicas (100 ms, torchft's default; every second beat
-            also reads the others' heartbeats and the registry of newcomers).
+        heartbeat_interval: How often this replica's watcher polls for errors of other
+            replicas (100 ms, torchft's default; every second tick it also reads the
+            others' heartbeats).
         heartbeat_timeout: A replica whose heartbeat did not move for this long counts
-            as dead.
+            as dead. A rank beats four times per heartbeat timeout (500 ms by
+            default), or every ``heartbeat_interval`` when that is longer, and reads
+            the registry of newcomers with its beat (at least every second).
         join_timeout: Form a quorum without a replica that looks alive but did not ask
             to join within this time (torchft's ``join_timeout``; 10 s).
         first_quorum_window: The job's first quorum forms only once no replica has

@@ -16,6 +16,10 @@ from dist_collectives.ft.errors import ManagerConfigError
 
 # The store's key prefix when a Manager is given none.
 DEFAULT_NAMESPACE = "dist_collectives_ft"
+# How many times a live rank's heartbeat counter moves per heartbeat timeout: enough
+# that a beat or two late under load is not a death, few enough that N replicas cost
+# the store N / (timeout / 4) adds a second, not N / heartbeat_interval.
+BEATS_PER_HEARTBEAT_TIMEOUT = 4
 
 
 def default_replica_id() -> str:
@@ -79,6 +83,15 @@ class ManagerConfig:
         if self.group_world_size == 1:
             return self.replica_id
         return f"{self.replica_id} rank {self.group_rank}"
+
+    @property
+    def beat_interval(self) -> timedelta:
+        """How often this rank beats: a quarter of the heartbeat timeout, or every tick.
+
+        The watcher still ticks (polls for errors, expires futures) every
+        ``heartbeat_interval``; only the heartbeat's counter moves less often.
+        """
+        return max(self.heartbeat_interval, self.heartbeat_timeout / BEATS_PER_HEARTBEAT_TIMEOUT)
 
     @property
     def grouped(self) -> bool:

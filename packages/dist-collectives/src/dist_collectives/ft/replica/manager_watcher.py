@@ -1,12 +1,14 @@
 """The Manager's watcher thread: heartbeats, the replica group's liveness, the step in flight.
 
-Every ``heartbeat_interval`` it expires overdue wrapped futures, beats this rank's
-heartbeat (group rank 0 also the replica's), and fails the step in flight when another
-replica reported an error or a wait of the step ran past its deadline. Every
-``_HEARTBEAT_CHECK_TICKS`` ticks it also reads the others' heartbeats, its replica
-group's and the registry version: heartbeats only back up the error path, and
-newcomers only wait a little longer, so they are read less often to keep the store
-traffic small.
+Every ``heartbeat_interval`` it expires overdue wrapped futures and fails the step in
+flight when another replica reported an error or a wait of the step ran past its
+deadline. Every ``beat_interval`` (a quarter of the heartbeat timeout, or every tick if
+that is longer) it beats this rank's heartbeat (group rank 0 also the replica's): the
+store's load from heartbeats is then N adds per beat interval. Every
+``_HEARTBEAT_CHECK_TICKS`` ticks it also reads the others' heartbeats and its replica
+group's, and with each beat (at least every second) the registry version: heartbeats
+only back up the error path, and newcomers only wait a little longer, so they are
+read less often to keep the store traffic small.
 
 It also writes the failures the other threads queued in the state to the store, at
 once when woken (:meth:`Watcher.wake`): the threads that complete operations (a
@@ -39,6 +41,8 @@ from dist_collectives.ft.replica.manager_futures import WrappedFutures
 from dist_collectives.ft.replica.manager_state import StepState
 
 _HEARTBEAT_CHECK_TICKS = 2
+# The registry version (newcomers) is read with the beat, but at least this often.
+_REGISTRY_READ_SECONDS = 1.0
 
 
 class Watcher:
@@ -106,6 +110,12 @@ class Watcher:
 
     def _loop(self) -> None:
         interval = self._config.heartbeat_interval.total_seconds()
+        beat_ticks = max(1, int(self._config.beat_interval.total_seconds() / interval + 1e-9))
+        # Newcomers are read with the beat, at least every second and at most every slow tick.
+        registry_ticks = max(
+            _HEARTBEAT_CHECK_TICKS,
+            min(beat_ticks, int(_REGISTRY_READ_SECONDS / interval + 1e-9)),
+        )
         ticks = 0
         next_tick = time.monotonic() + interval
         while not self._stop.is_set():
@@ -119,17 +129,21 @@ class Watcher:
                 if due:
                     next_tick = time.monotonic() + interval
                     ticks += 1
-                    self._tick(slow_tick=ticks % _HEARTBEAT_CHECK_TICKS == 0)
+                    self._tick(
+                        slow_tick=ticks % _HEARTBEAT_CHECK_TICKS == 0,
+                        beat=ticks % beat_ticks == 0,
+                        registry=ticks % registry_ticks == 0,
+                    )
             except Exception as error:
                 next_tick = max(next_tick, time.monotonic() + interval)
                 self._store_failed(error)
             else:
                 self._store_answered()
 
-    def _tick(self, *, slow_tick: bool) -> None:
+    def _tick(self, *, slow_tick: bool, beat: bool, registry: bool) -> None:
         self._wrapped.expire()
-        self._beat(check_group=slow_tick)
-        if slow_tick:
+        self._beat(check_group=slow_tick, beat=beat)
+        if registry:
             self._state.saw_registry_version(self._coordinator.registry_version())
         self._watch_step(check_heartbeats=slow_tick)
 
@@ -148,8 +162,8 @@ class Watcher:
             self._failing = False
             self._log.warning("ft monitor: the store answers again")
 
-    def _beat(self, *, check_group: bool) -> None:
-        """Beats this rank's heartbeat; group rank 0 beats the group's while it is whole.
+    def _beat(self, *, check_group: bool, beat: bool) -> None:
+        """Beats this rank's heartbeat when ``beat``; rank 0 beats the group's while it is whole.
 
         In a replica group, rank 0 watches every rank and the others watch rank 0. When a
         watched rank stops beating, the group is broken for good (it rejoins only by
@@ -162,9 +176,8 @@ class Watcher:
             stale = self._coordinator.stale_ranks()
             if stale:
                 self._break_group(stale)
-        if self._state.group_broken is not None:
-            return
-        self._coordinator.beat()
+        if beat and self._state.group_broken is None:
+            self._coordinator.beat()
 
     def _break_group(self, stale: list[int]) -> None:
         message = broken_group_message(self._config.replica_id, stale)
