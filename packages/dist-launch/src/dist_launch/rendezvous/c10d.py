@@ -28,7 +28,7 @@ from typing import Any
 
 from dist_launch.plan.launch_plan import LaunchPlan
 from dist_launch.rendezvous.failure_ledger import count_round_failure, round_failures
-from dist_launch.rendezvous.job_board import JobBoard, marked_unreachable
+from dist_launch.rendezvous.job_board import JobBoard
 from dist_launch.rendezvous.launcher_heartbeat import Heartbeat, Pulse
 from dist_launch.rendezvous.membership_watch import MembershipWatch
 from dist_launch.rendezvous.node_barrier import every_node
@@ -378,11 +378,10 @@ class C10dRendezvous:
         store, assignment = self._round_store, self.assignment
         if store is None or assignment is None:
             return set()
-        others = [n for n in range(assignment.group_world_size) if n != assignment.group_rank]
         if self._pulse is None:
+            others = [n for n in range(assignment.group_world_size) if n != assignment.group_rank]
             self._pulse = Pulse(store, others)
-        gone = self._pulse.gone()
-        return gone | marked_unreachable(store, sorted(set(others) - gone))
+        return self._pulse.gone_or_cut_off(store)
 
     def _stop_heartbeat(self) -> None:
         if self._heartbeat is not None:

@@ -11,6 +11,7 @@ import logging
 import threading
 import time
 
+from dist_launch.rendezvous.job_board import marked_unreachable
 from dist_launch.rendezvous.store_deadline import RendezvousStore
 
 logger = logging.getLogger(__name__)
@@ -85,3 +86,15 @@ class Pulse:
         return {
             node for node, (_, since) in self._seen.items() if now - since >= self._silent_after
         }
+
+    def gone_or_cut_off(self, round_store: RendezvousStore | None) -> set[int]:
+        """:meth:`gone`, and the followed nodes a job board marked unreachable.
+
+        A heartbeat is known to have stopped only once it stood still for a few beats
+        after the first look; a node the round's job board marked unreachable at a hang
+        (its heartbeats were silent for seconds already) is gone at once.
+        """
+        gone = self.gone()
+        if round_store is not None:
+            gone |= marked_unreachable(round_store, sorted(set(self._seen) - gone))
+        return gone

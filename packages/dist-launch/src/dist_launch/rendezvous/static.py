@@ -35,7 +35,7 @@ from dist_launch.rendezvous.c10d import (
     EXIT_BARRIER_SECONDS,
 )
 from dist_launch.rendezvous.failure_ledger import count_round_failure
-from dist_launch.rendezvous.job_board import JobBoard, marked_unreachable
+from dist_launch.rendezvous.job_board import JobBoard
 from dist_launch.rendezvous.launcher_heartbeat import Heartbeat, Pulse
 from dist_launch.rendezvous.launchers_store import (
     PrefixedStore,
@@ -102,20 +102,12 @@ class StaticRendezvous:
         self._pulse: Pulse | None = None
 
     def _gone(self) -> set[int]:
-        """The other nodes whose launchers stopped beating or were found cut off.
-
-        A heartbeat is known to have stopped only once it stood still for a few
-        beats after the first look; a node the job board marked unreachable at a hang
-        (its heartbeats were silent for seconds already) is gone at once.
-        """
+        """The other nodes whose launchers stopped beating or were found cut off."""
         assert self._job_store is not None
-        others = [n for n in range(self.plan.nnodes) if n != self.plan.node_rank]
         if self._pulse is None:
+            others = [n for n in range(self.plan.nnodes) if n != self.plan.node_rank]
             self._pulse = Pulse(self._job_store, others)
-        gone = self._pulse.gone()
-        if self._round_store is not None:
-            gone |= marked_unreachable(self._round_store, sorted(set(others) - gone))
-        return gone
+        return self._pulse.gone_or_cut_off(self._round_store)
 
     @classmethod
     def open(cls, plan: LaunchPlan) -> StaticRendezvous:
