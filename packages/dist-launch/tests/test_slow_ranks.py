@@ -15,22 +15,30 @@ from launcher_nodes import LAUNCH
 pytestmark = [pytest.mark.processes, pytest.mark.timeout(240)]
 
 # Steps of 30 ms and an all_reduce, balanced; after BALANCED steps rank 1 sleeps 200 ms
-# before each all_reduce (a slow data loader), for LATE more steps.
+# before each all_reduce (a slow data loader) until the launcher's report names a rank
+# (the file REPORT exists), at most LATE more steps: the late phase does not end before
+# a report window on a loaded machine. Rank 1 tells the others to stop through the
+# all_reduce itself, so every rank takes the same number of steps.
 BALANCED_THEN_LATE = """\
-import sys, time
+import os, sys, time
 import torch
 import torch.distributed as dist
 
-balanced, late = int(sys.argv[1]), int(sys.argv[2])
+balanced, late, report = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 dist.init_process_group("gloo")
-value = torch.ones(4)
+rank = dist.get_rank()
 for step in range(balanced + late):
-    if step == balanced and dist.get_rank() == 1:
+    if step == balanced and rank == 1:
         print(f"late from {time.time()}", flush=True)
     time.sleep(0.03)
-    if step >= balanced and dist.get_rank() == 1:
+    if step >= balanced and rank == 1:
         time.sleep(0.2)
-    dist.all_reduce(value)
+    stop = torch.zeros(1)
+    if step >= balanced and rank == 1 and os.path.exists(report):
+        stop += 1
+    dist.all_reduce(stop)
+    if stop.item():
+        break
 """
 
 
@@ -41,7 +49,7 @@ def test_a_balanced_job_names_no_rank_and_a_late_rank_is_named(tmp_path: Path) -
     result = subprocess.run(
         [
             *LAUNCH, "-n", "3", "--slow-ranks", "2", "--log-dir", str(log_dir),
-            "--run-id", "s", str(script), "120", "20",
+            "--run-id", "s", str(script), "120", "200", str(log_dir / "s" / "slow_ranks.jsonl"),
         ],
         cwd=tmp_path,
         capture_output=True,
