@@ -59,16 +59,25 @@ def test_every_call_to_a_server_that_never_answers_times_out_naming_the_call(
     store.close(timeout=0)
 
 
-def test_stuck_calls_are_capped_and_then_fail_at_once(silent_port: int) -> None:
-    store = BoundedStore("127.0.0.1", silent_port, timeout=BOUND, label="test")
+def test_stuck_calls_are_capped_and_then_fail_at_once() -> None:
+    # Calls stuck for as long as the test runs: waits of a minute for a key nobody sets,
+    # on a real server, each given up after BOUND. (On the silent port, torch's own
+    # connect timeout, BOUND too, could end an abandoned link before the next call.)
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    store = BoundedStore("127.0.0.1", server.port, timeout=BOUND, label="test")
+
+    def wait_for_ever(torch_store: dist.Store) -> None:
+        torch_store.wait(["never"], timedelta(seconds=60))
+
     for _ in range(MAX_STUCK_LINKS):
         with pytest.raises(StoreTimeoutError, match="timed out"):
-            store.add("k", 1)
+            store.call("wait(['never'])", wait_for_ever, BOUND)
     started = time.monotonic()
     with pytest.raises(StoreTimeoutError, match=f"{MAX_STUCK_LINKS} earlier calls are still"):
         store.add("k", 1)
     assert time.monotonic() - started < BOUND.total_seconds()
     store.close(timeout=0)
+    server.set("never", "")  # the stuck waits return: their link threads end
 
 
 def test_a_timed_out_link_is_replaced_and_the_next_call_succeeds() -> None:
