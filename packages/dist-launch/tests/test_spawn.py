@@ -133,14 +133,19 @@ def test_single_rank_runs_in_this_process(tmp_path: Path) -> None:
     from dist_launch_test_workers import fail_on_rank, write_rank_and_sum
 
     calls = []
+    environ_before = dict(os.environ)
     launch_subprocesses(write_rank_and_sum, _cfg(1), lambda: calls.append(1), 0, str(tmp_path))
     assert calls == [1]
     assert (tmp_path / "rank0").read_text() == "0 1 0 0"
     assert not dist.is_initialized()
+    # RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, ... left behind would make the caller a job
+    # of one rank (they voided a later test's LOCAL_RANK in one pytest worker).
+    assert dict(os.environ) == environ_before
     with pytest.raises(LaunchError, match="deliberate failure on rank 0") as caught:
         launch_subprocesses(fail_on_rank, _cfg(1), None, 0, 0)
     assert isinstance(caught.value.__cause__, ValueError)
     assert not dist.is_initialized()
+    assert dict(os.environ) == environ_before
 
 
 @pytest.mark.skipif(

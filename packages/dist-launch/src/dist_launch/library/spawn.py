@@ -219,11 +219,18 @@ def _run_in_this_process(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
 ) -> None:
-    """The one-rank case: no child process, same contract (LaunchError on failure)."""
+    """The one-rank case: no child process, same contract (LaunchError on failure).
+
+    The process group's variables that :func:`init_and_run` writes to ``os.environ``
+    (``RANK``, ``WORLD_SIZE``, ``MASTER_PORT``, ...) are put back as they were at the end,
+    as a child process's would vanish with it: a later launch or
+    ``DistEnv.from_environ()`` in the caller does not find a job of one rank.
+    """
     from dist_core.backend import destroy_dist  # noqa: PLC0415 - imports torch
 
     cfg.rank = 0
     cfg.local_rank = 0
+    environ_before = dict(os.environ)
     try:
         if setup is not None:
             setup()
@@ -239,6 +246,16 @@ def _run_in_this_process(
         ) from error
     finally:
         destroy_dist()
+        _restore_environ(environ_before)
+
+
+def _restore_environ(before: dict[str, str]) -> None:
+    """Puts ``os.environ`` back to ``before``: only the variables that changed."""
+    for name in [name for name in os.environ if name not in before]:
+        del os.environ[name]
+    for name, value in before.items():
+        if os.environ.get(name) != value:
+            os.environ[name] = value
 
 
 def _span(first: int, last: int) -> str:
