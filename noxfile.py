@@ -621,27 +621,51 @@ def cluster(session: nox.Session) -> None:
     )
 
 
-# What the other torches' sessions repeat of the process tests: those of what changes
-# between torch versions. Every in-process test (the fast lane) runs on them too. The
-# rest (signals, output, the command line, Kubernetes' variables, installs, the demo)
-# exercise the launchers' own mechanics, the same on any torch: they run once, on
-# TORCH_SPEC, in the package and integration sessions.
+# What the other torches' sessions repeat of the process tests: one test of each part of
+# torch's API the packages use, where a torch release could change what they see. Every
+# in-process test (the fast lane) runs on them too. The rest (the launchers' own
+# mechanics: signals, output, hang verdicts, the command line; the ft replica
+# protocol's fault scenarios, which use the same gloo calls as the tests kept here;
+# Kubernetes' variables, installs, the demo) runs once, on TORCH_SPEC, in the package
+# and integration sessions. Names are pytest node ids under the package's tests/.
 OTHER_TORCH_PROCESS_TESTS = {
-    # Process groups, collectives, the ft replica protocol: all of it.
-    "dist-collectives": ("",),
+    # Collectives and autograd all_to_all; the ft process groups (gloo abort and
+    # reconfigure, the baby group's subprocess); torch's reconfigurable groups under the
+    # Manager (2.14+; on 2.11 the test that says what is missing); one whole
+    # lose-a-rank-and-rejoin scenario; the heal's state transfer.
+    "dist-collectives": (
+        "test_all_to_all.py", "test_collectives.py", "test_parallel.py",
+        "ft/test_process_groups.py", "ft/test_configure.py",
+        "ft/test_torchft_0_2_behaviour.py", "ft/test_torchft_compat.py",
+        "ft/test_state_transfer.py",
+        "ft/test_manager_faults.py::test_torchs_reconfigurable_gloo_group_under_the_manager_survives_a_kill",
+        "ft/test_manager_faults.py::test_a_manager_moves_torchs_own_reconfigurable_group_through_a_kill",
+        "ft/test_manager_faults.py::test_without_torchs_reconfigurable_groups_building_one_says_what_is_missing",
+        "ft/test_replica_groups.py::test_a_replica_group_loses_a_rank_is_left_out_and_rejoins_as_a_whole",
+    ),
     # init_process_group, backend choice, run_ranks, the environment report.
     "dist-core": ("test_backend.py", "test_ranks.py", "test_testing.py", "test_collect_env.py"),
-    # torch's elastic rendezvous and stores, its flight recorder, torchrun's flags.
+    # torch's elastic rendezvous and stores, its flight recorder and collective records
+    # (as the hang report reads them), its elastic timer, torchrun's c10d and log prefix.
     "dist-launch": (
         "test_rendezvous.py", "test_etcd_rendezvous.py", "test_store_deadline.py",
-        "test_hang.py", "test_hang_detection.py", "test_records.py", "test_slow_ranks.py",
-        "test_torchrun_flags.py",
+        "test_records.py",
+        "test_hang.py::test_a_rank_in_another_collective_is_named",
+        "test_hang.py::test_a_desync_is_reported",
+        "test_hang.py::test_an_expired_torch_elastic_timer_is_handled_as_a_hang",
+        "test_torchrun_flags.py::test_c10d_on_loopback_two_nodes",
+        "test_torchrun_flags.py::test_c10d_restart_budget_is_job_wide",
+        "test_torchrun_flags.py::test_log_line_prefix_template_as_torch_2_14_renders_it",
     ),
     # Tensors through the exchange and the Hugging Face export (safetensors, dtypes).
-    "dist-workspace": ("test_exchange.py", "test_hf_export.py"),
+    "dist-workspace": (
+        "test_exchange.py::test_values_arrive_in_ranks_order",
+        "test_hf_export.py::test_every_rank_writes_its_shard_of_one_checkpoint",
+        "test_hf_export.py::test_integer_and_bool_tensors_are_exported_bit_exact_and_one_file_is_model_safetensors",
+    ),
 }  # fmt: skip
-# tests-integration's, likewise: a torchrun parity run and ft replica groups.
-OTHER_TORCH_INTEGRATION_TESTS = ("test_torchrun_parity.py", "test_ft_replica_launch.py")
+# tests-integration's, likewise: a torchrun parity run (the installed torchrun's).
+OTHER_TORCH_INTEGRATION_TESTS = ("test_torchrun_parity.py",)
 
 
 def other_torch_selection() -> tuple[list[str], list[str]]:
@@ -650,8 +674,8 @@ def other_torch_selection() -> tuple[list[str], list[str]]:
     Every test directory is for the fast lane; the paths are those of
     :data:`OTHER_TORCH_PROCESS_TESTS` and tests-integration's, longest first.
     """
-    # The longest first (dist-collectives' replica groups take 50 s, tests-integration's
-    # 30-60 s each): pytest-xdist hands tests out in this order, and a long test handed
+    # The longest first (dist-collectives' replica group scenario takes about 50 s, the
+    # torchrun parity run 30 s): pytest-xdist hands tests out in this order, and a long test handed
     # out last leaves the other workers idle at the end.
     order = ["dist-collectives", "dist-launch", "dist-workspace", "dist-core"]
     packages = sorted(PACKAGES, key=lambda name: order.index(name) if name in order else 0)
@@ -661,7 +685,7 @@ def other_torch_selection() -> tuple[list[str], list[str]]:
     for package in packages:
         tests = PACKAGES_DIR / package / "tests"
         for name in OTHER_TORCH_PROCESS_TESTS.get(package, ()):
-            processes.append(str(tests / name) if name else str(tests))
+            processes.append(str(tests / name))
     return [*directories, str(integration)], processes
 
 
