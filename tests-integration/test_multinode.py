@@ -276,7 +276,8 @@ def static_flags(first: Host, node_rank: int, nproc: int) -> list[str]:
 RAISED = re.compile(r"raising rank=(?P<rank>\d+) time=(?P<time>[\d.]+)")
 
 
-@pytest.mark.parametrize("backend", ["static", "c10d"])
+# static: tests-cluster/test_multi_node_slurm.py's failing rank, on the docs' static line.
+@pytest.mark.parametrize("backend", ["c10d"])
 def test_a_raising_rank_ends_every_node_naming_it(
     backend: str, two_hosts: tuple[Host, Host], dist_launch_job: Job
 ) -> None:
@@ -291,12 +292,8 @@ def test_a_raising_rank_ends_every_node_naming_it(
     first, _ = two_hosts
     job = dist_launch_job
     env = {"RAISE_RANK": "3", "MAX_STEPS": "1000", "FINISH_FILE": "/none"}
-    for node_rank, host in enumerate(two_hosts):
-        if backend == "static":
-            flags = static_flags(first, node_rank, 2)
-        else:
-            flags = c10d_flags(first, "2", 2)
-        job.start(host, [*flags, "--grace-period", "1"], env)
+    for host in two_hosts:
+        job.start(host, [*c10d_flags(first, "2", 2), "--grace-period", "1"], env)
     codes = job.wait_exits()
     # The class of the job's first failure (a ValueError: 1) on every node, also where
     # the ranks only lost their peers (137 alone): a requeue rule must see one class.
@@ -550,40 +547,6 @@ def test_late_node_joins_at_the_next_rendezvous(hosts: Callable[[int], Network],
     assert {e.host for e in done} == {h.name for h in net.hosts}, job.outputs()
 
 
-def test_srun_environment_without_node_flags(
-    two_hosts: tuple[Host, Host], dist_launch_job: Job
-) -> None:
-    job = dist_launch_job
-    tag = two_hosts[0].name.split("-", 1)[1]
-    nodelist = f"node[0-1]-{tag}"  # compressed, as SLURM writes it
-    assert [h.name for h in two_hosts] == [f"node{i}-{tag}" for i in (0, 1)]
-    for node_id, host in enumerate(two_hosts):
-        # As srun sets them for one task per node (srun -N2 --ntasks-per-node 1).
-        env = {
-            "SLURM_JOB_ID": "1234",
-            "SLURM_JOBID": "1234",
-            "SLURM_NNODES": "2",
-            "SLURM_JOB_NUM_NODES": "2",
-            "SLURM_NODEID": str(node_id),
-            "SLURM_JOB_NODELIST": nodelist,
-            "SLURM_NODELIST": nodelist,
-            "SLURM_STEP_NODELIST": nodelist,
-            "SLURM_STEP_NUM_NODES": "2",
-            "SLURMD_NODENAME": host.name,
-            "SLURM_STEP_ID": "0",
-            "SLURM_STEPID": "0",
-            "SLURM_PROCID": str(node_id),
-            "SLURM_LOCALID": "0",
-            "SLURM_NTASKS": "2",
-            "SLURM_NPROCS": "2",
-            "SLURM_NTASKS_PER_NODE": "1",
-            "SLURM_TASKS_PER_NODE": "1(x2)",
-            "SLURM_STEP_TASKS_PER_NODE": "1(x2)",
-        }
-        job.start(host, ["-n", "2"], env)
-    assert_one_group(job, world=4, per_host=2)
-
-
 @pytest.mark.parametrize(
     "kind",
     [
@@ -731,7 +694,8 @@ def cut_and_time(job: Job, net: Network, cut: Host) -> list[float]:
 CUT_HANG_TIMEOUT = 10
 
 
-@pytest.mark.parametrize("mode", ["c10d", "c10d-store", "static"])
+# static: tests-cluster/test_multi_node_slurm.py's cut cable, on the docs' static line.
+@pytest.mark.parametrize("mode", ["c10d", "c10d-store"])
 def test_cut_cable_ends_both_sides_and_names_the_unreachable_node(
     mode: str, hosts: Callable[[int], Network], dist_launch_job: Job, tmp_path: Path
 ) -> None:
@@ -739,24 +703,19 @@ def test_cut_cable_ends_both_sides_and_names_the_unreachable_node(
 
     Both sides end within ``--hang-timeout`` + 5 s (asserted with a generous margin;
     the figures are printed), each naming the node it cannot reach, by name and
-    address, and that node's ranks. The store's side (c10d's store, or static's
-    launchers' store on node 0) ends with its hang (75); the other is fenced (137).
+    address, and that node's ranks. The side of c10d's store ends with its hang (75);
+    the other is fenced (137).
     """
     job = dist_launch_job
     net = hosts(2)
     first, second = net.hosts
-    if mode == "static":
-        flags = ["--nnodes", "2", "--nproc-per-node", "2",
-                 "--master-addr", first.address, "--master-port", str(PORT)]  # fmt: skip
-    else:
-        flags = c10d_flags(first, "2", 2)
+    flags = c10d_flags(first, "2", 2)
     common = ["--hang-timeout", str(CUT_HANG_TIMEOUT), "--grace-period", "1"]
-    for node_rank, host in enumerate(net.hosts):
-        rank_flag = ["--node-rank", str(node_rank)] if mode == "static" else []
+    for host in net.hosts:
         log_dir = ["--log-dir", str(tmp_path / host.name), "--run-id", "cut"]
         job.start(
             host,
-            [*flags, *rank_flag, *common, *log_dir],
+            [*flags, *common, *log_dir],
             {"MAX_STEPS": "100000", "FINISH_FILE": "/none", "COLLECTIVE_TIMEOUT": "600"},
         )
     cut = first if mode == "c10d-store" else second
@@ -774,16 +733,10 @@ def test_cut_cable_ends_both_sides_and_names_the_unreachable_node(
         ), outputs
     # The store's side goes on to its hang report; the side cut off from it is fenced.
     assert [n.process.returncode for n in job.nodes] == [75, 137], outputs
-    if mode == "static":
-        store_node = (
-            rf"node 0 \({re.escape(first.address)}:{PORT + 1}\), "
-            "which serves the launchers' store"
-        )
-    else:
-        store_node = (
-            rf"{first.name} \({re.escape(first.address)}:{PORT}\), which served the rendezvous, "
-            r"stopped answering at \d\d:\d\d:\d\d .*--rdzv-backend etcd"
-        )
+    store_node = (
+        rf"{first.name} \({re.escape(first.address)}:{PORT}\), which served the rendezvous, "
+        r"stopped answering at \d\d:\d\d:\d\d .*--rdzv-backend etcd"
+    )
     assert re.search(store_node, job.nodes[1].output), outputs
     (path,) = (tmp_path / first.name).glob("cut/*/attempt_0/hang.json")
     hang = json.loads(path.read_text())
