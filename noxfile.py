@@ -3,10 +3,11 @@
 Plain ``nox`` runs the default sessions: ``prefetch`` (the other torch builds, installed
 in the background), each package's tests, integration, the real cluster launchers, every
 suite again on the newest torch (2.15) and on the lowest the packages declare (2.11),
-lint, typecheck, docs, the demo, and a summary of where the time went. The whole run has a
-budget of 30 minutes on the project's 2-core machine (``docs/testing.md`` says how to
-measure it). ``nox -s fast`` runs every in-process test of the four packages;
-``nox -s bench`` runs the benchmarks.
+lint, typecheck, docs, and a summary of where the time went. The demo's commands run in
+integration (``tests-integration/test_demo.py``); ``nox -s demo`` runs the demo itself.
+The whole run has a budget of 30 minutes on the project's 2-core machine
+(``docs/testing.md`` says how to measure it). ``nox -s fast`` runs every in-process
+test of the four packages; ``nox -s bench`` runs the benchmarks.
 
 Every venv is made with pip, and torch is pinned before anything else is installed.
 Each torch build is installed once, into a template venv under ``.nox/_torch``, and
@@ -77,7 +78,6 @@ nox.options.sessions = [
     "lint",
     "typecheck",
     "docs",
-    "demo",
     "fast_reuse",
     "summary",
 ]
@@ -806,7 +806,9 @@ def docs(session: nox.Session) -> None:
 def demo(session: nox.Session) -> None:
     """The main job: the MoE demo on 4 ranks, its export inspected, the fault-tolerant path.
 
-    ``nox -s demo -- --steps 100`` passes extra arguments to examples/train.py.
+    ``nox -s demo -- --steps 100`` passes extra arguments to examples/train.py. Not a
+    default session: the integration session runs the same commands and checks what
+    they print and write (``tests-integration/test_demo.py``).
     """
     _install_packages(session, PACKAGES)
     export_dir = Path(session.create_tmp()) / "moe-export"

@@ -47,6 +47,26 @@ def test_export_holds_exactly_the_trained_weights(demo_run: Any) -> None:
     assert config["num_experts"] == 4
 
 
+def test_the_exports_workspace_is_inspected_as_the_readme_shows(demo_run: Any) -> None:
+    # The README's demo (``nox -s demo``) shows the export with ``dist-workspace
+    # inspect``: the four ranks' files, each verified against its checksums.
+    inspect = Path(sys.executable).with_name("dist-workspace")
+    workspace = demo_run.export_dir / "workspace"
+    completed = subprocess.run(
+        [str(inspect), "inspect", str(workspace), "--json", "--verify"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert completed.returncode == 0, completed.stderr
+    report = json.loads(completed.stdout)
+    assert [item["rank"] for item in report] == [0, 1, 2, 3], report
+    # Ranks 0-1 hold the experts; their data-parallel replicas, 2-3, only a config.
+    shards = {tensor["name"] for item in report for tensor in item["tensors"]}
+    assert shards == set(load_file(str(demo_run.export_dir / "model.safetensors"))), report
+
+
 def test_fault_tolerant_path_finishes_on_the_survivors() -> None:
     completed = subprocess.run(
         [
