@@ -602,10 +602,11 @@ def cluster(session: nox.Session) -> None:
         )
     _install_packages(session, ["dist-core", "dist-launch"])
     session.install("pytest>=8", "pytest-timeout>=2", "pytest-xdist>=3")
-    # Each xdist worker brings up a cluster of its own (three daemons): two are enough
-    # to keep the waiting tests side by side.
+    # Each xdist worker brings up a cluster of its own (three daemons). The tests wait
+    # on schedulers and networks more than they compute (1.3 CPU s a second with two
+    # workers): three keep both cores busy.
     _pytest(
-        session, str(ROOT / "tests-cluster"), workers="2", env={"DIST_LAUNCH_REQUIRE_ETCD": "1"}
+        session, str(ROOT / "tests-cluster"), workers="3", env={"DIST_LAUNCH_REQUIRE_ETCD": "1"}
     )
     etcd_tests = [str(PACKAGES_DIR / "dist-launch" / "tests" / name) for name in ETCD_TESTS]
     etcd_tests += [str(path) for path in ONCE_IN_CLUSTER]
