@@ -66,6 +66,31 @@ def _rank_zero_sleeps_in_python() -> None:
     dist.barrier()
 
 
+def _rank_one_reads_the_store_after_rank_zero_returned() -> int:
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    store = _get_default_store()
+    if dist.get_rank() == 0:
+        store.set("rank0", str(os.getpid()))
+        return 0
+    rank_zero = int(store.get("rank0"))
+    # Rank 0 has returned: give its process up to 2 s to end (as it did, taking the
+    # store it serves with it, before run_ranks kept it until every rank finished).
+    deadline = time.monotonic() + 2
+    while time.monotonic() < deadline:
+        try:
+            os.kill(rank_zero, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)  # polling another process's end: nothing to wait on here
+    return int(store.get("rank0")) - rank_zero + 1
+
+
+@pytest.mark.processes
+def test_rank_zero_keeps_the_store_until_every_rank_returned() -> None:
+    assert run_ranks(_rank_one_reads_the_store_after_rank_zero_returned, 2, timeout=60) == [0, 1]
+
+
 @pytest.mark.processes
 def test_results_come_back_in_rank_order() -> None:
     results = run_ranks(_all_reduce_scaled, 3, Payload(10), offset=1)

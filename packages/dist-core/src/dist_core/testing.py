@@ -119,10 +119,33 @@ def _worker_main(spec: _WorkerSpec) -> None:
         partial = path.with_name(path.name + ".partial")
         partial.write_bytes(result)
         os.replace(partial, path)  # the caller never reads half a result
+        _wait_for_every_rank_to_finish(spec)
     except BaseException as error:  # every failure, even SystemExit, is reported
         write_error_record(files.error, spec.rank, error)
         os._exit(1)  # skip destroy: peers may be gone, and it could block
     destroy_dist()
+
+
+def _wait_for_every_rank_to_finish(spec: _WorkerSpec) -> None:
+    """Rank 0 serves the group's store: it stays until every rank's ``fn`` returned.
+
+    Otherwise rank 0, done first, took the store away while a peer still read from it
+    (a value another rank wrote, a verdict), and that peer failed with a connection
+    error that was not its test's. Each rank marks its end in the store; rank 0 waits
+    for every mark, bounded by the call's timeout. A peer that failed instead ends the
+    call through its error record, and the supervisor stops rank 0's wait. Nothing is
+    waited for when ``fn`` destroyed the group itself.
+    """
+    import torch.distributed as dist  # noqa: PLC0415 - the worker has imported it already
+    from torch.distributed.distributed_c10d import _get_default_store  # noqa: PLC0415
+
+    if not dist.is_initialized():
+        return
+    store = _get_default_store()
+    store.set(f"dist_core/run_ranks/finished/{spec.rank}", "")
+    if spec.rank == 0:
+        marks = [f"dist_core/run_ranks/finished/{rank}" for rank in range(spec.world_size)]
+        store.wait(marks, timedelta(seconds=spec.timeout))
 
 
 def _context() -> Any:
