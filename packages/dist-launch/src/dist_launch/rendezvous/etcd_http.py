@@ -15,9 +15,29 @@ from __future__ import annotations
 import http.client
 import socket
 import ssl
+import time
+from collections.abc import Callable
 
 # Seconds a member may take to accept a connection before the next member is tried.
 CONNECT_SECONDS = 1.0
+# Seconds one etcd request may take on one member before the next member is tried.
+REQUEST_SECONDS = 5.0
+# How long a healthy majority's etcd may leave a call without an answer: when etcd's
+# leader is cut off, a request that a member forwarded to it waits out its timeout while
+# the others elect a new one, and the lost member costs its connect bound. The silence
+# that fences a node (cut off from etcd's majority) is this much longer than c10d's.
+STALL_SECONDS = REQUEST_SECONDS + CONNECT_SECONDS
+
+
+def _connect(
+    host: str, port: int, timeout: float, context: ssl.SSLContext | None, connect_seconds: float
+) -> socket.socket:
+    sock = socket.create_connection((host, port), timeout=min(connect_seconds, timeout))
+    sock.settimeout(timeout)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if context is not None:
+        sock = context.wrap_socket(sock, server_hostname=host)
+    return sock
 
 
 def post(
@@ -46,17 +66,64 @@ def post(
             (timeouts, refusals, resets, TLS errors).
         http.client.HTTPException: The answer was not HTTP.
     """
-    sock = socket.create_connection((host, port), timeout=min(connect_seconds, timeout))
+    sock = _connect(host, port, timeout, context, connect_seconds)
     try:
-        sock.settimeout(timeout)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        if context is not None:
-            sock = context.wrap_socket(sock, server_hostname=host)
         connection = http.client.HTTPConnection(host, port, timeout=timeout)
         connection.sock = sock  # connected above: http.client sends on it as it is
         headers = {"Content-Type": "application/json"}
         connection.request("POST", path, body=data, headers=headers)
         response = connection.getresponse()
         return response.status, response.read()
+    finally:
+        sock.close()
+
+
+def post_lines(
+    host: str,
+    port: int,
+    path: str,
+    data: bytes,
+    *,
+    seconds: float,
+    enough: Callable[[bytes], bool],
+    context: ssl.SSLContext | None = None,
+    connect_seconds: float = CONNECT_SECONDS,
+) -> list[bytes]:
+    """POSTs ``data`` to a streaming ``path`` (``/v3/watch``); its lines until one is enough.
+
+    Reads the answer's lines (one JSON message each) until ``enough(line)`` holds or
+    ``seconds`` have passed, then closes the connection.
+
+    Returns:
+        The lines read, the last one ``enough`` when it came in time.
+
+    Raises:
+        OSError: The member could not be reached, or the connection broke.
+        http.client.HTTPException: The answer was not HTTP, or not a 200.
+    """
+    deadline = time.monotonic() + seconds
+    sock = _connect(host, port, max(seconds, 0.01), context, connect_seconds)
+    lines: list[bytes] = []
+    try:
+        connection = http.client.HTTPConnection(host, port, timeout=seconds)
+        connection.sock = sock
+        connection.request("POST", path, body=data, headers={"Content-Type": "application/json"})
+        response = connection.getresponse()
+        if response.status != 200:
+            raise http.client.HTTPException(f"{path}: HTTP {response.status}")
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return lines
+            sock.settimeout(left)
+            try:
+                line = response.readline()
+            except TimeoutError:
+                return lines
+            if not line:
+                return lines
+            lines.append(line)
+            if enough(line):
+                return lines
     finally:
         sock.close()
