@@ -27,6 +27,8 @@ REQUEST_SECONDS = 5.0
 # the others elect a new one, and the lost member costs its connect bound. The silence
 # that fences a node (cut off from etcd's majority) is this much longer than c10d's.
 STALL_SECONDS = REQUEST_SECONDS + CONNECT_SECONDS
+# Unanswered probes (one a second) after which a silent watch's member counts as gone.
+PROBES = 3
 
 
 def _connect(
@@ -78,6 +80,19 @@ def post(
         sock.close()
 
 
+def _probe_when_idle(sock: socket.socket) -> None:
+    """Has the kernel probe an idle connection each second: a member cut off fails it.
+
+    A watch waits for changes, so a silent connection is normal; a member that is
+    out of reach does not answer the probes, and after :data:`PROBES` of them the
+    connection fails instead of waiting out the watch.
+    """
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for option, value in (("TCP_KEEPIDLE", 1), ("TCP_KEEPINTVL", 1), ("TCP_KEEPCNT", PROBES)):
+        if hasattr(socket, option):  # Linux names all three
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
+
+
 def post_lines(
     host: str,
     port: int,
@@ -92,7 +107,9 @@ def post_lines(
     """POSTs ``data`` to a streaming ``path`` (``/v3/watch``); its lines until one is enough.
 
     Reads the answer's lines (one JSON message each) until ``enough(line)`` holds or
-    ``seconds`` have passed, then closes the connection.
+    ``seconds`` have passed, then closes the connection. A member that stops
+    answering the kernel's probes ends it sooner, with an error (about
+    :data:`PROBES` + 1 seconds).
 
     Returns:
         The lines read, the last one ``enough`` when it came in time.
@@ -103,6 +120,7 @@ def post_lines(
     """
     deadline = time.monotonic() + seconds
     sock = _connect(host, port, max(seconds, 0.01), context, connect_seconds)
+    _probe_when_idle(sock)
     lines: list[bytes] = []
     try:
         connection = http.client.HTTPConnection(host, port, timeout=seconds)
@@ -118,10 +136,12 @@ def post_lines(
             sock.settimeout(left)
             try:
                 line = response.readline()
-            except TimeoutError:
-                return lines
-            if not line:
-                return lines
+            except TimeoutError as error:
+                if error.errno is not None:  # ETIMEDOUT: the probes went unanswered
+                    raise
+                return lines  # the socket's own timeout: the time is up
+            if not line:  # the member ended the stream before the time was up
+                raise ConnectionResetError(f"{path}: the stream ended")
             lines.append(line)
             if enough(line):
                 return lines

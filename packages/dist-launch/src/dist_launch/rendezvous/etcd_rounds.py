@@ -15,7 +15,8 @@ another's:
    (the first ``MAX`` joined, in the order they joined), after one read of their keys;
    when ``MIN`` did, a create-only write of the round's last call (when it ends);
 5. a watch of the round's ``round/`` keys (``formed``, ``last-call``, ``closed``) until
-   the round forms: one request per :data:`WATCH_SECONDS` of waiting. Once its last
+   the round forms: one request per :data:`WATCH_SECONDS` of waiting (a member that
+   goes out of reach meanwhile ends the watch within seconds; one read follows). Once its last
    call ends, the node that wrote it closes the round as in 4; the others wait
    :data:`CLOSE_GRACE_SECONDS` longer before they try it too.
 
@@ -48,8 +49,9 @@ from dist_launch.rendezvous.etcd_lease import NodeLease
 
 logger = logging.getLogger(__name__)
 
-# How long one watch of a round waits before it is made again (each one is a request).
-WATCH_SECONDS = 5.0
+# How long one watch of a round waits before it is made again (each one is a request);
+# a member that goes out of reach ends it within seconds (etcd_http.PROBES).
+WATCH_SECONDS = 30.0
 # How much later than the node that wrote a round's last call the others close it.
 CLOSE_GRACE_SECONDS = 2.0
 # The pause before a watch is tried again when etcd refused or dropped one.
