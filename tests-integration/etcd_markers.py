@@ -60,10 +60,17 @@ def rounds(out: Path) -> dict[str, list[Marker]]:
     return found
 
 
-def full_round(out: Path, world: int) -> list[Marker] | None:
-    """The markers of a round of ``world`` ranks where every rank marked, by rank."""
+def full_round(out: Path, world: int, after: float = 0.0) -> list[Marker] | None:
+    """The markers of a round of ``world`` ranks where every rank marked, by rank.
+
+    Args:
+        out: The workers' folder.
+        world: The round's world size.
+        after: A wall time the round's workers all started after (a round of the same
+            size may have run before, ``--nnodes 2:3`` forming at two first).
+    """
     for markers in rounds(out).values():
-        if len(markers) == world and all(m.world == world for m in markers):
+        if len(markers) == world and all(m.world == world and m.started > after for m in markers):
             return sorted(markers, key=lambda m: m.rank)
     return None
 

@@ -6,11 +6,12 @@
   from its death to the survivors' round forming and to that round's first step is
   measured, on c10d (the store on node 0) and on etcd (one member). Both with the
   guide's fast re-forming settings (``FAST_REFORM``) and, for K=2, torch's defaults.
-- ``rdzv-cost``: N simulated agents (threads of this process, no workers: 64, 256,
-  1,024) joining one round through dist-launch's own rendezvous (torch's dynamic
-  rendezvous below it) on c10d and on etcd. Each agent has its own store client,
-  wrapped to count its operations; the time to the round and the operations per agent
-  are printed beside the store's own rate (one client reading one key in a loop).
+- ``rdzv-cost``: N simulated agents (threads, 64 to a process, no workers: 64, 256,
+  1,024) joining one round through dist-launch's own rendezvous on c10d (torch's
+  dynamic rendezvous below it) and on etcd (dist-launch's rounds on etcd). Each agent
+  has its own store client, wrapped to count its operations (on etcd not its lease's
+  renewals, which are its heartbeat); the time to the round and the operations per
+  agent are printed beside the store's own rate (one client reading one key in a loop).
 
 Both parts are run only when named (``--only reform rdzv-cost``): each takes minutes.
 """
@@ -33,10 +34,16 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+# rdzv-cost: agents (threads) per process, as several nodes' agents share no interpreter.
+AGENTS_PER_PROCESS = 64
 RUN_SECONDS = 180.0  # one measurement; past it the run counts as failed (or unfinished)
 # docs/guides/surviving-node-loss.md's settings: keep-alive 2 s x 4, last call 3 s.
 FAST_REFORM = "keep_alive_interval=2,keep_alive_max_attempt=4,last_call_timeout=3"
 
+# rdzv-cost's --rdzv-conf: waits long enough for N agents in one process, and a 30 s
+# keep-alive (x 3: etcd's leases live 90 s): on 2 cores the agents' threads renew
+# their leases too rarely for torch's 15 s default, and a lapsed lease takes its key.
+COST_CONF = "join_timeout=900,read_timeout=300,keep_alive_interval=30"
 STEPS = """\
 import os, sys, time, torch, torch.distributed as dist
 from datetime import timedelta
@@ -257,7 +264,7 @@ def _plan(backend: str, endpoint: str, agents: int, run_id: str) -> Any:
     from dist_launch.plan.build import build_plan
 
     argv = ["--nnodes", str(agents), "--rdzv-backend", backend, "--rdzv-endpoint", endpoint,
-            "--rdzv-id", run_id, "--rdzv-conf", "join_timeout=900,read_timeout=300",
+            "--rdzv-id", run_id, "--rdzv-conf", COST_CONF,
             "--local-addr", "127.0.0.1", "--no-python", "true"]  # fmt: skip
     return build_plan(vars(build_parser().parse_args(argv)), {})
 
@@ -298,10 +305,17 @@ def _etcd_agent(plan: Any) -> tuple[Any, Any]:
             self.kinds: dict[str, int] = {}
 
         def call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-            self.ops += 1
             kind = path.rsplit("/", 1)[-1]
+            # The lease's renewals are the node's heartbeat, one per period whatever
+            # the round does: counted apart (as torch's beats are stopped on c10d).
+            self.ops += kind != "keepalive"
             self.kinds[kind] = self.kinds.get(kind, 0) + 1
             return super().call(path, body)
+
+        def watch(self, prefix: bytes, start_revision: int, seconds: float) -> Any:
+            self.ops += 1
+            self.kinds["watch"] = self.kinds.get("watch", 0) + 1
+            return super().watch(prefix, start_revision, seconds)
 
     made: list[CountingGateway] = []
 
@@ -329,15 +343,14 @@ def _patched(module: Any, name: str, value: Any) -> Iterator[None]:
             setattr(module, name, saved)
 
 
-def _one_round(backend: str, agents: int, endpoint: str) -> dict[str, Any]:
-    """``agents`` threads joining one round: how long, and each one's store operations.
+def _one_round(backend: str, agents: int, endpoint: str, run_id: str, nodes: int) -> dict[str, Any]:
+    """``agents`` threads joining one round of ``nodes``: how long, each one's operations.
 
     Returns ``{"joined", "seconds", "ops", "kinds", "error"}``: ``joined`` below
     ``agents`` when the round did not form within :data:`RUN_SECONDS` (the counts are
     then those made so far).
     """
-    run_id = f"cost{agents}-{time.monotonic_ns()}"
-    plan = _plan(backend, endpoint, agents, run_id)
+    plan = _plan(backend, endpoint, nodes, run_id)
     host, _, port = endpoint.rpartition(":")
     counters: list[Any] = []
     errors: list[str] = []
@@ -381,21 +394,63 @@ def _one_round(backend: str, agents: int, endpoint: str) -> dict[str, Any]:
         }  # fmt: skip
 
 
-def _round_in_a_process(backend: str, agents: int, endpoint: str) -> dict[str, Any] | str:
-    """:func:`_one_round` in a process of its own (threads left at a timeout die with it)."""
+def _round_in_processes(backend: str, agents: int, endpoint: str) -> dict[str, Any] | str:
+    """:func:`_one_round` over processes of :data:`AGENTS_PER_PROCESS` agents at most.
+
+    Thousands of threads in one process spent the 2 cores on its interpreter lock (a
+    lease's renewal waited longer than its 15 s); separate processes, as nodes are,
+    do not share one. Each process imports, says it is ready, and starts its agents
+    when every process is (a line on its stdin): the round's time is from then.
+    Threads left at a timeout die with their process.
+    """
+    run_id = f"cost{agents}-{time.monotonic_ns()}"
+    shares = [
+        min(AGENTS_PER_PROCESS, agents - first) for first in range(0, agents, AGENTS_PER_PROCESS)
+    ]
+    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    argv = [sys.executable, __file__, backend, endpoint, run_id, str(agents)]
+    procs = [
+        subprocess.Popen([*argv, str(share)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env=env)
+        for share in shares
+    ]  # fmt: skip
     try:
-        done = subprocess.run(
-            [sys.executable, __file__, backend, str(agents), endpoint],
-            capture_output=True, text=True, timeout=RUN_SECONDS + 120,
-            env={**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},
-        )  # fmt: skip
+        for proc in procs:
+            assert proc.stdout is not None and proc.stdin is not None
+            if proc.stdout.readline().strip() != "ready":
+                return f"exit {proc.wait(60)}: {proc.stderr.read()[-500:] if proc.stderr else ''}"
+        started = time.perf_counter()
+        for proc in procs:
+            assert proc.stdin is not None
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+        points = []
+        for proc in procs:
+            out, err = proc.communicate(timeout=RUN_SECONDS + 120)
+            lines = out.strip().splitlines()
+            if not lines:
+                return f"exit {proc.returncode}: {err.strip()[-500:]}"
+            points.append(json.loads(lines[-1]))
     except subprocess.TimeoutExpired:
-        return f"the process did not end within {RUN_SECONDS + 120:g} s"
-    lines = done.stdout.strip().splitlines()
-    if not lines:
-        return f"exit {done.returncode}: {done.stderr.strip()[-500:]}"
-    result: dict[str, Any] = json.loads(lines[-1])
-    return result
+        return f"the processes did not end within {RUN_SECONDS + 120:g} s"
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+    kinds: dict[str, int] = {}
+    for point in points:
+        for kind, count in point["kinds"].items():
+            kinds[kind] = kinds.get(kind, 0) + count
+    errors = [point["error"] for point in points if point["error"]]
+    return {
+        "joined": sum(point["joined"] for point in points),
+        "seconds": max(point["done_at"] for point in points) - started,
+        "ops": [count for point in points for count in point["ops"]],
+        "kinds": kinds,
+        "error": errors[0] if errors else None,
+        "processes": len(procs),
+    }
 
 
 def _store_rate(backend: str, endpoint: str) -> float:
@@ -430,7 +485,7 @@ def rdzv_cost_part(scratch: Path, counts: list[int]) -> dict[str, object]:
     from torch.distributed import TCPStore
 
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    print("\nround cost: N simulated agents (threads of one process, no workers) joining one "
+    print("\nround cost: N simulated agents (threads, 64 to a process, no workers) joining one "
           "round through dist-launch's rendezvous; each agent's store operations "
           "counted:")  # fmt: skip
     header = (f"  {'backend':<7} {'N':>5} | {'round s':>8} {'ops/agent':>9} {'max':>6} "
@@ -448,7 +503,7 @@ def rdzv_cost_part(scratch: Path, counts: list[int]) -> dict[str, object]:
         for backend in ("c10d", "etcd"):
             rate = _store_rate(backend, endpoints[backend])
             for agents in counts:
-                got = _round_in_a_process(backend, agents, endpoints[backend])
+                got = _round_in_processes(backend, agents, endpoints[backend])
                 key = f"{backend} N={agents}"
                 if isinstance(got, str) or got["error"]:
                     why = got if isinstance(got, str) else got["error"]
@@ -489,10 +544,15 @@ def rdzv_cost_part(scratch: Path, counts: list[int]) -> dict[str, object]:
 
 
 if __name__ == "__main__":
-    # One point of rdzv-cost: python survive.py BACKEND AGENTS ENDPOINT; prints JSON.
+    # A share of one rdzv-cost point: python survive.py BACKEND ENDPOINT RUN_ID NODES
+    # AGENTS; says "ready", starts at "go" on stdin, prints JSON (its "done_at" on the
+    # parent's clock: perf_counter is the machine's monotonic clock).
     import logging
 
     logging.disable(logging.WARNING)  # torch's warnings of slow heartbeats, per agent
-    point = _one_round(sys.argv[1], int(sys.argv[2]), sys.argv[3])
+    print("ready", flush=True)
+    sys.stdin.readline()
+    point = _one_round(sys.argv[1], int(sys.argv[5]), sys.argv[2], sys.argv[3], int(sys.argv[4]))
+    point["done_at"] = time.perf_counter()
     print(json.dumps(point), flush=True)
     os._exit(0)  # agents still waiting at a timeout end with the process

@@ -129,6 +129,10 @@ class EtcdMember:
         address = "127.0.0.1" if self.place is None else self.place.address
         return f"{address}:{self.client_port}"
 
+    def healthy(self) -> bool:
+        """Whether the member says it is healthy (it has a leader and a quorum)."""
+        return _healthy(self)
+
     def kill(self) -> None:
         """SIGKILL, reaped."""
         self.process.kill()

@@ -385,3 +385,67 @@ def test_a_node_whose_lease_lapsed_takes_a_new_one_at_its_next_round(
         assert rdzv.lost_nodes() == 0
     finally:
         rdzv.close()
+
+
+class CountingGateway(EtcdGateway):
+    """An etcd client that counts its requests (a watch is one), not its lease's renewals."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.requests = 0
+
+    def call(self, path: str, body: dict[str, object]) -> dict[str, object]:
+        self.requests += path != "lease/keepalive"  # one per lease period, not per join
+        return super().call(path, body)
+
+    def watch(self, prefix: bytes, start_revision: int, seconds: float) -> list[object]:  # type: ignore[override]
+        self.requests += 1
+        return super().watch(prefix, start_revision, seconds)  # type: ignore[return-value]
+
+
+def requests_per_node(script: str, endpoint: str, count: int) -> list[int]:
+    """``count`` nodes (threads) join one round at once: each node's etcd requests."""
+    from dist_launch.rendezvous import etcd
+
+    made: list[CountingGateway] = []
+
+    def counting(*args: object, **kwargs: object) -> CountingGateway:
+        made.append(CountingGateway(*args, **kwargs))
+        return made[-1]
+
+    plan = etcd_plan(script, endpoint, uuid.uuid4().hex, nnodes=str(count))
+    original = etcd.EtcdGateway
+    etcd.EtcdGateway = counting  # type: ignore[misc]
+    try:
+        rdzvs = [connect_etcd(plan) for _ in range(count)]
+    finally:
+        etcd.EtcdGateway = original  # type: ignore[misc]
+    try:
+        for gateway in made:
+            gateway.requests = 0
+        assignments = join_all(rdzvs)
+        counts = [gateway.requests for gateway in made]
+    finally:
+        with ThreadPoolExecutor(count) as pool:
+            list(pool.map(EtcdRendezvous.close, rdzvs))
+    assert sorted(a.group_rank for a in assignments) == list(range(count))
+    return counts
+
+
+@pytest.mark.processes
+def test_a_nodes_requests_to_join_a_round_do_not_grow_with_the_job(
+    script: str, etcd_endpoint: str
+) -> None:
+    """Joining costs each node a bounded number of etcd requests, 4 nodes or 16.
+
+    torch's one-value state made each node retry the others' compare-and-set writes:
+    its requests per node grew with the number of nodes joining at once (etcd's part
+    of benchmarks/launch.py ``--only rdzv-cost``). Now about 9 each, whatever N: the
+    bound leaves room for a node that closes the round (2 more), the launcher's
+    heartbeat beating before the count is read (2), and a watch made again on a slow
+    machine.
+    """
+    small = requests_per_node(script, etcd_endpoint, 4)
+    large = requests_per_node(script, etcd_endpoint, 16)
+    assert max(small) <= 14 and max(large) <= 14, (small, large)
+    assert sum(large) / len(large) <= sum(small) / len(small) + 1, (small, large)

@@ -24,12 +24,15 @@ from dist_launch.plan.launch_plan import LaunchPlan, UsageError
 from dist_launch.plan.timeout_budget import (
     PgTimeout,
     Problems,
+    TimeoutBudget,
     derive_grace_period,
     grace_problems,
     hang_problems,
     pg_timeout,
     timeout_budget,
 )
+from dist_launch.rendezvous.etcd_http import STALL_SECONDS
+from dist_launch.watch.cut_watch import fencing_bound
 
 SCONTROL_KILL_WAIT = KillWait(30, "SLURM's KillWait (scontrol show config)")
 DECLARED_KILL_WAIT = KillWait(30, "DIST_LAUNCH_KILL_WAIT", user_set=True)
@@ -166,6 +169,35 @@ def test_the_budget_says_what_bounds_re_forming_after_a_lost_node(script: str) -
     fixed = ["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1", script]
     reform = timeout_budget(plan_of(fixed), pg_timeout({}), None).as_json()["reform_after_loss"]
     assert reform["seconds"] is None and "only with a replacement" in str(reform["source"])
+
+
+def etcd_budget(script: str, nnodes: str, conf: str = "") -> TimeoutBudget:
+    """The budget of an etcd run, with the silence that fences its cut-off nodes."""
+    argv = ["--nnodes", nnodes, "--rdzv-backend", "etcd", "--rdzv-endpoint", "h:2379"]
+    plan = plan_of([*argv, *(["--rdzv-conf", conf] if conf else []), script])
+    return timeout_budget(plan, pg_timeout({}), None, fencing_bound(plan, STALL_SECONDS))
+
+
+def test_a_cut_side_fenced_after_the_others_go_on_is_a_warning(script: str) -> None:
+    # The integration tests' settings: the others drop the cut node after 3 s and
+    # start after a 2 s last call; the cut node is fenced after 5 s + etcd's 6 s.
+    short = "keep_alive_interval=1,keep_alive_max_attempt=3,last_call_timeout=2"
+    budget = etcd_budget(script, "2:3", short)
+    assert budget.as_json()["fenced_after"]["seconds"] == 11
+    assert budget.problems.errors == ()
+    (warning,) = budget.problems.warnings
+    assert "fenced after 11 s" in warning and "next round 5 s after the cut" in warning
+    assert "last_call_timeout above 8 s" in warning
+
+
+def test_a_cut_side_fenced_first_is_no_warning(script: str) -> None:
+    # torch's defaults (fenced after 21 s, the others go on after 45 s), a last call
+    # long enough, and a fixed node count (the others wait for a replacement).
+    assert etcd_budget(script, "2:3").problems == Problems()
+    long_call = "keep_alive_interval=1,keep_alive_max_attempt=3,last_call_timeout=9"
+    assert etcd_budget(script, "2:3", long_call).problems == Problems()
+    short = "keep_alive_interval=1,keep_alive_max_attempt=3,last_call_timeout=2"
+    assert etcd_budget(script, "3", short).problems == Problems()
 
 
 def test_a_static_run_has_no_rendezvous_clocks_and_takes_a_fitting_grace_period(

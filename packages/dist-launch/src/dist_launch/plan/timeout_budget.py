@@ -9,7 +9,9 @@ guarantee a bad ending:
   stuck collective first (NCCL's watchdog aborts it), so the hang's report never
   comes;
 - a ``--grace-period`` at or above the scheduler's kill wait: the scheduler's SIGKILL
-  ends the launcher before the workers' checkpoint ends or the report is written.
+  ends the launcher before the workers' checkpoint ends or the report is written;
+- (a warning) an elastic job whose cut-off node is fenced only after its peers may
+  have started their next round without it: both sides' workers run for a while.
 
 Such an inversion is an error at start, or a warning when the user set both values on
 purpose (the flag and the variable that declares the other). A grace period the user
@@ -175,6 +177,40 @@ def hang_problems(policy: HangPolicy, pg: PgTimeout) -> Problems:
     return Problems(errors=(message,))
 
 
+def fencing_problems(plan: LaunchPlan, fenced_after: float | None) -> Problems:
+    """Whether a node cut off from the job is fenced before its peers go on without it.
+
+    Its peers drop it once its heartbeats are ``keep_alive_interval x
+    keep_alive_max_attempt`` old and start their next round after the last call
+    (``--nnodes MIN:MAX`` only: a fixed count waits for a replacement). The cut-off
+    node stops its workers after ``fenced_after`` seconds of its store's silence; when
+    that comes later, its workers (and their checkpoints) outlive the start of the
+    others' round.
+
+    Args:
+        plan: The launch plan.
+        fenced_after: Seconds of silence that fence a node
+            (:func:`~dist_launch.watch.cut_watch.fencing_bound`); None: not known.
+    """
+    if fenced_after is None or not plan.elastic or plan.min_nodes == plan.max_nodes:
+        return Problems()
+    timeouts = plan.rdzv_timeouts
+    goes_on = timeouts.node_dead_after + timeouts.last_call
+    if fenced_after < goes_on:
+        return Problems()
+    return Problems(
+        warnings=(
+            f"a node cut off from the job is fenced after {fenced_after:g} s of its store's "
+            f"silence, but the others may start their next round {goes_on:g} s after the "
+            f"cut (keep-alive {timeouts.node_dead_after:g} s + last_call_timeout "
+            f"{timeouts.last_call:g} s): for a while both sides' workers run (and may "
+            "write checkpoints); keep --rdzv-conf last_call_timeout above "
+            f"{fenced_after - timeouts.node_dead_after:g} s where the cut side must stop "
+            "first",
+        )
+    )
+
+
 @dataclass(frozen=True)
 class TimeoutBudget:
     """Every clock of a run, shortest role first, and what is wrong with their order.
@@ -279,13 +315,17 @@ def _hang_wait(policy: HangPolicy, source: str) -> Wait:
     return Wait("hang_timeout", "--hang-timeout", policy.seconds, source)
 
 
-def timeout_budget(plan: LaunchPlan, pg: PgTimeout, kill_wait: KillWait | None) -> TimeoutBudget:
+def timeout_budget(
+    plan: LaunchPlan, pg: PgTimeout, kill_wait: KillWait | None, fenced_after: float | None = None
+) -> TimeoutBudget:
     """The run's budget: its clocks, the grace period to use, the inversions.
 
     Args:
         plan: The launch plan (its sources say which values the user gave).
         pg: The process group's timeout (:func:`pg_timeout`).
         kill_wait: The scheduler's kill wait (:func:`~dist_launch.plan.kill_wait.read_kill_wait`).
+        fenced_after: Seconds of store silence that fence a cut-off node
+            (:func:`fencing_problems`); None when not known.
     """
     grace_source = plan.sources.get("grace_period", "default")
     grace_user_set = grace_source != "default"
@@ -306,7 +346,12 @@ def timeout_budget(plan: LaunchPlan, pg: PgTimeout, kill_wait: KillWait | None) 
     ]
     if plan.timeout is not None:
         waits.append(Wait("job_timeout", "--timeout", plan.timeout, "flag"))
-    problems = grace_problems(grace, grace_source, grace_user_set, kill_wait) + hang_problems(
-        plan.hang_policy, pg
+    if fenced_after is not None and plan.elastic:
+        fencing = "the store's silence: keep-alive bound (5 s at least), + 6 s on etcd"
+        waits.append(Wait("fenced_after", "cut-off node fenced after", fenced_after, fencing))
+    problems = (
+        grace_problems(grace, grace_source, grace_user_set, kill_wait)
+        + hang_problems(plan.hang_policy, pg)
+        + fencing_problems(plan, fenced_after)
     )
     return TimeoutBudget(tuple(waits), grace, problems)

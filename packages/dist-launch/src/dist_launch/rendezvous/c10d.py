@@ -241,11 +241,7 @@ class C10dRendezvous:
         job_store = BoundedStore(getattr(info.store, "underlying_store", info.store), self.deadline)
         self._job_store = job_store
         group_rank, nodes = info.rank, info.world_size
-        store.set(f"dist_launch/nproc/{group_rank}", str(self.plan.nproc))
-        counts = [
-            int(value)
-            for value in store.multi_get([f"dist_launch/nproc/{r}" for r in range(nodes)])
-        ]
+        counts = self._worker_counts(store, info)
         bootstrap = info.bootstrap_store_info
         assert bootstrap is not None
         restarts = int(job_store.add(self._prefix + "restarts", 0))
@@ -274,6 +270,12 @@ class C10dRendezvous:
         )
         self._rounds += 1
         return assignment
+
+    def _worker_counts(self, store: RendezvousStore, info: Any) -> list[int]:
+        """Each node's worker count in the round ``info`` formed: each shares its own."""
+        store.set(f"dist_launch/nproc/{info.rank}", str(self.plan.nproc))
+        keys = [f"dist_launch/nproc/{rank}" for rank in range(info.world_size)]
+        return [int(value) for value in store.multi_get(keys)]
 
     def watch(self, interval: float, on_change: Callable[[RoundChange], None]) -> RoundWatch:
         """Polls for closing, waiting or lost nodes and an unreachable store."""
@@ -438,14 +440,8 @@ class C10dRendezvous:
             # First, in one store call: the others may look before torch's exit is done.
             with contextlib.suppress(Exception):
                 self._round_store.add("dist_launch/left", 1)
-        handler = self.handler
         try:
-            from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (  # noqa: PLC0415
-                _RendezvousExitOp,
-            )
-
-            handler._stop_heartbeats()
-            handler._op_executor.run(_RendezvousExitOp(), time.monotonic() + LEAVE_SECONDS)
+            self._exit_rendezvous()
         except Exception as error:
             logger.warning(
                 "could not take this node out of the rendezvous (%s: %s): the other nodes "
@@ -453,6 +449,15 @@ class C10dRendezvous:
                 type(error).__name__,
                 error,
             )
+
+    def _exit_rendezvous(self) -> None:
+        """Torch's exit operation: takes this node out of the round's participants."""
+        from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (  # noqa: PLC0415
+            _RendezvousExitOp,
+        )
+
+        self.handler._stop_heartbeats()
+        self.handler._op_executor.run(_RendezvousExitOp(), time.monotonic() + LEAVE_SECONDS)
 
     def closing_reason(self) -> str | None:
         """What the node that closed the job said, if it said anything."""

@@ -1,20 +1,20 @@
 """The etcd rendezvous (``--rdzv-backend etcd``): c10d's protocol, its state in etcd.
 
-torch elastic's ``DynamicRendezvousHandler`` (the one behind c10d) forms the rounds,
-with its state in one etcd key (:class:`~dist_launch.rendezvous.etcd_state.
-EtcdStateBackend`) instead of a TCPStore in one node's launcher, and the round's store
-in etcd too (:class:`~dist_launch.rendezvous.etcd_store.EtcdStore`). So join, last call,
-keep-alive, closing, the job-wide restart budget and the job board are c10d's own code
-(:class:`~dist_launch.rendezvous.c10d.C10dRendezvous`), and no node is special: the job
-survives the loss of any node (the workers' store is made anew each round by the
-round's rank 0) and of a minority of etcd members.
+The rounds form on etcd (:class:`~dist_launch.rendezvous.etcd_rounds.EtcdRounds`: each
+node's join is a key of its own, so a node's cost does not grow with the job), and the
+rounds' store lives in etcd too (:class:`~dist_launch.rendezvous.etcd_store.EtcdStore`).
+The rest (the job-wide restart budget, failure records, closing, the job board) is
+c10d's own code (:class:`~dist_launch.rendezvous.c10d.C10dRendezvous`), and no node is
+special: the job survives the loss of any node (the workers' store is made anew each
+round by the round's rank 0) and of a minority of etcd members.
 
-On top, each node holds a lease (:class:`~dist_launch.rendezvous.etcd_lease.NodeLease`)
-bound to its mark in the current round, so a lost node is seen as soon as etcd drops
-its lease.
+Each node holds a lease (:class:`~dist_launch.rendezvous.etcd_lease.NodeLease`) bound
+to its join and to its mark in the current round, so a lost node is seen as soon as
+etcd drops its lease.
 
-Keys, all under ``dist-launch/<rdzv-id>/``: ``state`` (torch's rendezvous state),
-``store/...`` (the rounds' stores and the job's counters), ``alive/<round>/<node>``.
+Keys, all under ``dist-launch/<rdzv-id>/``: ``rounds/...`` (joins, formed rounds, the
+job's closing), ``store/...`` (the rounds' stores and the job's counters),
+``alive/<round>/<node>``.
 """
 
 from __future__ import annotations
@@ -25,25 +25,20 @@ import socket
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
 
 from dist_launch.plan.launch_plan import LaunchPlan
 from dist_launch.rendezvous.c10d import C10dRendezvous, route_address
 from dist_launch.rendezvous.etcd_gateway import DEFAULT_ETCD_PORT, EtcdGateway, EtcdTls
-from dist_launch.rendezvous.etcd_http import CONNECT_SECONDS
+from dist_launch.rendezvous.etcd_http import REQUEST_SECONDS, STALL_SECONDS
 from dist_launch.rendezvous.etcd_lease import NodeLease
+from dist_launch.rendezvous.etcd_rounds import EtcdRounds, FormedRound
+from dist_launch.rendezvous.etcd_store import EtcdStore
 from dist_launch.rendezvous.protocol import Assignment, RendezvousUsageError
 from dist_launch.rendezvous.rdzv_conf import conf_seconds
+from dist_launch.rendezvous.store_deadline import RendezvousStore
 
 logger = logging.getLogger(__name__)
 
-# Seconds one etcd request may take on one member before the next member is tried.
-REQUEST_SECONDS = 5.0
-# How long a healthy majority's etcd may leave a call without an answer: when etcd's
-# leader is cut off, a request that a member forwarded to it waits out its timeout while
-# the others elect a new one, and the lost member costs its connect bound. The silence
-# that fences a node (cut off from etcd's majority) is this much longer than c10d's.
-STALL_SECONDS = REQUEST_SECONDS + CONNECT_SECONDS
 # torch's c10d defaults, kept for etcd: the store's waits, and the keep-alive.
 DEFAULT_READ_TIMEOUT = 60.0
 DEFAULT_KEEP_ALIVE_INTERVAL = 5
@@ -135,15 +130,16 @@ class EtcdRendezvous(C10dRendezvous):
 
     Args:
         plan: The launch plan; reads no environment variable.
-        handler: torch's ``DynamicRendezvousHandler`` on etcd (:func:`connect_etcd`).
+        handler: The job's rounds on etcd (:func:`connect_etcd`).
         gateway: The etcd client.
         lease: This node's lease.
     """
 
     store_stall_seconds = STALL_SECONDS  # read by the cut watch (see STALL_SECONDS)
+    handler: EtcdRounds
 
     def __init__(
-        self, plan: LaunchPlan, handler: Any, gateway: EtcdGateway, lease: NodeLease
+        self, plan: LaunchPlan, handler: EtcdRounds, gateway: EtcdGateway, lease: NodeLease
     ) -> None:
         super().__init__(plan, handler)
         self._gateway = gateway
@@ -160,23 +156,29 @@ class EtcdRendezvous(C10dRendezvous):
 
     def next_round(self) -> Assignment:
         """Joins the next round and marks this node alive in it, bound to its lease."""
-        assignment = super().next_round()
-        holder = getattr(self.handler, "_state_holder", None)
-        round_number = getattr(getattr(holder, "state", None), "round", self._rounds)
-        self._alive_prefix = f"{job_prefix(self.plan.rdzv_id)}alive/{round_number}/"
         if self.lease.lapsed:  # cut off for longer than its time to live, now back
             self.lease.end()
             self.lease = self.lease.renewed()
+        self.handler.lease = self.lease
+        assignment = super().next_round()
+        round_number = self.handler.round
+        self._alive_prefix = f"{job_prefix(self.plan.rdzv_id)}alive/{round_number}/"
         self.lease.bind(self._alive_prefix + str(assignment.group_rank), socket.gethostname())
         return assignment
 
+    def _worker_counts(self, store: RendezvousStore, info: FormedRound) -> list[int]:
+        """Each node's worker count, as the round's formed record holds it (no request)."""
+        return list(info.nprocs)
+
+    def _exit_rendezvous(self) -> None:
+        """Nothing more: the others see this node's leaving on the round's store."""
+
     def lost_nodes(self) -> int:
-        """Nodes of the round whose lease ended, or that torch's keep-alive dropped."""
-        dropped = super().lost_nodes()
+        """Nodes of the round whose lease ended (their mark in the round went with it)."""
         if self.assignment is None or self._alive_prefix is None:
-            return dropped
+            return 0
         alive = self._gateway.count_prefix(self._alive_prefix.encode())
-        return max(dropped, self.assignment.group_world_size - alive)
+        return max(0, self.assignment.group_world_size - alive)
 
     def close(self) -> None:
         """c10d's ending (every node marks its end), then this node's lease ends.
@@ -194,31 +196,21 @@ class EtcdRendezvous(C10dRendezvous):
             self._gateway.stop(self._gateway.timeout + 1.0)
 
 
-def _torch_handler(plan: LaunchPlan, settings: EtcdSettings, gateway: EtcdGateway) -> Any:
-    """The ``DynamicRendezvousHandler`` of torch elastic, its state and store in etcd."""
-    from torch.distributed.elastic.rendezvous import (  # noqa: PLC0415 - torch only here
-        RendezvousParameters,
-    )
-    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (  # noqa: PLC0415
-        create_handler,
-    )
-
-    from dist_launch.rendezvous.etcd_state import EtcdStateBackend  # noqa: PLC0415
-    from dist_launch.rendezvous.etcd_store import EtcdStore  # noqa: PLC0415
-
+def _rounds(plan: LaunchPlan, settings: EtcdSettings, gateway: EtcdGateway) -> EtcdRounds:
+    """The job's rounds on etcd, and the rounds' store beside them."""
     prefix = job_prefix(plan.rdzv_id)
     store = EtcdStore(gateway, prefix + "store/", timedelta(seconds=settings.read_timeout))
     host, port = settings.endpoints[0]
-    params = RendezvousParameters(
-        backend="etcd-v3",
-        endpoint=plan.rdzv_endpoint,
-        run_id=plan.rdzv_id,
-        min_nodes=plan.min_nodes,
-        max_nodes=plan.max_nodes,
-        local_addr=plan.local_addr or route_address(host, port) or socket.getfqdn(),
-        **plan.rdzv_conf,
+    timeouts = plan.rdzv_timeouts
+    return EtcdRounds(
+        gateway,
+        prefix,
+        store,
+        (plan.min_nodes, plan.max_nodes),
+        (timeouts.join, timeouts.last_call),
+        plan.local_addr or route_address(host, port) or socket.getfqdn(),
+        plan.nproc,
     )
-    return create_handler(store, EtcdStateBackend(gateway, prefix + "state"), params)
 
 
 def connect_etcd(plan: LaunchPlan) -> EtcdRendezvous:
@@ -226,7 +218,7 @@ def connect_etcd(plan: LaunchPlan) -> EtcdRendezvous:
 
     Reads no variable itself; sets ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` in the
     launcher's own environment, as :func:`~dist_launch.rendezvous.c10d.connect_c10d`
-    does, so that the round's rank 0 worker hosts the workers' store.
+    does (the workers' store is the round's rank 0 worker's).
 
     Raises:
         RendezvousUsageError: A malformed endpoint or ``--rdzv-conf``, or a
@@ -242,10 +234,10 @@ def connect_etcd(plan: LaunchPlan) -> EtcdRendezvous:
     gateway = EtcdGateway(settings.endpoints, settings.protocol, settings.tls, REQUEST_SECONDS)
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     try:
-        handler = _torch_handler(plan, settings, gateway)
-        closed = bool(handler.is_closed())  # the first read of etcd
+        handler = _rounds(plan, settings, gateway)
+        closed = handler.is_closed()  # the first read of etcd
         lease = NodeLease(gateway, settings.lease_ttl, settings.keep_alive_interval / 3)
-    except Exception as error:  # EtcdError, or torch's RendezvousConnectionError of it
+    except Exception as error:  # EtcdError, a usage error of the plan's timeouts
         raise ConnectionError(
             f"cannot reach etcd at {plan.rdzv_endpoint}: {error}; {INSTALL_HINT}"
         ) from error

@@ -9,8 +9,9 @@ README ("Several nodes") for why no etcd library was chosen.
 :class:`EtcdGateway` holds the cluster's endpoints and moves to the next one when one
 does not answer, so a job outlives any one etcd member; a member that does not even
 accept a connection (cut off) is passed over within a second (:mod:`.etcd_http`). It
-knows only the few calls the rendezvous needs: read one key, count a prefix, write,
-compare-and-set on a key's ``mod_revision``, delete, and leases.
+knows only the few calls the rendezvous needs: read one key, count a prefix, read
+several ranges at one revision, write, create-only and compare-and-set writes, delete,
+leases, and a watch bounded in time.
 """
 
 from __future__ import annotations
@@ -57,6 +58,42 @@ class KeyValue:
     mod_revision: int
 
 
+@dataclass(frozen=True)
+class Range:
+    """One range of a :meth:`EtcdGateway.read`: a key, or every key under a prefix.
+
+    Attributes:
+        key: The key, or the prefix when ``prefix``.
+        prefix: Every key that starts with ``key``.
+        count_only: Only how many keys there are.
+        by_creation: Keys in the order they were created (else by key).
+    """
+
+    key: bytes
+    prefix: bool = False
+    count_only: bool = False
+    by_creation: bool = False
+
+    def request(self) -> dict[str, Any]:
+        """The range's ``request_range`` body."""
+        body: dict[str, Any] = {"key": _b64(self.key)}
+        if self.prefix:
+            body["range_end"] = _b64(_prefix_end(self.key))
+        if self.count_only:
+            body["count_only"] = True
+        if self.by_creation:
+            body |= {"sort_order": "ASCEND", "sort_target": "CREATE"}
+        return body
+
+
+@dataclass(frozen=True)
+class Ranged:
+    """What one :class:`Range` found: its keys in order (none when count_only), the count."""
+
+    keys: list[tuple[bytes, KeyValue]]
+    count: int
+
+
 def _b64(data: bytes) -> str:
     return base64.b64encode(data).decode("ascii")
 
@@ -70,6 +107,12 @@ def _prefix_end(prefix: bytes) -> bytes:
             return bytes(end)
         end.pop()
     return b"\0"  # every key
+
+
+def _has_events(line: bytes) -> bool:
+    """Whether one line of a watch's stream ends the watch (changes, or its end)."""
+    result = json.loads(line or b"{}").get("result", {})
+    return bool(result.get("events") or result.get("canceled") or result.get("compact_revision"))
 
 
 def _key_value(raw: dict[str, Any]) -> KeyValue:
@@ -257,6 +300,97 @@ class EtcdGateway:
         )
         ranged = answer.get("responses", [])[-1].get("response_range", {}).get("kvs", [])
         return bool(answer.get("succeeded", False)), (_key_value(ranged[0]) if ranged else None)
+
+    def read(self, ranges: list[Range]) -> tuple[list[Ranged], int]:
+        """Several ranges read at one revision, in one request; what each found, the revision."""
+        requests = [{"request_range": one.request()} for one in ranges]
+        answer = self.call("kv/txn", {"compare": [], "success": requests, "failure": []})
+        found: list[Ranged] = []
+        for response in answer.get("responses", []):
+            ranged = response.get("response_range", {})
+            kvs = [
+                (base64.b64decode(kv.get("key", "")), _key_value(kv))
+                for kv in ranged.get("kvs", [])
+            ]
+            found.append(Ranged(kvs, int(ranged.get("count", 0))))
+        return found, int(answer.get("header", {}).get("revision", 0))
+
+    def create(
+        self, key: bytes, value: bytes, also: dict[bytes, bytes] | None = None
+    ) -> tuple[bool, KeyValue | None]:
+        """Sets the key only if it is not set, with the keys of ``also`` in the same write.
+
+        Returns:
+            Whether this call set it, and the key as it is now.
+        """
+        read = {"request_range": {"key": _b64(key)}}
+        puts = [{"request_put": {"key": _b64(key), "value": _b64(value)}}]
+        puts += [
+            {"request_put": {"key": _b64(k), "value": _b64(v)}} for k, v in (also or {}).items()
+        ]
+        answer = self.call(
+            "kv/txn",
+            {
+                "compare": [{"key": _b64(key), "target": "CREATE", "result": "EQUAL",
+                             "create_revision": "0"}],
+                "success": [*puts, read],
+                "failure": [read],
+            },
+        )  # fmt: skip
+        ranged = answer.get("responses", [])[-1].get("response_range", {}).get("kvs", [])
+        return bool(answer.get("succeeded", False)), (_key_value(ranged[0]) if ranged else None)
+
+    def watch(
+        self, prefix: bytes, start_revision: int, seconds: float
+    ) -> list[tuple[bytes, KeyValue | None]]:
+        """The changes under ``prefix`` from ``start_revision`` on, waiting up to ``seconds``.
+
+        One request to the member that answered last: a watch that ends at its first
+        batch of changes, or after ``seconds`` with none (``[]``).
+
+        Returns:
+            ``(key, its new value)`` of each change, None for a deletion.
+
+        Raises:
+            EtcdError: The member did not answer or refused the watch (history
+                compacted): read the keys again instead.
+        """
+        body = {
+            "create_request": {
+                "key": _b64(prefix),
+                "range_end": _b64(_prefix_end(prefix)),
+                "start_revision": str(start_revision),
+            }
+        }
+        with self._lock:
+            if self._stopped:
+                raise EtcdError("watch not tried: this node stopped calling etcd")
+            self._calls += 1
+            index = self._current
+        host, port = self.endpoints[index]
+        try:
+            lines = etcd_http.post_lines(
+                host, port, "/v3/watch", json.dumps(body).encode(), seconds=seconds,
+                context=self._context, enough=_has_events,
+            )  # fmt: skip
+        except (OSError, ValueError, http.client.HTTPException) as error:
+            raise EtcdError(f"{self._url(index, 'watch')}: {error}") from error
+        finally:
+            with self._lock:
+                self._calls -= 1
+                self._idle.notify_all()
+        changes: list[tuple[bytes, KeyValue | None]] = []
+        for line in lines:
+            result = json.loads(line).get("result", {})
+            if result.get("canceled") or result.get("compact_revision"):
+                raise EtcdError(f"{self._url(index, 'watch')}: watch ended: {line[:200]!r}")
+            for event in result.get("events", []):
+                kv = event.get("kv", {})
+                gone = event.get("type") == "DELETE"
+                changes.append(
+                    (base64.b64decode(kv.get("key", "")), None if gone else _key_value(kv))
+                )
+        return changes
 
     def delete(self, key: bytes) -> None:
         """Removes the key (nothing when it is not set)."""

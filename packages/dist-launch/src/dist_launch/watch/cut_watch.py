@@ -172,6 +172,13 @@ def silence_bound(
     return max(MIN_SILENCE_SECONDS, bound) + stall_seconds
 
 
+def fencing_bound(plan: LaunchPlan, stall_seconds: float = 0.0) -> float:
+    """:func:`silence_bound` for ``plan``: its fixed ``--hang-timeout`` and keep-alive."""
+    policy = plan.hang_policy
+    hang_seconds = policy.seconds if policy.mode == "fixed" else None
+    return silence_bound(hang_seconds, plan.rdzv_timeouts.node_dead_after, stall_seconds)
+
+
 def node_ranks(base_rank: int, nproc: int, nodes: int, own: int) -> dict[int, tuple[int, ...]]:
     """Every node's global ranks, as the round's assignment gives them.
 
@@ -219,8 +226,6 @@ def start_cut_watch(
             return f"the store at {assignment.master_addr} stopped answering ({silent})"
         return str(lost_store(silent, since))
 
-    policy = plan.hang_policy
-    hang_seconds = policy.seconds if policy.mode == "fixed" else None
     stall_seconds = float(getattr(rdzv, "store_stall_seconds", 0.0))
     return CutWatch(
         board,
@@ -228,7 +233,7 @@ def start_cut_watch(
         node_ranks(
             assignment.base_rank, plan.nproc, assignment.group_world_size, assignment.group_rank
         ),
-        silence_bound(hang_seconds, plan.rdzv_timeouts.node_dead_after, stall_seconds),
+        fencing_bound(plan, stall_seconds),
         on_fence,
         store_node,
         stall_seconds,
