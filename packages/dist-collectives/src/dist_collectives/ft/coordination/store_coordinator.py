@@ -274,6 +274,15 @@ def _append(store: KeyValueStore, key: str, value: str) -> None:
     store.append(key, value)  # type: ignore[attr-defined]
 
 
+def _existing(store: KeyValueStore, key: str) -> bytes:
+    """The value of a key known to exist and not empty, in one round trip.
+
+    torch's TCPStore client makes ``get`` two round trips (a wait for the key, then the
+    read); ``compare_set`` of the empty value answers with the stored one and leaves it.
+    """
+    return bytes(store.compare_set(key, "", ""))
+
+
 def _reported(store: KeyValueStore, quorum: Quorum) -> FailureReport | None:
     """The failure reported under ``quorum``'s id, if any, in one call.
 
@@ -294,7 +303,7 @@ def _decide(
 ) -> Quorum:
     previous = known if known is not None and known.round == round_ - 1 else None
     if previous is None and round_ > 0 and store.check([Keys.decision(round_ - 1)]):
-        previous = decode_quorum(store.get(Keys.decision(round_ - 1)))
+        previous = decode_quorum(_existing(store, Keys.decision(round_ - 1)))
     # The error record costs a read; only a round that could keep the id needs it.
     failed = (
         previous is not None
@@ -529,7 +538,7 @@ class _Round:
             return
         self._closer_checked_at = now
         if self._closer_seen is None:
-            seen = (int(store.add(self.closing_key, 0)), store.get(self.closer_key).decode())
+            seen = (int(store.add(self.closing_key, 0)), _existing(store, self.closer_key).decode())
         else:
             count, closer = store.multi_get([self.closing_key, self.closer_key])
             seen = (int(count), bytes(closer).decode())
@@ -559,7 +568,7 @@ class _Round:
         """
         store.add(self.closing_key, 1)
         if store.check([self.decision_key]):
-            return bytes(store.get(self.decision_key))
+            return _existing(store, self.decision_key)
         raw_members, registry, version = store.multi_get(
             [Keys.members(self.number), Keys.REGISTRY, Keys.REGISTRY_VERSION]
         )
@@ -619,13 +628,13 @@ def _wait_for_decision(
             try:
                 now = time.monotonic()
                 waiting.result(timeout=min(attempt.wake_in(tick, now), max(deadline - now, tick)))
-                return bytes(store.get(attempt.decision_key))
+                return _existing(store, attempt.decision_key)
             except concurrent.futures.TimeoutError:
                 pass
             except Exception:  # torch raises DistStoreError (or RuntimeError) on a timeout
                 if not store.check([attempt.decision_key]):
                     return None
-                return bytes(store.get(attempt.decision_key))
+                return _existing(store, attempt.decision_key)
         try:
             attempt.take_over_if_idle(liveness.store, replica_id, time.monotonic())
             if attempt.closing:
@@ -647,7 +656,7 @@ def _wait_for_decision(
 
 def _decision_if_any(store: KeyValueStore, attempt: _Round) -> bytes | None:
     if store.check([attempt.decision_key]):
-        return bytes(store.get(attempt.decision_key))
+        return _existing(store, attempt.decision_key)
     return None
 
 
