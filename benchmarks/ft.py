@@ -470,7 +470,8 @@ def _transfer_and_scale(port: int, args: Any, only: str | None) -> dict[str, Any
         carried = ft_quorum_scale.carried(rows)
         results["quorum_scale"] = {
             "heartbeat_s": ft_quorum_scale.HEARTBEAT_S,
-            "beat_s": ft_quorum_scale.HEARTBEAT_S * ft_quorum_scale.BEAT_TICKS,
+            "beat_s": ft_quorum_scale.beat_seconds(),
+            "drivers": ft_quorum_scale.DRIVERS,
             "heartbeat_timeout_s": ft_quorum_scale.HEARTBEAT_TIMEOUT.total_seconds(),
             "processes": ft_quorum_scale.PROCESSES,
             "rows": rows,
@@ -478,11 +479,12 @@ def _transfer_and_scale(port: int, args: Any, only: str | None) -> dict[str, Any
         }
         print(
             "quorum at scale: one TCPStore, replicas ticking every 100 ms and beating "
-            f"every 500 ms (threads in {ft_quorum_scale.PROCESSES} processes; heartbeat "
-            "timeout 2 s)"
+            f"every 500 ms ({ft_quorum_scale.PROCESSES} processes, "
+            f"{ft_quorum_scale.DRIVERS} watch drivers each; heartbeat timeout 2 s)"
         )
         print(
-            f"{'replicas':>9}{'quorum s':>10}{'calls/replica':>14}{'death seen':>12}"
+            f"{'replicas':>9}{'quorum s':>10}{'joined':>8}{'decided':>8}{'calls/replica':>14}"
+            f"{'death seen':>12}"
             f"{'requests/s':>12}{'keys/s':>11}{'limit keys/s':>14}{'used':>7}"
             f"{'store adds/s':>14}{'load avg':>12}"
         )
@@ -492,10 +494,11 @@ def _transfer_and_scale(port: int, args: Any, only: str | None) -> dict[str, Any
                 death = row["death_all_s"]
                 death_text = f"{death:>11.2f}s" if death is not None else f"{'none':>12}"
                 timing = (
-                    f"{row['quorum_s']:>10.2f}{row['round_requests_per_replica']:>14}{death_text}"
+                    f"{row['quorum_s']:>10.2f}{row['joined_s']:>8.2f}{row['decision_s']:>8.2f}"
+                    f"{row['round_requests_per_replica']:>14}{death_text}"
                 )
             else:
-                timing = f"{'(scaled from ' + str(row['scaled_from']) + ')':>36}"
+                timing = f"{'(scaled from ' + str(row['scaled_from']) + ')':>52}"
             print(
                 f"{row['replicas']:>9}{timing}{row['requests_per_s']:>12}"
                 f"{row['keys_per_s']:>11}{row['limit_keys_per_s']:>14}{used:>6.0%}"
@@ -503,7 +506,8 @@ def _transfer_and_scale(port: int, args: Any, only: str | None) -> dict[str, Any
             )
         print(
             f"  one store carries about {carried} replicas' watch at this heartbeat "
-            "(requests and keys read grow as N); calls/replica: store calls of one "
+            "(requests and keys read grow as N); joined, decided: the last join and the "
+            "decision's write, from the ask; calls/replica: store calls of one "
             "quorum round per replica; death seen: heartbeat timeout 2 s included"
         )
     sys.stdout.flush()
