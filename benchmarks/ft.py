@@ -22,9 +22,10 @@ Real processes on this machine share one TCPStore hosted by this script.
 4. State transfer of a ``--transfer-gib`` GiB state between two processes against the
    machine's limit for the same bytes (raw gloo, raw socket), in the same run: see
    ``_lib/ft_transfer.py``.
-5. Quorum at scale: N simulated replicas (``--scale``, 64, 256, 1024 and 4096) heartbeating
-   every 100 ms against one TCPStore, through the product's quorum functions: time to
-   form a quorum of N, time until every replica saw one die, and the store load against
+5. Quorum at scale: N simulated replicas (``--scale``, 64, 256, 1024 and 4096), each the
+   ``StoreCoordinator`` a Manager builds, against one TCPStore on the watcher's schedule
+   (100 ms ticks, 500 ms beats): time to form a quorum of N, the store calls each replica
+   made for it, time until every replica saw one die, and the store load against
    the store's own rate (a count left out of ``--scale`` is scaled from the largest
    run): see ``_lib/ft_quorum_scale.py``.
 6. DDP's memory: peak resident memory and step time of torch's DDP on a plain gloo
@@ -433,6 +434,11 @@ def _load_text(row: dict[str, Any]) -> str:
     return f"{load[0]:.1f}-{load[1]:.1f}" if load else ""
 
 
+def _seconds(value: float | None, width: int) -> str:
+    """A time of the scale table, or "none" where the run got none."""
+    return f"{value:>{width}.2f}" if value is not None else f"{'none':>{width}}"
+
+
 def _transfer_and_scale(port: int, args: Any, only: str | None) -> dict[str, Any]:
     """Parts 4 and 5 (see the module doc): measures, prints, returns their JSON entries."""
     from _lib import ft_quorum_scale, ft_transfer
@@ -494,7 +500,8 @@ def _transfer_and_scale(port: int, args: Any, only: str | None) -> dict[str, Any
                 death = row["death_all_s"]
                 death_text = f"{death:>11.2f}s" if death is not None else f"{'none':>12}"
                 timing = (
-                    f"{row['quorum_s']:>10.2f}{row['joined_s']:>8.2f}{row['decision_s']:>8.2f}"
+                    f"{_seconds(row['quorum_s'], 10)}{_seconds(row['joined_s'], 8)}"
+                    f"{_seconds(row['decision_s'], 8)}"
                     f"{row['round_requests_per_replica']:>14}{death_text}"
                 )
             else:
@@ -504,6 +511,12 @@ def _transfer_and_scale(port: int, args: Any, only: str | None) -> dict[str, Any
                 f"{row['keys_per_s']:>11}{row['limit_keys_per_s']:>14}{used:>6.0%}"
                 f"{row['limit_adds_per_s']:>14}{_load_text(row):>12}"
             )
+        for row in rows:
+            if row.get("quorum_failed"):
+                print(
+                    f"  {row['replicas']}: {row['quorum_failed']} replicas got no quorum; the "
+                    f"first error: {row['quorum_error']}"
+                )
         print(
             f"  one store carries about {carried} replicas' watch at this heartbeat "
             "(requests and keys read grow as N); joined, decided: the last join and the "

@@ -66,6 +66,9 @@ LIMIT_SECONDS = 1.5
 # after the other, 2N clients in all (minutes at 4,096 on a loaded machine).
 SETUP_WAIT = timedelta(seconds=1800)
 STORE_TIMEOUT = timedelta(seconds=120)
+# How long a replica waits for the quorum (the Manager's ``timeout``): a replica that
+# gets none is counted in ``quorum_failed`` with the error it got.
+QUORUM_TIMEOUT = timedelta(seconds=300)
 
 
 def _config(replica_id: str, n: int) -> Any:
@@ -153,6 +156,7 @@ class _Replica:
         self.coordinator = StoreCoordinator(settings, stores.__getitem__, _NoGroup())
         self.bounded = bounded
         self.quorum: Any = None
+        self.error: str | None = None
         self.decided_at: float | None = None
         self.learned_at: float | None = None
 
@@ -241,7 +245,7 @@ class _Driver:
         coordinator = replica.coordinator
         if duties.beat:
             coordinator.beat()
-        if watching and duties.look:
+        if watching and duties.look and replica.quorum is not None:
             seen = coordinator.watch(replica.quorum)
             if replica.learned_at is None and self._victim not in seen.alive:
                 replica.learned_at = time.time()
@@ -282,8 +286,12 @@ def _worker(index: int, port: int, n: int, queue: Any, connecting: Any) -> None:
 
     def ask(replica: _Replica) -> None:
         go.wait()
-        deadline = time.monotonic() + STORE_TIMEOUT.total_seconds()
-        replica.quorum = replica.coordinator.quorum(JoinRequest(number=0, step=0), deadline)
+        deadline = time.monotonic() + QUORUM_TIMEOUT.total_seconds()
+        try:
+            replica.quorum = replica.coordinator.quorum(JoinRequest(number=0, step=0), deadline)
+        except Exception as error:  # counted and reported: a row says what N could not do
+            replica.error = f"{type(error).__name__}: {error}"[:300]
+            return
         replica.decided_at = time.time()
 
     askers = [threading.Thread(target=ask, args=(replica,)) for replica in replicas]
@@ -311,7 +319,7 @@ def _worker(index: int, port: int, n: int, queue: Any, connecting: Any) -> None:
         control.set("killed_at", repr(time.time()))
     killed_at = float(control.get("killed_at"))
     deadline = time.monotonic() + 60
-    others = [r for r in replicas if r.rid != victim]
+    others = [r for r in replicas if r.rid != victim and r.quorum is not None]
     while time.monotonic() < deadline and not all(r.learned_at is not None for r in others):
         time.sleep(0.05)  # the drivers record when each replica saw the death
     for driver in drivers:
@@ -321,8 +329,13 @@ def _worker(index: int, port: int, n: int, queue: Any, connecting: Any) -> None:
     queue.put(
         {
             "quorum_s": [r.decided_at - asked_at for r in replicas if r.decided_at is not None],
-            "joined_s": [r.quorum_calls_ended[3] - asked_at for r in replicas],
-            "sizes": [len(r.quorum.members) for r in replicas],
+            "joined_s": [
+                r.quorum_calls_ended[3] - asked_at
+                for r in replicas
+                if len(r.quorum_calls_ended) > 3
+            ],
+            "sizes": [len(r.quorum.members) for r in replicas if r.quorum is not None],
+            "errors": [r.error for r in replicas if r.error is not None],
             "death_s": [r.learned_at - killed_at for r in others if r.learned_at is not None],
             "missed": len([r for r in others if r.learned_at is None]),
             "load": load,
@@ -368,8 +381,11 @@ def measure_one(port: int, n: int) -> dict[str, Any]:
         load_before = os.getloadavg()[0]
         asked_at = time.time()
         control.set("go", repr(asked_at))
-        control.wait([Keys.decision(0)], SETUP_WAIT)  # the closer wrote the decision
-        decision_s = time.time() - asked_at
+        try:  # the closer wrote the decision
+            control.wait([Keys.decision(0)], QUORUM_TIMEOUT + timedelta(seconds=30))
+            decision_s: float | None = time.time() - asked_at
+        except Exception:  # none within the replicas' own timeout
+            decision_s = None
         while int(control.add("decided", 0)) < PROCESSES:
             time.sleep(0.05)
         phase("decided")
@@ -387,13 +403,17 @@ def measure_one(port: int, n: int) -> dict[str, Any]:
     requests = sum(r["load"][0] for r in reports)
     keys = sum(r["load"][1] for r in reports)
     assert all(size == n for r in reports for size in r["sizes"]), "a quorum missed replicas"
+    errors = [e for r in reports for e in r["errors"]]
+    joined = [t for r in reports for t in r["joined_s"]]
     return {
         "replicas": n,
-        "quorum_s": round(max(quorum), 3),
-        "quorum_median_s": round(statistics.median(quorum), 3),
+        "quorum_s": round(max(quorum), 3) if quorum and not errors else None,
+        "quorum_median_s": round(statistics.median(quorum), 3) if quorum else None,
+        "quorum_failed": len(errors),
+        "quorum_error": errors[0] if errors else None,
         # The last replica's join, and the decision's write (both from the ask).
-        "joined_s": round(max(t for r in reports for t in r["joined_s"]), 3),
-        "decision_s": round(decision_s, 3),
+        "joined_s": round(max(joined), 3) if len(joined) == n else None,
+        "decision_s": round(decision_s, 3) if decision_s is not None else None,
         "death_all_s": round(max(death), 3) if death else None,
         "death_median_s": round(statistics.median(death), 3) if death else None,
         "death_missed": sum(r["missed"] for r in reports),
