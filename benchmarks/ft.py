@@ -22,9 +22,10 @@ Real processes on this machine share one TCPStore hosted by this script.
 4. State transfer of a ``--transfer-gib`` GiB state between two processes against the
    machine's limit for the same bytes (raw gloo, raw socket), in the same run: see
    ``_lib/ft_transfer.py``.
-5. Quorum at scale: N simulated replicas (``--scale``, 64, 256, 1024 and 4096) heartbeating
-   every 100 ms against one TCPStore, through the product's quorum functions: time to
-   form a quorum of N, time until every replica saw one die, and the store load against
+5. Quorum at scale: N simulated replicas (``--scale``, 64, 256, 1024 and 4096), each the
+   ``StoreCoordinator`` a Manager builds, against one TCPStore on the watcher's schedule
+   (100 ms ticks, 500 ms beats): time to form a quorum of N, the store calls each replica
+   made for it, time until every replica saw one die, and the store load against
    the store's own rate (a count left out of ``--scale`` is scaled from the largest
    run): see ``_lib/ft_quorum_scale.py``.
 6. DDP's memory: peak resident memory and step time of torch's DDP on a plain gloo
@@ -433,6 +434,11 @@ def _load_text(row: dict[str, Any]) -> str:
     return f"{load[0]:.1f}-{load[1]:.1f}" if load else ""
 
 
+def _seconds(value: float | None, width: int) -> str:
+    """A time of the scale table, or "none" where the run got none."""
+    return f"{value:>{width}.2f}" if value is not None else f"{'none':>{width}}"
+
+
 def _transfer_and_scale(port: int, args: Any, only: str | None) -> dict[str, Any]:
     """Parts 4 and 5 (see the module doc): measures, prints, returns their JSON entries."""
     from _lib import ft_quorum_scale, ft_transfer
@@ -470,7 +476,8 @@ def _transfer_and_scale(port: int, args: Any, only: str | None) -> dict[str, Any
         carried = ft_quorum_scale.carried(rows)
         results["quorum_scale"] = {
             "heartbeat_s": ft_quorum_scale.HEARTBEAT_S,
-            "beat_s": ft_quorum_scale.HEARTBEAT_S * ft_quorum_scale.BEAT_TICKS,
+            "beat_s": ft_quorum_scale.beat_seconds(),
+            "drivers": ft_quorum_scale.DRIVERS,
             "heartbeat_timeout_s": ft_quorum_scale.HEARTBEAT_TIMEOUT.total_seconds(),
             "processes": ft_quorum_scale.PROCESSES,
             "rows": rows,
@@ -478,11 +485,12 @@ def _transfer_and_scale(port: int, args: Any, only: str | None) -> dict[str, Any
         }
         print(
             "quorum at scale: one TCPStore, replicas ticking every 100 ms and beating "
-            f"every 500 ms (threads in {ft_quorum_scale.PROCESSES} processes; heartbeat "
-            "timeout 2 s)"
+            f"every 500 ms ({ft_quorum_scale.PROCESSES} processes, "
+            f"{ft_quorum_scale.DRIVERS} watch drivers each; heartbeat timeout 2 s)"
         )
         print(
-            f"{'replicas':>9}{'quorum s':>10}{'calls/replica':>14}{'death seen':>12}"
+            f"{'replicas':>9}{'quorum s':>10}{'joined':>8}{'decided':>8}{'calls/replica':>14}"
+            f"{'death seen':>12}"
             f"{'requests/s':>12}{'keys/s':>11}{'limit keys/s':>14}{'used':>7}"
             f"{'store adds/s':>14}{'load avg':>12}"
         )
@@ -492,18 +500,27 @@ def _transfer_and_scale(port: int, args: Any, only: str | None) -> dict[str, Any
                 death = row["death_all_s"]
                 death_text = f"{death:>11.2f}s" if death is not None else f"{'none':>12}"
                 timing = (
-                    f"{row['quorum_s']:>10.2f}{row['round_requests_per_replica']:>14}{death_text}"
+                    f"{_seconds(row['quorum_s'], 10)}{_seconds(row['joined_s'], 8)}"
+                    f"{_seconds(row['decision_s'], 8)}"
+                    f"{row['round_requests_per_replica']:>14}{death_text}"
                 )
             else:
-                timing = f"{'(scaled from ' + str(row['scaled_from']) + ')':>36}"
+                timing = f"{'(scaled from ' + str(row['scaled_from']) + ')':>52}"
             print(
                 f"{row['replicas']:>9}{timing}{row['requests_per_s']:>12}"
                 f"{row['keys_per_s']:>11}{row['limit_keys_per_s']:>14}{used:>6.0%}"
                 f"{row['limit_adds_per_s']:>14}{_load_text(row):>12}"
             )
+        for row in rows:
+            if row.get("quorum_failed"):
+                print(
+                    f"  {row['replicas']}: {row['quorum_failed']} replicas got no quorum; the "
+                    f"first error: {row['quorum_error']}"
+                )
         print(
             f"  one store carries about {carried} replicas' watch at this heartbeat "
-            "(requests and keys read grow as N); calls/replica: store calls of one "
+            "(requests and keys read grow as N); joined, decided: the last join and the "
+            "decision's write, from the ask; calls/replica: store calls of one "
             "quorum round per replica; death seen: heartbeat timeout 2 s included"
         )
     sys.stdout.flush()

@@ -1,21 +1,33 @@
 """Quorum at scale: N simulated replicas against one TCPStore on loopback.
 
-Each simulated replica is what a :class:`dist_collectives.ft.Manager` does with the
-store, through the store coordinator's own functions (``Liveness``, ``compute_quorum``), on
-the same three connections a Manager opens for them:
+Each simulated replica is a ``StoreCoordinator``
+(``dist_collectives.ft.coordination.store_coordinator``), the object a
+:class:`dist_collectives.ft.Manager` speaks to the other replicas through, built from
+the Manager's own settings (``ManagerConfig``) on its own TCPStore connections. What
+the simulation runs of it is the product's code:
 
-- a watcher thread that ticks every 100 ms: it beats every fifth tick (``Liveness.beat``,
-  every 500 ms: a quarter of the 2 s heartbeat timeout) and reads the registry
-  version with it, polls the quorum's error key every tick and, every second tick,
-  reads who of the quorum is alive (``Liveness.alive_members``: the quorum's first member reads
-  every heartbeat and publishes whom it found gone; the others read that record and
-  the first member's heartbeat), as the Manager's watcher does while a step runs;
-- ``compute_quorum`` with ``min_replicas=N`` on a bounded connection (the Manager's
-  ``BoundedStore``, whose link thread waits for the decision), its ticker on a second.
+- ``join`` (announce), then ``quorum`` from one thread per replica, as the Manager's
+  quorum worker asks, on a bounded connection (the Manager's ``BoundedStore``, whose
+  link thread waits for the decision), with ``min_replicas=N``;
+- the watcher's store calls on the watcher's own schedule
+  (:class:`~dist_collectives.ft.replica.manager_watcher.WatchSchedule`: a tick every
+  100 ms, a beat every 500 ms, a look at the step every second tick, the registry
+  version every second while no step runs): ``beat``, ``watch`` and
+  ``registry_version``.
 
-The replicas run as threads spread over ``PROCESSES`` processes (on a machine of
-2 cores, 3N threads: the replicas' own Python work shares the cores with the store,
-which a real job's replicas, each on its own host, would not). Measured per N:
+What is simulated, and why: a Manager runs its watcher on a thread of its own and
+its replica on a host of its own. Here the replicas are spread over ``PROCESSES``
+processes on a machine of 2 cores, where 3N threads that wake every tick starve the
+store and each other (the simulation measured its own scheduler, not the protocol).
+So ``DRIVERS`` threads per process each step the watchers of a slice of the replicas,
+one tick after the other, through each replica's coordinator and connection; a tick
+that a driver starts late is counted (``late_ticks``). A Manager's watcher also expires
+futures and checks deadlines on each tick, without the store: left out. The
+watcher and the quorum's round ticks share one plain connection per replica (the
+Manager gives each its own bounded one): neither waits on the server, and 2N
+connections connect in half the time of 3N on this sandbox's loopback.
+
+Measured per N:
 
 - quorum: from the moment every replica is told to ask until the last one has the
   decision of a quorum of all N, and the store calls each replica made for it;
@@ -40,27 +52,58 @@ from typing import Any
 
 from _lib.processes import collect, reap
 
-# How many processes the replicas' threads are spread over (FT_BENCH_SCALE_PROCESSES):
-# fewer threads per process hand the GIL around less.
-PROCESSES = int(os.environ.get("FT_BENCH_SCALE_PROCESSES", "4"))
-HEARTBEAT_S = 0.1  # the Manager's default heartbeat_interval: the watcher's tick
-CHECK_TICKS = 2  # the Manager's watcher reads liveness every second tick
+# How many processes the replicas are spread over (FT_BENCH_SCALE_PROCESSES), and how
+# many threads of each step the replicas' watchers (FT_BENCH_SCALE_DRIVERS).
+PROCESSES = int(os.environ.get("FT_BENCH_SCALE_PROCESSES", "8"))
+DRIVERS = int(os.environ.get("FT_BENCH_SCALE_DRIVERS", "1"))
+
+HEARTBEAT_INTERVAL = timedelta(milliseconds=100)  # the Manager's default: the watcher's tick
+HEARTBEAT_S = HEARTBEAT_INTERVAL.total_seconds()
 HEARTBEAT_TIMEOUT = timedelta(seconds=2)  # the Manager's default
-# The Manager's beat: a quarter of the heartbeat timeout (ManagerConfig.beat_interval).
-BEAT_TICKS = 5
 LIMIT_THREADS = 8  # per process, for the store's own rate
 LIMIT_SECONDS = 1.5
 # How long a process waits for the others between phases: the processes connect one
-# after the other, 3N clients in all (minutes at 4,096 on a loaded machine).
+# after the other, 2N clients in all (minutes at 4,096 on a loaded machine).
 SETUP_WAIT = timedelta(seconds=1800)
+STORE_TIMEOUT = timedelta(seconds=120)
+# How long a replica waits for the quorum (the Manager's ``timeout``): a replica that
+# gets none is counted in ``quorum_failed`` with the error it got.
+QUORUM_TIMEOUT = timedelta(seconds=300)
+
+
+def _config(replica_id: str, n: int) -> Any:
+    """The settings of one simulated replica's Manager."""
+    from dist_collectives.ft.replica.manager_config import ManagerConfig
+
+    return ManagerConfig(
+        replica_id=replica_id,
+        host="127.0.0.1",
+        port=0,
+        min_replica_size=n,
+        timeout=STORE_TIMEOUT,
+        heartbeat_interval=HEARTBEAT_INTERVAL,
+        heartbeat_timeout=HEARTBEAT_TIMEOUT,
+        join_timeout=timedelta(seconds=60),
+        first_quorum_window=timedelta(0),
+        namespace=f"scale{n}",
+        group_rank=0,
+        group_world_size=1,
+        init_sync=False,
+    )
+
+
+def beat_seconds() -> float:
+    """How often a simulated replica beats (the Manager's beat interval)."""
+    return _config("r", 1).beat_interval.total_seconds()
 
 
 class _Counting:
     """A store client that counts its requests and the keys they carry."""
 
-    def __init__(self, store: Any, counts: list[int]) -> None:
+    def __init__(self, store: Any, counts: list[int], ended: list[float] | None = None) -> None:
         self._store = store
         self._counts = counts  # [requests, keys]
+        self._ended = ended  # when each call returned, if kept
 
     def __getattr__(self, name: str) -> Any:
         method = getattr(self._store, name)
@@ -69,17 +112,59 @@ class _Counting:
             self._counts[0] += 1
             keys = args[0] if args and isinstance(args[0], list) else [None]
             self._counts[1] += len(keys)
-            return method(*args, **kwargs)
+            result = method(*args, **kwargs)
+            if self._ended is not None:
+                self._ended.append(time.time())
+            return result
 
         return call
+
+
+class _NoGroup:
+    """The Manager's side of the coordinator's waits, for a replica of one rank."""
+
+    def group_wait(self, *, arrival: str | None = None, awaited: str | None = None) -> str | None:
+        return None
+
+    def vote_wait(self, deadline: float | None) -> None:
+        return None
+
+
+class _Replica:
+    """One simulated replica: its coordinator, and what the round and the watch cost it."""
+
+    def __init__(self, rid: str, n: int, port: int, shared: Any) -> None:
+        from dist_collectives.ft.coordination.store_coordinator import StoreCoordinator
+
+        self.rid = rid
+        self.round_counts = [0, 0]  # the calls of the quorum round
+        # When each call on the quorum's connection returned: the fourth ends its join
+        # (read the round, append, bump the version, elect the closer).
+        self.quorum_calls_ended: list[float] = []
+        self.watch_counts = [0, 0]  # the watcher's
+        namespace = f"scale{n}"
+        plain = _connect(port, namespace)
+        bounded = _bounded(port, namespace, rid)
+        bounded.add("connected_probe", 0)  # connects now, as a Manager does when it starts
+        stores = {
+            "vote": shared,  # the simulation never votes
+            "quorum": _Counting(bounded, self.round_counts, self.quorum_calls_ended),
+            "round": _Counting(plain, self.round_counts),
+            "watch": _Counting(plain, self.watch_counts),
+        }
+        settings = _config(rid, n).coordinator_settings()
+        self.coordinator = StoreCoordinator(settings, stores.__getitem__, _NoGroup())
+        self.bounded = bounded
+        self.quorum: Any = None
+        self.error: str | None = None
+        self.decided_at: float | None = None
+        self.learned_at: float | None = None
 
 
 def _bounded(port: int, namespace: str, rid: str) -> Any:
     from dist_collectives.ft.coordination.bounded_store import BoundedStore
 
-    return BoundedStore(
-        "127.0.0.1", port, prefix=namespace, timeout=timedelta(seconds=120), label=rid
-    )
+    return BoundedStore("127.0.0.1", port, prefix=namespace, timeout=STORE_TIMEOUT, label=rid)
 
 
 def _connect(port: int, namespace: str) -> Any:
@@ -87,7 +172,7 @@ def _connect(port: int, namespace: str) -> Any:
 
     from dist_collectives.ft.store import connect_tcp_store
 
-    client = connect_tcp_store("127.0.0.1", port, timedelta(seconds=120), shared=False)
+    client = connect_tcp_store("127.0.0.1", port, STORE_TIMEOUT, shared=False)
     return PrefixStore(namespace, client)
 
 
@@ -123,32 +208,65 @@ def _store_limit(port: int, n: int, seconds: float) -> dict[str, float]:
     return rates
 
 
+class _Driver:
+    """Steps the watchers of a slice of the replicas, tick by tick (see the module doc)."""
+
+    def __init__(self, replicas: list[_Replica], victim: str, schedule: Any) -> None:
+        self._replicas = replicas
+        self._victim = victim
+        self._schedule = schedule
+        self.stopped = threading.Event()  # the victim's heartbeat
+        self.watching = threading.Event()
+        self.done = threading.Event()
+        self.late_ticks = 0
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        ticks = 0
+        next_tick = time.monotonic()
+        while not self.done.is_set():
+            next_tick += HEARTBEAT_S
+            delay = next_tick - time.monotonic()
+            if delay > 0:
+                self.done.wait(delay)
+            else:
+                self.late_ticks += 1
+                next_tick = time.monotonic()
+            ticks += 1
+            duties = self._schedule.duties(ticks)
+            watching = self.watching.is_set()
+            for replica in self._replicas:
+                if replica.rid == self._victim and self.stopped.is_set():
+                    continue
+                self._tick(replica, duties, watching)
+
+    def _tick(self, replica: _Replica, duties: Any, watching: bool) -> None:
+        """The store calls of one tick of one replica's watcher (``Watcher._tick``'s)."""
+        coordinator = replica.coordinator
+        if duties.beat:
+            coordinator.beat()
+        if watching and duties.look and replica.quorum is not None:
+            seen = coordinator.watch(replica.quorum)
+            if replica.learned_at is None and self._victim not in seen.alive:
+                replica.learned_at = time.time()
+        elif not watching and duties.registry:
+            coordinator.registry_version()
+
+
 def _worker(index: int, port: int, n: int, queue: Any, connecting: Any) -> None:
-    from dist_collectives.ft.coordination.store_coordinator import Keys, Liveness, compute_quorum
+    from dist_collectives.ft.coordination.coordinator import JoinRequest
+    from dist_collectives.ft.replica.manager_watcher import WatchSchedule
 
     namespace = f"scale{n}"
     ids = [f"r{i:04d}" for i in range(index, n, PROCESSES)]
     victim = f"r{n - 1:04d}"  # not the first member, which reads for the others
-    counts = [0, 0]
-    round_counts = [0, 0]  # the calls of compute_quorum alone
     # One process connects at a time: a storm of connects from several processes
     # makes some wait seconds for a retry here (gVisor's loopback).
     with connecting:
         control = _connect(port, namespace)
-        watchers = {
-            rid: Liveness(_Counting(_connect(port, namespace), counts), HEARTBEAT_TIMEOUT)
-            for rid in ids
-        }
-        bounded = {rid: _bounded(port, namespace, rid) for rid in ids}
-        for store in bounded.values():  # connects now, as a Manager does when it starts
-            store.add("connected_probe", 0)
-        quorum_stores = {rid: _Counting(bounded[rid], round_counts) for rid in ids}
-        tickers = {
-            rid: Liveness(_Counting(_connect(port, namespace), round_counts), HEARTBEAT_TIMEOUT)
-            for rid in ids
-        }
-    for rid in ids:
-        watchers[rid].announce(rid)
+        replicas = [_Replica(rid, n, port, control) for rid in ids]
+    for replica in replicas:
+        replica.coordinator.join()
     control.add("connected", 1)
     if index == 0:  # the store's own rate, while nothing else uses it
         while int(control.add("connected", 0)) < PROCESSES:
@@ -158,109 +276,83 @@ def _worker(index: int, port: int, n: int, queue: Any, connecting: Any) -> None:
     else:
         limit = None
         control.wait(["limit_done"], SETUP_WAIT)
-    stopped = threading.Event()  # the victim's heartbeat
-    done = threading.Event()
-    watching = threading.Event()
-    learned: dict[str, float] = {}
-    late_beats = [0]
-    quorums: dict[str, Any] = {}
+    schedule = WatchSchedule.of(_config(ids[0], n))
+    drivers = [
+        _Driver(replicas[i::DRIVERS], victim, schedule) for i in range(min(DRIVERS, len(replicas)))
+    ]
+    for driver in drivers:
+        driver.thread.start()
+    go = threading.Event()
 
-    def watch(rid: str) -> None:
-        liveness = watchers[rid]
-        store = liveness.store
-        ticks = 0
-        next_beat = time.monotonic()
-        while not done.is_set():
-            # A tick without a store call (before the watch, all but the beat's) is left
-            # out: the thread sleeps to the next one with a call, to spare the cores.
-            skip = 1 if watching.is_set() else BEAT_TICKS - ticks % BEAT_TICKS
-            next_beat += HEARTBEAT_S * skip
-            delay = next_beat - time.monotonic()
-            if delay > 0:
-                done.wait(delay)
-            else:
-                late_beats[0] += 1
-                next_beat = time.monotonic()
-            ticks += skip
-            if rid == victim and stopped.is_set():
-                continue
-            slow = ticks % CHECK_TICKS == 0
-            if ticks % BEAT_TICKS == 0:
-                liveness.beat(rid)
-                store.add(Keys.REGISTRY_VERSION, 0)  # the Manager reads newcomers with the beat
-            if not watching.is_set():
-                continue
-            quorum = quorums[rid]
-            store.check([Keys.error(quorum)])
-            if slow and rid not in learned:
-                alive = liveness.alive_members(
-                    quorum.quorum_id, quorum.members, rid, monitor=rid == quorum.members[0]
-                )
-                if victim not in alive:
-                    learned[rid] = time.time()
+    def ask(replica: _Replica) -> None:
+        go.wait()
+        deadline = time.monotonic() + QUORUM_TIMEOUT.total_seconds()
+        try:
+            replica.quorum = replica.coordinator.quorum(JoinRequest(number=0, step=0), deadline)
+        except Exception as error:  # counted and reported: a row says what N could not do
+            replica.error = f"{type(error).__name__}: {error}"[:300]
+            return
+        replica.decided_at = time.time()
 
-    threads = [threading.Thread(target=watch, args=(rid,), daemon=True) for rid in ids]
-    for thread in threads:
-        thread.start()
+    askers = [threading.Thread(target=ask, args=(replica,)) for replica in replicas]
+    for thread in askers:
+        thread.start()  # waiting, as the Manager's quorum worker waits for a request
     control.add("ready", 1)
     control.wait(["go"], SETUP_WAIT)
     asked_at = float(control.get("go"))
-    decided: dict[str, float] = {}
-    sizes: list[int] = []
-
-    def ask(rid: str) -> None:
-        quorum = compute_quorum(
-            quorum_stores[rid],
-            rid,
-            0,
-            liveness=tickers[rid],
-            min_replicas=n,
-            join_timeout=timedelta(seconds=60),
-            timeout=timedelta(seconds=120),
-        )
-        decided[rid] = time.time()
-        quorums[rid] = quorum
-        sizes.append(len(quorum.members))
-
-    askers = [threading.Thread(target=ask, args=(rid,)) for rid in ids]
-    for thread in askers:
-        thread.start()
+    go.set()
     for thread in askers:
         thread.join()
     control.add("decided", 1)
     control.wait(["watch"], SETUP_WAIT)
-    watching.set()
-    before = list(counts)
+    before = [sum(r.watch_counts[i] for r in replicas) for i in (0, 1)]
+    for driver in drivers:
+        driver.watching.set()
     started = time.monotonic()
     control.wait(["kill"], SETUP_WAIT)
     load_seconds = time.monotonic() - started
-    load = [(after - b) / load_seconds for after, b in zip(counts, before, strict=True)]
-    if victim in watchers:
-        stopped.set()
+    after = [sum(r.watch_counts[i] for r in replicas) for i in (0, 1)]
+    load = [(a - b) / load_seconds for a, b in zip(after, before, strict=True)]
+    if victim in ids:
+        for driver in drivers:
+            driver.stopped.set()
         control.set("killed_at", repr(time.time()))
     killed_at = float(control.get("killed_at"))
     deadline = time.monotonic() + 60
-    others = [rid for rid in ids if rid != victim]
-    while time.monotonic() < deadline and not all(rid in learned for rid in others):
-        time.sleep(0.05)  # the watcher threads record when they saw the death
-    done.set()
+    others = [r for r in replicas if r.rid != victim and r.quorum is not None]
+    while time.monotonic() < deadline and not all(r.learned_at is not None for r in others):
+        time.sleep(0.05)  # the drivers record when each replica saw the death
+    for driver in drivers:
+        driver.done.set()
+    for driver in drivers:
+        driver.thread.join(10)
     queue.put(
         {
-            "quorum_s": [decided[rid] - asked_at for rid in ids],
-            "sizes": sizes,
-            "death_s": [learned[rid] - killed_at for rid in others if rid in learned],
-            "missed": len([rid for rid in others if rid not in learned]),
+            "quorum_s": [r.decided_at - asked_at for r in replicas if r.decided_at is not None],
+            "joined_s": [
+                r.quorum_calls_ended[3] - asked_at
+                for r in replicas
+                if len(r.quorum_calls_ended) > 3
+            ],
+            "sizes": [len(r.quorum.members) for r in replicas if r.quorum is not None],
+            "errors": [r.error for r in replicas if r.error is not None],
+            "death_s": [r.learned_at - killed_at for r in others if r.learned_at is not None],
+            "missed": len([r for r in others if r.learned_at is None]),
             "load": load,
-            "round_requests": round_counts[0],
-            "late_beats": late_beats[0],
+            "round_requests": sum(r.round_counts[0] for r in replicas),
+            "late_ticks": sum(d.late_ticks for d in drivers),
             "limit": limit,
         }
     )
+    for replica in replicas:
+        replica.bounded.close()  # its link thread; the plain connections end with the process
 
 
 def measure_one(port: int, n: int) -> dict[str, Any]:
     """One N: quorum formation, death detection, store load and limit."""
     from torch.distributed import PrefixStore, TCPStore
+
+    from dist_collectives.ft.coordination.store_coordinator import Keys
 
     client = TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False)
     control = PrefixStore(f"scale{n}", client)
@@ -284,10 +376,16 @@ def measure_one(port: int, n: int) -> dict[str, Any]:
 
     try:
         while int(control.add("ready", 0)) < PROCESSES:
-            time.sleep(0.05)  # the processes connect 3N clients and measure the limit
+            time.sleep(0.05)  # the processes connect 2N clients and measure the limit
         phase("connected")
         load_before = os.getloadavg()[0]
-        control.set("go", repr(time.time()))
+        asked_at = time.time()
+        control.set("go", repr(asked_at))
+        try:  # the closer wrote the decision
+            control.wait([Keys.decision(0)], QUORUM_TIMEOUT + timedelta(seconds=30))
+            decision_s: float | None = time.time() - asked_at
+        except Exception:  # none within the replicas' own timeout
+            decision_s = None
         while int(control.add("decided", 0)) < PROCESSES:
             time.sleep(0.05)
         phase("decided")
@@ -305,10 +403,17 @@ def measure_one(port: int, n: int) -> dict[str, Any]:
     requests = sum(r["load"][0] for r in reports)
     keys = sum(r["load"][1] for r in reports)
     assert all(size == n for r in reports for size in r["sizes"]), "a quorum missed replicas"
+    errors = [e for r in reports for e in r["errors"]]
+    joined = [t for r in reports for t in r["joined_s"]]
     return {
         "replicas": n,
-        "quorum_s": round(max(quorum), 3),
-        "quorum_median_s": round(statistics.median(quorum), 3),
+        "quorum_s": round(max(quorum), 3) if quorum and not errors else None,
+        "quorum_median_s": round(statistics.median(quorum), 3) if quorum else None,
+        "quorum_failed": len(errors),
+        "quorum_error": errors[0] if errors else None,
+        # The last replica's join, and the decision's write (both from the ask).
+        "joined_s": round(max(joined), 3) if len(joined) == n else None,
+        "decision_s": round(decision_s, 3) if decision_s is not None else None,
         "death_all_s": round(max(death), 3) if death else None,
         "death_median_s": round(statistics.median(death), 3) if death else None,
         "death_missed": sum(r["missed"] for r in reports),
@@ -318,7 +423,8 @@ def measure_one(port: int, n: int) -> dict[str, Any]:
         "keys_per_s": round(keys),
         "limit_adds_per_s": round(limit["add"]),
         "limit_keys_per_s": round(limit["multi_get"]),
-        "late_beats": sum(r["late_beats"] for r in reports),
+        "late_ticks": sum(r["late_ticks"] for r in reports),
+        "drivers": DRIVERS,
         "load_average": [round(load_before, 1), round(load_after, 1)],
     }
 

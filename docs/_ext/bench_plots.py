@@ -449,6 +449,11 @@ def _draw_ft_transfer(axes: Axes, transfer: Data) -> None:
     axes.legend(loc="upper left")
 
 
+def _maybe_seconds(value: float | None) -> str:
+    """A time of the scale figure, or "none" where the run got none."""
+    return f"{value:.2f} s" if value is not None else "none"
+
+
 def _draw_ft_scale(axes: Axes, scale: Data) -> None:
     """Store load of N replicas against the store's own rate, with the measured times."""
     rows = scale["rows"]
@@ -466,7 +471,8 @@ def _draw_ft_scale(axes: Axes, scale: Data) -> None:
         )
     for row in rows:
         text = (
-            f"quorum {row['quorum_s']:.2f} s\ndeath seen {row['death_all_s']:.2f} s"
+            f"quorum {_maybe_seconds(row.get('quorum_s'))}\n"
+            f"death seen {_maybe_seconds(row.get('death_all_s'))}"
             if row.get("simulated")
             else f"scaled from {row['scaled_from']}"
         )

@@ -100,3 +100,13 @@ def test_a_rank_beats_four_times_per_heartbeat_timeout_and_never_between_ticks(
         heartbeat_timeout=timedelta(seconds=timeout_s),
     )
     assert config.beat_interval == timedelta(milliseconds=beat_ms)
+
+
+def test_the_watcher_beats_four_times_per_heartbeat_timeout_and_looks_every_second_tick() -> None:
+    from dist_collectives.ft.replica.manager_watcher import WatchSchedule
+
+    schedule = WatchSchedule.of(CONFIG)  # a 100 ms tick, a 2 s heartbeat timeout
+    assert schedule == WatchSchedule(beat_ticks=5, registry_ticks=10, look_ticks=2)
+    assert [schedule.duties(tick).beat for tick in range(1, 11)].count(True) == 2
+    slow = dataclasses.replace(CONFIG, heartbeat_timeout=timedelta(milliseconds=200))
+    assert WatchSchedule.of(slow).beat_ticks == 1  # never less than once a tick

@@ -17,7 +17,11 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from dist_collectives.ft.coordination.quorum import CLOSER_CHECK_SECONDS, QuorumTimeoutError
+from dist_collectives.ft.coordination.quorum import (
+    CLOSER_CHECK_SECONDS,
+    Quorum,
+    QuorumTimeoutError,
+)
 from dist_collectives.ft.coordination.store_coordinator import Keys, Liveness, compute_quorum
 
 HEARTBEAT_TIMEOUT = timedelta(seconds=60)  # nobody stops beating in these tests
@@ -105,29 +109,87 @@ def test_a_quorum_round_costs_each_replica_a_few_calls_whatever_their_number(
     assert sorted(calls)[-2] <= bound
 
 
+def _quorum(members: tuple[str, ...], quorum_id: int = 7) -> Quorum:
+    return Quorum(
+        quorum_id=quorum_id, round=0, members=members, steps=(0,) * len(members), registry_version=0
+    )
+
+
 def test_a_watch_reads_a_few_keys_per_member_and_the_first_reads_for_everyone() -> None:
     store = dist.HashStore()
     members = tuple(f"r{i:03d}" for i in range(16))
+    quorum = _quorum(members)
     for name in members:
         Liveness(store, HEARTBEAT_TIMEOUT).announce(name)
     counters = {name: _Counting(store) for name in members}
     watchers = {name: Liveness(counters[name], HEARTBEAT_TIMEOUT) for name in members}  # type: ignore[arg-type]
     for name in members:
-        alive = watchers[name].alive_members(7, members, name, monitor=name == members[0])
-        assert alive == set(members)
+        seen = watchers[name].look(quorum, monitor=name == members[0])
+        assert seen.alive == set(members) and seen.failure is None
     others = [counters[name].keys for name in members[1:]]
     print(f"keys read: first member {counters[members[0]].keys}, others {sorted(set(others))}")
-    assert max(others) <= 4
+    assert max(others) <= 7  # the first look creates the record and the error key
     assert counters[members[0]].keys >= 2 * len(members)
-    # Once the first member's record exists, a member's look is one call of three keys.
-    before = {name: (counters[name].calls, counters[name].keys) for name in members[1:]}
-    for name in members[1:]:
-        assert watchers[name].alive_members(7, members, name, monitor=False) == set(members)
+    # Then each look of a member is one call of five keys: the error, the registry
+    # version, the first member's record, heartbeat and leave flag.
+    before = {name: (counters[name].calls, counters[name].keys) for name in members}
+    for name in members:
+        assert watchers[name].look(quorum, monitor=name == members[0]).alive == set(members)
     looks = {
         (counters[name].calls - calls, counters[name].keys - keys)
         for name, (calls, keys) in before.items()
+        if name != members[0]
     }
-    assert looks == {(1, 3)}
+    assert looks == {(1, 5)}
+    first_calls = counters[members[0]].calls - before[members[0]][0]
+    assert first_calls == 2, "the first member reads every heartbeat in one call and writes"
+
+
+WATCH_SECONDS = 1.0
+WATCH_INTERVAL = timedelta(milliseconds=100)
+WATCH_TIMEOUT = timedelta(seconds=2)
+
+
+def test_a_watched_step_costs_each_replica_a_few_calls_per_second_whatever_their_number() -> None:
+    """Every replica's watcher schedule, run tick by tick against one counting store.
+
+    A replica's store calls per second of a step's watch: a beat every beat interval and
+    a look every few ticks (the registry version comes with the look), whatever the
+    number of replicas.
+    """
+    from dist_collectives.ft.replica.manager_watcher import WatchSchedule
+
+    # A Manager's with its default tick (100 ms) and a 2 s heartbeat timeout
+    # (test_manager_config.py holds WatchSchedule.of to it).
+    schedule = WatchSchedule(beat_ticks=5, registry_ticks=10)
+    ticks = round(WATCH_SECONDS / WATCH_INTERVAL.total_seconds())
+    per_replica: dict[int, list[int]] = {}
+    for replicas in (4, 32):
+        store = dist.HashStore()
+        members = tuple(f"r{i:03d}" for i in range(replicas))
+        quorum = _quorum(members)
+        counters = {name: _Counting(store) for name in members}
+        watchers = {name: Liveness(counters[name], WATCH_TIMEOUT) for name in members}  # type: ignore[arg-type]
+        for name in members:
+            watchers[name].announce(name)
+        for name in members:
+            watchers[name].look(quorum, monitor=name == members[0])  # creates the keys
+        before = {name: counters[name].calls for name in members}
+        for tick in range(1, ticks + 1):
+            duties = schedule.duties(tick)
+            for name in members:
+                if duties.beat:
+                    watchers[name].beat(name)
+                if duties.look:
+                    watchers[name].look(quorum, monitor=name == members[0])
+        per_replica[replicas] = [counters[name].calls - before[name] for name in members]
+    print(f"store calls per replica per {WATCH_SECONDS} s of watch: {per_replica}")
+    looks = ticks // schedule.look_ticks
+    beats = ticks // schedule.beat_ticks
+    for calls in per_replica.values():
+        assert max(calls[1:]) == looks + beats  # every member but the first: one call a look
+        assert calls[0] == 2 * looks + beats  # the first also publishes whom it found gone
+    assert per_replica[4][1:3] == per_replica[32][1:3]
 
 
 def _join(store: dist.Store, name: str, *, minimum: int, timeout: float) -> tuple[str, ...]:
@@ -195,8 +257,9 @@ def test_a_watch_sees_a_member_stop_beating_and_not_one_that_beats() -> None:
     while time.monotonic() < deadline:
         for name in ("first", "reader"):  # "quiet" stopped beating after announcing itself
             watchers[name].beat(name)
+        quorum = _quorum(members, quorum_id=3)
         seen = {
-            name: watchers[name].alive_members(3, members, name, monitor=name == "first")
+            name: set(watchers[name].look(quorum, monitor=name == "first").alive)
             for name in ("first", "reader")
         }
         assert {"first", "reader"} <= seen["first"], "a member that beats was called gone"

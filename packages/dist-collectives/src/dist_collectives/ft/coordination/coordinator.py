@@ -84,6 +84,22 @@ class Verdict:
     timed_out: bool = False
 
 
+@dataclasses.dataclass(frozen=True)
+class StepWatch:
+    """What a step's watcher learns in one look (one store call for most replicas).
+
+    Attributes:
+        failure: The failure a replica reported for the step's quorum, if any.
+        alive: The quorum's members alive now, as this rank sees them.
+        registry_version: The registry version now (see
+            :meth:`ReplicaCoordinator.registry_version`).
+    """
+
+    failure: FailureReport | None
+    alive: frozenset[str]
+    registry_version: int
+
+
 def proposed_verdict(
     votes: int, quorum: Quorum, *, group_world_size: int, registry_version: int
 ) -> Verdict | None:
@@ -200,6 +216,14 @@ class ReplicaCoordinator(Protocol):
 
     def alive_members(self, quorum: Quorum) -> set[str]:
         """The members of ``quorum`` alive now, as this rank sees them."""
+
+    def watch(self, quorum: Quorum) -> StepWatch:
+        """One look at ``quorum``'s step: a failure reported, who is alive, the registry.
+
+        What :meth:`reported`, :meth:`alive_members` and :meth:`registry_version` answer,
+        read together: the watcher's look at a step in flight, which every replica
+        takes every few ticks, costs the store a constant number of calls.
+        """
 
     def break_group(self, message: str, *, arrival: str | None, awaited: str | None) -> None:
         """This group broke for good: ends its ranks' waits; rank 0 leaves the quorum."""

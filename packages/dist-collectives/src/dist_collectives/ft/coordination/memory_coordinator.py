@@ -20,6 +20,7 @@ from dist_collectives.ft.coordination.coordinator import (
     CoordinatorSettings,
     FailureReport,
     JoinRequest,
+    StepWatch,
     Verdict,
     WaitObserver,
     proposed_verdict,
@@ -380,6 +381,16 @@ class MemoryCoordinator:
         timeout, now = self._settings.heartbeat_timeout.total_seconds(), time.monotonic()
         with self._hub.cond:
             return {m for m in quorum.members if self._hub.alive(m, timeout, now)}
+
+    def watch(self, quorum: Quorum) -> StepWatch:
+        """The failure reported, the members alive and the registry version, read at once."""
+        timeout, now = self._settings.heartbeat_timeout.total_seconds(), time.monotonic()
+        with self._hub.cond:
+            return StepWatch(
+                failure=self._hub.errors.get(quorum.quorum_id),
+                alive=frozenset(m for m in quorum.members if self._hub.alive(m, timeout, now)),
+                registry_version=self._hub.registry_version,
+            )
 
     def break_group(self, message: str, *, arrival: str | None, awaited: str | None) -> None:
         """Rank 0 leaves and ends its wait for its ranks; another rank ends its wait for rank 0."""

@@ -62,6 +62,7 @@ from dist_collectives.ft.coordination.coordinator import (
     CoordinatorSettings,
     FailureReport,
     JoinRequest,
+    StepWatch,
     Verdict,
     WaitObserver,
     proposed_verdict,
@@ -241,8 +242,10 @@ def encode_failure(failure: FailureReport) -> str:
     return _json({"replica": failure.replica_id, "message": failure.message[:MESSAGE_CHARS]})
 
 
-def decode_failure(raw: bytes) -> FailureReport:
-    """A failure report."""
+def decode_failure(raw: bytes) -> FailureReport | None:
+    """A failure report; None for the empty value a watcher creates the key with."""
+    if not raw:
+        return None
     record = json.loads(raw)
     return FailureReport(str(record["replica"]), str(record["message"]))
 
@@ -271,6 +274,24 @@ def _append(store: KeyValueStore, key: str, value: str) -> None:
     store.append(key, value)  # type: ignore[attr-defined]
 
 
+def _existing(store: KeyValueStore, key: str) -> bytes:
+    """The value of a key known to exist and not empty, in one round trip.
+
+    torch's TCPStore client makes ``get`` two round trips (a wait for the key, then the
+    read); ``compare_set`` of the empty value answers with the stored one and leaves it.
+    """
+    return bytes(store.compare_set(key, "", ""))
+
+
+def _reported(store: KeyValueStore, quorum: Quorum) -> FailureReport | None:
+    """The failure reported under ``quorum``'s id, if any, in one call.
+
+    ``compare_set`` of the empty value answers with the stored one and creates a
+    missing key empty, as a watcher's first look does: either reads as no failure.
+    """
+    return decode_failure(bytes(store.compare_set(Keys.error(quorum), "", "")))
+
+
 def _decide(
     store: KeyValueStore,
     round_: int,
@@ -282,12 +303,12 @@ def _decide(
 ) -> Quorum:
     previous = known if known is not None and known.round == round_ - 1 else None
     if previous is None and round_ > 0 and store.check([Keys.decision(round_ - 1)]):
-        previous = decode_quorum(store.get(Keys.decision(round_ - 1)))
+        previous = decode_quorum(_existing(store, Keys.decision(round_ - 1)))
     # The error record costs a read; only a round that could keep the id needs it.
     failed = (
         previous is not None
         and keeps_quorum_id(previous, *proposed_members(members))
-        and store.check([Keys.error(previous)])
+        and _reported(store, previous) is not None
     )
     return decide_quorum(
         round_,
@@ -307,7 +328,7 @@ class Liveness:
         self._timeout = heartbeat_timeout.total_seconds()
         self._clock = HeartbeatClock()
         self._published = 0
-        self._record_of: int | None = None  # the quorum whose ``alive`` record exists
+        self._created_for: int | None = None  # the quorum whose record and error key exist
 
     @property
     def store(self) -> KeyValueStore:
@@ -357,44 +378,74 @@ class Liveness:
             )
         ]
 
-    def alive_members(
-        self, quorum_id: int, members: Sequence[str], replica_id: str, *, monitor: bool
-    ) -> set[str]:
-        """The members of a quorum that are alive, for the quorum's step watchers.
+    def look(self, quorum: Quorum, *, monitor: bool) -> StepWatch:
+        """One look at ``quorum``'s step: a failure reported, who is alive, the registry.
 
-        One member reads everybody's heartbeat (the first member, whose caller passes
+        One member reads every member's heartbeat (the first member, whose caller passes
         ``monitor``: its group rank 0) and publishes whom it found gone in
-        ``alive/<quorum_id>``; every other member reads that record and the monitor's own
-        heartbeat, one store call of three keys (two the first time, which creates the
-        record). A record that stood still for the
+        ``alive/<quorum_id>``: two calls, one read of 2M + 2 keys and one write. Every
+        other member reads that record, the monitor's heartbeat, the quorum's error key
+        and the registry version in one call of five keys. The first look at a quorum
+        creates the record and the error key, empty, so that the reads never wait for a
+        missing key (two calls more, once per quorum). A record that stood still for the
         heartbeat timeout while the monitor beats (it no longer watches a step) makes the
-        reader read everybody itself. The store then reads O(members) keys per interval,
-        not O(members²).
+        reader read every member itself. Each replica then makes one call per look and
+        the store reads O(members) keys, not O(members²).
         """
-        key = Keys.alive(quorum_id)
+        record_key, error_key = Keys.alive(quorum.quorum_id), Keys.error(quorum)
+        members = quorum.members
+        if self._created_for != quorum.quorum_id:
+            self._store.compare_set(error_key, "", "")
+            if not monitor:
+                self._store.compare_set(record_key, "", "")
+            self._created_for = quorum.quorum_id
         if monitor:
-            alive = self.alive()
+            error, version, *counters = self._store.multi_get(
+                [error_key, Keys.REGISTRY_VERSION, *self._member_keys(members)]
+            )
+            alive = self._alive_of(members, counters)
             self._published += 1
             found = sorted(set(members) - alive)
-            self._store.set(key, _json({"seq": self._published, "gone": found}))
-            return alive & set(members)
-        head = members[0]
-        head_keys = [Keys.heartbeat(head), Keys.left(head)]
-        if self._record_of == quorum_id:  # the record exists: one read of three keys
-            record, counter, left = self._store.multi_get([key, *head_keys])
+            self._store.set(record_key, _json({"seq": self._published, "gone": found}))
         else:
-            record = bytes(self._store.compare_set(key, "", ""))  # creates a missing record
-            counter, left = self._store.multi_get(head_keys)
-            self._record_of = quorum_id
-        now = time.monotonic()
-        head_alive = is_alive(
-            self._clock.quiet_for(head, counter, now), left=decode_flag(left), timeout=self._timeout
+            head = members[0]
+            error, version, record, counter, left = self._store.multi_get(
+                [error_key, Keys.REGISTRY_VERSION, record_key, *self._member_keys([head])]
+            )
+            now = time.monotonic()
+            head_alive = is_alive(
+                self._clock.quiet_for(head, counter, now),
+                left=decode_flag(left),
+                timeout=self._timeout,
+            )
+            quiet = self._clock.quiet_for(record_key, record, now)
+            if head_alive and quiet is not None and quiet >= self._timeout:
+                alive = self._alive_of(members, self._store.multi_get(self._member_keys(members)))
+            else:
+                gone = set(json.loads(record)["gone"]) if record else set()
+                alive = {m for m in members if m not in gone and (m != head or head_alive)}
+        return StepWatch(
+            failure=decode_failure(error), alive=frozenset(alive), registry_version=int(version)
         )
-        quiet = self._clock.quiet_for(key, record, now)
-        if head_alive and quiet is not None and quiet >= self._timeout:
-            return self.alive() & set(members)
-        gone = set(json.loads(record)["gone"]) if record else set()
-        return {m for m in members if m not in gone and (m != head or head_alive)}
+
+    @staticmethod
+    def _member_keys(members: Sequence[str]) -> list[str]:
+        """Every member's heartbeat counter, then every member's leave flag."""
+        return [Keys.heartbeat(m) for m in members] + [Keys.left(m) for m in members]
+
+    def _alive_of(self, members: Sequence[str], values: Sequence[bytes]) -> set[str]:
+        """The members alive, from the values of :meth:`_member_keys` read just now."""
+        now = time.monotonic()
+        counters, left = values[: len(members)], values[len(members) :]
+        return {
+            member
+            for member, counter, gone in zip(members, counters, left, strict=True)
+            if is_alive(
+                self._clock.quiet_for(member, counter, now),
+                left=decode_flag(gone),
+                timeout=self._timeout,
+            )
+        }
 
     def leave(self, replica_id: str) -> None:
         """Marks ``replica_id`` as gone for good, so that nobody waits for it."""
@@ -413,20 +464,7 @@ class Liveness:
         registered = sorted(set(decode_lines(registry)))
         if not registered:
             return set()
-        values = self._store.multi_get(
-            [Keys.heartbeat(r) for r in registered] + [Keys.left(r) for r in registered]
-        )
-        now = time.monotonic()
-        counters, left = values[: len(registered)], values[len(registered) :]
-        return {
-            replica
-            for replica, counter, gone in zip(registered, counters, left, strict=True)
-            if is_alive(
-                self._clock.quiet_for(replica, counter, now),
-                left=decode_flag(gone),
-                timeout=self._timeout,
-            )
-        }
+        return self._alive_of(registered, self._store.multi_get(self._member_keys(registered)))
 
 
 def _members_of(raw: bytes) -> dict[str, int]:
@@ -500,7 +538,7 @@ class _Round:
             return
         self._closer_checked_at = now
         if self._closer_seen is None:
-            seen = (int(store.add(self.closing_key, 0)), store.get(self.closer_key).decode())
+            seen = (int(store.add(self.closing_key, 0)), _existing(store, self.closer_key).decode())
         else:
             count, closer = store.multi_get([self.closing_key, self.closer_key])
             seen = (int(count), bytes(closer).decode())
@@ -530,7 +568,7 @@ class _Round:
         """
         store.add(self.closing_key, 1)
         if store.check([self.decision_key]):
-            return bytes(store.get(self.decision_key))
+            return _existing(store, self.decision_key)
         raw_members, registry, version = store.multi_get(
             [Keys.members(self.number), Keys.REGISTRY, Keys.REGISTRY_VERSION]
         )
@@ -590,13 +628,13 @@ def _wait_for_decision(
             try:
                 now = time.monotonic()
                 waiting.result(timeout=min(attempt.wake_in(tick, now), max(deadline - now, tick)))
-                return bytes(store.get(attempt.decision_key))
+                return _existing(store, attempt.decision_key)
             except concurrent.futures.TimeoutError:
                 pass
             except Exception:  # torch raises DistStoreError (or RuntimeError) on a timeout
                 if not store.check([attempt.decision_key]):
                     return None
-                return bytes(store.get(attempt.decision_key))
+                return _existing(store, attempt.decision_key)
         try:
             attempt.take_over_if_idle(liveness.store, replica_id, time.monotonic())
             if attempt.closing:
@@ -618,7 +656,7 @@ def _wait_for_decision(
 
 def _decision_if_any(store: KeyValueStore, attempt: _Round) -> bytes | None:
     if store.check([attempt.decision_key]):
-        return bytes(store.get(attempt.decision_key))
+        return _existing(store, attempt.decision_key)
     return None
 
 
@@ -886,7 +924,7 @@ class StoreCoordinator:
         if verdict.committed:
             return verdict
         try:
-            reported = self._reported(store, quorum)
+            reported = _reported(store, quorum)
         except StoreTimeoutError:
             reported = None
         return Verdict(committed=False, failure=reported, timed_out=timed_out)
@@ -948,14 +986,7 @@ class StoreCoordinator:
 
     def reported(self, quorum: Quorum) -> FailureReport | None:
         """The failure a replica reported for ``quorum``'s step, if any."""
-        return self._reported(self._watch, quorum)
-
-    @staticmethod
-    def _reported(store: KeyValueStore, quorum: Quorum) -> FailureReport | None:
-        key = Keys.error(quorum)
-        if not store.check([key]):
-            return None
-        return decode_failure(store.get(key))
+        return _reported(self._watch, quorum)
 
     def decision(self, quorum: Quorum) -> Verdict | None:
         """``quorum``'s step's verdict, if one was written."""
@@ -982,11 +1013,17 @@ class StoreCoordinator:
 
     def alive_members(self, quorum: Quorum) -> set[str]:
         """The members of ``quorum`` alive now; the first member reads for everybody."""
+        return set(self.watch(quorum).alive)
+
+    def watch(self, quorum: Quorum) -> StepWatch:
+        """One look at the step (see :meth:`Liveness.look`): one store call for most ranks.
+
+        The quorum's first member (its group rank 0) reads every member's heartbeat for
+        the others.
+        """
         s = self._settings
         monitor = s.group_rank == 0 and quorum.members[0] == s.replica_id
-        return self._watch_liveness.alive_members(
-            quorum.quorum_id, quorum.members, s.replica_id, monitor=monitor
-        )
+        return self._watch_liveness.look(quorum, monitor=monitor)
 
     def break_group(self, message: str, *, arrival: str | None, awaited: str | None) -> None:
         """Rank 0 leaves and ends its wait for its ranks; another rank ends its wait for rank 0."""

@@ -1,14 +1,17 @@
 """The Manager's watcher thread: heartbeats, the replica group's liveness, the step in flight.
 
 Every ``heartbeat_interval`` it expires overdue wrapped futures and fails the step in
-flight when another replica reported an error or a wait of the step ran past its
-deadline. Every ``beat_interval`` (a quarter of the heartbeat timeout, or every tick if
-that is longer) it beats this rank's heartbeat (group rank 0 also the replica's): the
-store's load from heartbeats is then N adds per beat interval. Every
-``_HEARTBEAT_CHECK_TICKS`` ticks it also reads the others' heartbeats and its replica
-group's, and with each beat (at least every second) the registry version: heartbeats
-only back up the error path, and newcomers only wait a little longer, so they are
-read less often to keep the store traffic small.
+flight when a wait of the step ran past its deadline (no store call). Its store calls
+follow a :class:`WatchSchedule`: every ``beat_interval`` (a quarter of the heartbeat
+timeout, or every tick if that is longer) it beats this rank's heartbeat (group rank 0
+also the replica's); every ``_LOOK_TICKS`` ticks, while a step is in flight, it takes
+one look at the step through the coordinator's ``watch`` (a failure another replica
+reported, who of the quorum is alive and the registry version, in one store call for
+every replica but the quorum's first) and reads its replica group's heartbeats; with
+no step in flight it reads the registry version every second. Each replica thus
+costs the store a few calls per heartbeat interval whatever the number of replicas,
+and the store's load grows as the number of replicas (``benchmarks/ft.py --only
+scale``).
 
 It also writes the failures the other threads queued in the state to the store, at
 once when woken (:meth:`Watcher.wake`): the threads that complete operations (a
@@ -23,6 +26,7 @@ executor's ``fail``.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -40,9 +44,51 @@ from dist_collectives.ft.replica.manager_decisions import (
 from dist_collectives.ft.replica.manager_futures import WrappedFutures
 from dist_collectives.ft.replica.manager_state import StepState
 
-_HEARTBEAT_CHECK_TICKS = 2
-# The registry version (newcomers) is read with the beat, but at least this often.
+# A look at the step in flight (and at the group's heartbeats) every this many ticks.
+_LOOK_TICKS = 2
+# With no step in flight, the registry version (newcomers) is read this often (a step's
+# look reads it with every look).
 _REGISTRY_READ_SECONDS = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class TickDuties:
+    """The store calls of one tick of the watcher.
+
+    Attributes:
+        beat: Beat this rank's heartbeat.
+        look: Look at the step in flight and at the group's heartbeats.
+        registry: Read the registry version (unless a look just read it).
+    """
+
+    beat: bool
+    look: bool
+    registry: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class WatchSchedule:
+    """Which ticks of the watcher make which store calls (see the module doc)."""
+
+    beat_ticks: int
+    registry_ticks: int
+    look_ticks: int = _LOOK_TICKS
+
+    @classmethod
+    def of(cls, config: ManagerConfig) -> WatchSchedule:
+        """The schedule of a Manager's watcher."""
+        interval = config.heartbeat_interval.total_seconds()
+        beat_ticks = max(1, int(config.beat_interval.total_seconds() / interval + 1e-9))
+        registry_ticks = max(_LOOK_TICKS, int(_REGISTRY_READ_SECONDS / interval + 1e-9))
+        return cls(beat_ticks=beat_ticks, registry_ticks=registry_ticks)
+
+    def duties(self, tick: int) -> TickDuties:
+        """The store calls of tick number ``tick`` (counted from 1)."""
+        return TickDuties(
+            beat=tick % self.beat_ticks == 0,
+            look=tick % self.look_ticks == 0,
+            registry=tick % self.registry_ticks == 0,
+        )
 
 
 class Watcher:
@@ -110,12 +156,7 @@ class Watcher:
 
     def _loop(self) -> None:
         interval = self._config.heartbeat_interval.total_seconds()
-        beat_ticks = max(1, int(self._config.beat_interval.total_seconds() / interval + 1e-9))
-        # Newcomers are read with the beat, at least every second and at most every slow tick.
-        registry_ticks = max(
-            _HEARTBEAT_CHECK_TICKS,
-            min(beat_ticks, int(_REGISTRY_READ_SECONDS / interval + 1e-9)),
-        )
+        schedule = WatchSchedule.of(self._config)
         ticks = 0
         next_tick = time.monotonic() + interval
         while not self._stop.is_set():
@@ -129,23 +170,19 @@ class Watcher:
                 if due:
                     next_tick = time.monotonic() + interval
                     ticks += 1
-                    self._tick(
-                        slow_tick=ticks % _HEARTBEAT_CHECK_TICKS == 0,
-                        beat=ticks % beat_ticks == 0,
-                        registry=ticks % registry_ticks == 0,
-                    )
+                    self._tick(schedule.duties(ticks))
             except Exception as error:
                 next_tick = max(next_tick, time.monotonic() + interval)
                 self._store_failed(error)
             else:
                 self._store_answered()
 
-    def _tick(self, *, slow_tick: bool, beat: bool, registry: bool) -> None:
+    def _tick(self, duties: TickDuties) -> None:
         self._wrapped.expire()
-        self._beat(check_group=slow_tick, beat=beat)
-        if registry:
+        self._beat(check_group=duties.look, beat=duties.beat)
+        looked = self._watch_step(look=duties.look)
+        if duties.registry and not looked:
             self._state.saw_registry_version(self._coordinator.registry_version())
-        self._watch_step(check_heartbeats=slow_tick)
 
     def _store_failed(self, error: Exception) -> None:
         """Logs the first failed store call of an outage; the others until it ends at debug."""
@@ -189,10 +226,14 @@ class Watcher:
         if waits.step_active:
             self._fail(ReplicaError(message), waits.generation)
 
-    def _watch_step(self, *, check_heartbeats: bool) -> None:
+    def _watch_step(self, *, look: bool) -> bool:
+        """Fails the step in flight when overdue, reported or a member is lost.
+
+        Returns whether it looked at the step (which read the registry version too).
+        """
         watched = self._state.watched_step()
         if watched is None:
-            return
+            return False
         quorum, generation = watched.quorum, watched.generation
         overdue = overdue_error(
             time.monotonic(),
@@ -203,17 +244,18 @@ class Watcher:
         )
         if overdue is not None:
             self._fail(overdue, generation)
-            return
-        reported = self._coordinator.reported(quorum)
-        if reported is not None:
-            self._fail(ReplicaError(f"reported by replica {reported}"), generation)
-            return
-        if not check_heartbeats:
-            return
-        alive = self._coordinator.alive_members(quorum)
-        lost = lost_members(quorum, alive, self._config.replica_id)
+            return False
+        if not look:
+            return False
+        seen = self._coordinator.watch(quorum)
+        self._state.saw_registry_version(seen.registry_version)
+        if seen.failure is not None:
+            self._fail(ReplicaError(f"reported by replica {seen.failure}"), generation)
+            return True
+        lost = lost_members(quorum, set(seen.alive), self._config.replica_id)
         if not lost:
-            return
+            return True
         error = lost_member_error(lost, self._coordinator.decision(quorum))
         if error is not None:
             self._fail(error, generation)
+        return True
