@@ -37,7 +37,10 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from torch.distributed import PrefixStore, Store
+from torch.distributed import (  # type: ignore[attr-defined]  # public, not re-exported in the stubs
+    PrefixStore,
+    Store,
+)
 from torch.distributed.elastic.rendezvous import (
     RendezvousClosedError,
     RendezvousStoreInfo,
