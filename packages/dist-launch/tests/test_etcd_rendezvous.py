@@ -387,6 +387,27 @@ def test_a_node_whose_lease_lapsed_takes_a_new_one_at_its_next_round(
         rdzv.close()
 
 
+@pytest.mark.processes
+def test_a_lease_that_ended_before_its_renewal_saw_it_is_replaced_at_the_join(
+    script: str, etcd_endpoint: str, rdzv_id: str
+) -> None:
+    # A healthy node of the majority whose lease etcd let end (no leader for longer than
+    # the lease lives, on a loaded host) writes its next join before a renewal tells it:
+    # the write must take a new lease, not end the job with "requested lease not found".
+    plan = etcd_plan(script, etcd_endpoint, rdzv_id, rdzv_conf="keep_alive_interval=60")
+    rdzv = connect_etcd(plan)  # renewals every 20 s: none comes within this test
+    try:
+        rdzv.next_round()
+        old = rdzv.lease.lease
+        rdzv._gateway.revoke_lease(old)
+        assert not rdzv.lease.lapsed
+        assert rdzv.next_round().group_world_size == 1
+        assert rdzv.lease.lease != old and not rdzv.lease.lapsed
+        assert rdzv.lost_nodes() == 0  # its mark in the new round is on the new lease
+    finally:
+        rdzv.close()
+
+
 class CountingGateway(EtcdGateway):
     """An etcd client that counts its requests (a watch is one), not its lease's renewals."""
 

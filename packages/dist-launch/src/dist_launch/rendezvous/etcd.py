@@ -156,14 +156,12 @@ class EtcdRendezvous(C10dRendezvous):
 
     def next_round(self) -> Assignment:
         """Joins the next round and marks this node alive in it, bound to its lease."""
-        if self.lease.lapsed:  # cut off for longer than its time to live, now back
-            self.lease.end()
-            self.lease = self.lease.renewed()
-        self.handler.lease = self.lease
+        self.handler.lease = self.lease  # a lapsed one is replaced at the join's write
         assignment = super().next_round()
         round_number = self.handler.round
         self._alive_prefix = f"{job_prefix(self.plan.rdzv_id)}alive/{round_number}/"
-        self.lease.bind(self._alive_prefix + str(assignment.group_rank), socket.gethostname())
+        alive = self._alive_prefix + str(assignment.group_rank)
+        self.lease.put(alive.encode(), socket.gethostname().encode())
         return assignment
 
     def _worker_counts(self, store: RendezvousStore, info: FormedRound) -> list[int]:

@@ -35,10 +35,16 @@ DEFAULT_ETCD_PORT = 2379
 # The pauses between two rounds of tries while no member answers.
 FIRST_RETRY_SECONDS = 0.1
 LONGEST_RETRY_SECONDS = 1.0
+# etcd's message when a request names a lease it no longer holds (rpctypes.ErrLeaseNotFound).
+LEASE_NOT_FOUND = "requested lease not found"
 
 
 class EtcdError(ConnectionError):
     """etcd did not answer, or refused a request; says which endpoints and why."""
+
+
+class LeaseNotFoundError(EtcdError):
+    """etcd no longer holds the lease a request named: it ended, or was revoked."""
 
 
 @dataclass(frozen=True)
@@ -245,7 +251,8 @@ class EtcdGateway:
                 continue
             if status >= 400:
                 detail = raw.decode(errors="replace").strip()
-                raise EtcdError(f"etcd refused {path} ({status}): {detail}")
+                refused = LeaseNotFoundError if LEASE_NOT_FOUND in detail else EtcdError
+                raise refused(f"etcd refused {path} ({status}): {detail}")
             if index != first:
                 logger.info("etcd: %s answers now", self._url(index, ""))
                 with self._lock:

@@ -124,7 +124,7 @@ class EtcdRounds:
         timeouts: ``(join_timeout, last_call_timeout)`` in seconds.
         addr: The address this node's peers reach it at.
         nproc: This node's worker count.
-        lease: This node's lease (replaced by the caller when it lapsed).
+        lease: This node's lease (a lapsed one is replaced at the join's write).
     """
 
     def __init__(
@@ -239,8 +239,11 @@ class EtcdRounds:
 
     def _join(self, number: int, me: Joiner, deadline: float) -> str | None:
         """Joins round ``number``; its formed record once it formed, None if the job closed."""
-        lease = self.lease.lease if self.lease is not None else 0
-        self._gateway.put(self._round_key(number, "join", me.node), me.encode(), lease=lease)
+        key = self._round_key(number, "join", me.node)
+        if self.lease is None:  # rounds joined without a rendezvous hold no lease
+            self._gateway.put(key, me.encode())
+        else:
+            self.lease.put(key, me.encode())
         joined, round_keys, revision = self._read_round(number)
         formed = round_keys.get(b"formed")
         if formed is not None:
