@@ -137,18 +137,22 @@ class _Replica:
         from dist_collectives.ft.coordination.store_coordinator import StoreCoordinator
 
         self.rid = rid
-        self.round_counts = [0, 0]  # the calls of the quorum round
+        self.round_counts = [0, 0]  # the calls of the quorum round on its second connection
         # When each call on the quorum's connection returned: the fourth ends its join
         # (read the round, append, bump the version, elect the closer).
         self.quorum_calls_ended: list[float] = []
         self.watch_counts = [0, 0]  # the watcher's
         namespace = f"scale{n}"
         plain = _connect(port, namespace)
-        bounded = _bounded(port, namespace, rid)
+        # The calls the quorum's link thread makes, counted apart (another thread).
+        self.link_counts = [0, 0]
+        bounded = _bounded(port, namespace, rid, self.link_counts, self.quorum_calls_ended)
         bounded.add("connected_probe", 0)  # connects now, as a Manager does when it starts
+        self.link_counts[:] = [0, 0]
+        self.quorum_calls_ended.clear()
         stores = {
             "vote": shared,  # the simulation never votes
-            "quorum": _Counting(bounded, self.round_counts, self.quorum_calls_ended),
+            "quorum": bounded,
             "round": _Counting(plain, self.round_counts),
             "watch": _Counting(plain, self.watch_counts),
         }
@@ -161,10 +165,21 @@ class _Replica:
         self.learned_at: float | None = None
 
 
-def _bounded(port: int, namespace: str, rid: str) -> Any:
+def _bounded(port: int, namespace: str, rid: str, counts: list[int], ended: list[float]) -> Any:
+    """The Manager's bounded connection, counting each call its link makes on the store.
+
+    Counted on the link, not at the caller: the coordinator hands several calls to the
+    link at once (its join, its wait for the decision), each one a request to the store.
+    """
     from dist_collectives.ft.coordination.bounded_store import BoundedStore
 
-    return BoundedStore("127.0.0.1", port, prefix=namespace, timeout=STORE_TIMEOUT, label=rid)
+    class CountedBoundedStore(BoundedStore):
+        def _connect(self) -> Any:
+            return _Counting(super()._connect(), counts, ended)
+
+    return CountedBoundedStore(
+        "127.0.0.1", port, prefix=namespace, timeout=STORE_TIMEOUT, label=rid
+    )
 
 
 def _connect(port: int, namespace: str) -> Any:
@@ -339,7 +354,7 @@ def _worker(index: int, port: int, n: int, queue: Any, connecting: Any) -> None:
             "death_s": [r.learned_at - killed_at for r in others if r.learned_at is not None],
             "missed": len([r for r in others if r.learned_at is None]),
             "load": load,
-            "round_requests": sum(r.round_counts[0] for r in replicas),
+            "round_requests": sum(r.round_counts[0] + r.link_counts[0] for r in replicas),
             "late_ticks": sum(d.late_ticks for d in drivers),
             "limit": limit,
         }

@@ -11,6 +11,7 @@ import concurrent.futures
 import json
 import math
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -44,16 +45,16 @@ class _Counting:
         self.keys = 0
 
     def __getattr__(self, name: str) -> Any:
-        if name == "wait_async" and self._waits is not None:
-            return self._wait_async
         return self._counted(name)
 
-    def _wait_async(self, keys: list[str], timeout: timedelta) -> concurrent.futures.Future[None]:
-        """As :class:`BoundedStore` does: one call whose wait runs on another thread."""
+    def call(self, what: str, calls: Callable[[Any], Any]) -> Any:
+        """As :class:`BoundedStore` does: several calls handed over at once (each counted)."""
+        return calls(self)
+
+    def submit(self, what: str, calls: Callable[[Any], Any]) -> concurrent.futures.Future[Any]:
+        """As :class:`BoundedStore` does: calls that run on another thread (each counted)."""
         assert self._waits is not None
-        self.calls += 1
-        self.keys += len(keys)
-        return self._waits.submit(self._store.wait, keys, timeout)
+        return self._waits.submit(calls, self)
 
     def _counted(self, name: str) -> Any:
         method = getattr(self._store, name)

@@ -285,13 +285,6 @@ class BoundedStore:
         bound = self.wait_bound(timeout)
         self.call(f"wait({keys!r})", lambda store: store.wait(keys, timeout), bound)
 
-    def wait_async(self, keys: list[str], timeout: timedelta) -> concurrent.futures.Future[None]:
-        """Starts a ``wait`` on the link; the caller bounds its wait for the future itself.
-
-        Calls made after it on this store queue behind it.
-        """
-        return self.submit(f"wait({keys!r})", lambda store: store.wait(keys, timeout))
-
     def close(self, timeout: float = 1.0) -> None:
         """Ends the link threads; a link stuck in a call is left to end when it returns."""
         with self._lock:
