@@ -681,6 +681,12 @@ def main() -> None:
         with_torchft = True
     except ImportError:
         with_torchft = False
+    # torch's store server and clients look up a name for each connection's address;
+    # this sandbox's resolver lets about one lookup in 25 wait out its 5 s timeout,
+    # which made the scale part's 2N connections take minutes (a stalled lookup in
+    # the server's thread holds every connection). glibc's RES_OPTIONS bounds it, read
+    # by each thread's resolver when it first looks up: set before the server starts.
+    os.environ.setdefault("RES_OPTIONS", "timeout:0 attempts:1")
     port = get_unused_port()
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
     target = Path(args.json)

@@ -53,8 +53,14 @@ from typing import Any
 from _lib.processes import collect, reap
 
 # How many processes the replicas are spread over (FT_BENCH_SCALE_PROCESSES), and how
-# many threads of each step the replicas' watchers (FT_BENCH_SCALE_DRIVERS).
-PROCESSES = int(os.environ.get("FT_BENCH_SCALE_PROCESSES", "8"))
+# many threads of each step the replicas' watchers (FT_BENCH_SCALE_DRIVERS). Each
+# simulated replica has two threads (its quorum's, its bounded store's link), and all of
+# a process's threads take turns on one interpreter lock: with 128 replicas to a
+# process the decision reached the last of 1,024 replicas 1.9-2.9 s after it was
+# written, with 64 (16 processes) 0.5-1.3 s in three runs and 3.3 s in a fourth (a
+# real replica has a process, and a host, of its own). With 32 processes on 2 cores
+# the processes themselves queued for the cores (the ask reached them up to 10 s late).
+PROCESSES = int(os.environ.get("FT_BENCH_SCALE_PROCESSES", "16"))
 DRIVERS = int(os.environ.get("FT_BENCH_SCALE_DRIVERS", "1"))
 
 HEARTBEAT_INTERVAL = timedelta(milliseconds=100)  # the Manager's default: the watcher's tick
@@ -373,10 +379,6 @@ def measure_one(port: int, n: int) -> dict[str, Any]:
     control = PrefixStore(f"scale{n}", client)
     context = mp.get_context("spawn")
     queue = context.Queue()
-    # torch's store client looks up a name for each connection's address; this
-    # sandbox's resolver lets about one lookup in 25 wait out its 5 s timeout, which
-    # makes 3N connections take minutes. glibc's RES_OPTIONS bounds the wait to 1 s.
-    os.environ.setdefault("RES_OPTIONS", "timeout:0 attempts:1")
     connecting = context.Lock()
     procs = [
         context.Process(target=_worker, args=(i, port, n, queue, connecting))
