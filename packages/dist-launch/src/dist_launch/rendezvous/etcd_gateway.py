@@ -292,21 +292,10 @@ class EtcdGateway:
             Whether it was set, and the key as it is now (after the write, or as another
             writer left it).
         """
-        if mod_revision:
-            compare = {"target": "MOD", "result": "EQUAL", "mod_revision": str(mod_revision)}
-        else:
-            compare = {"target": "CREATE", "result": "EQUAL", "create_revision": "0"}
-        read = {"request_range": {"key": _b64(key)}}
-        answer = self.call(
-            "kv/txn",
-            {
-                "compare": [{"key": _b64(key), **compare}],
-                "success": [{"request_put": {"key": _b64(key), "value": _b64(value)}}, read],
-                "failure": [read],
-            },
-        )
-        ranged = answer.get("responses", [])[-1].get("response_range", {}).get("kvs", [])
-        return bool(answer.get("succeeded", False)), (_key_value(ranged[0]) if ranged else None)
+        if not mod_revision:
+            return self.create(key, value)
+        compare = {"target": "MOD", "result": "EQUAL", "mod_revision": str(mod_revision)}
+        return self._write_if(key, compare, {key: value})
 
     def read(self, ranges: list[Range]) -> tuple[list[Ranged], int]:
         """Several ranges read at one revision, in one request; what each found, the revision."""
@@ -330,19 +319,19 @@ class EtcdGateway:
         Returns:
             Whether this call set it, and the key as it is now.
         """
+        compare = {"target": "CREATE", "result": "EQUAL", "create_revision": "0"}
+        return self._write_if(key, compare, {key: value, **(also or {})})
+
+    def _write_if(
+        self, key: bytes, compare: dict[str, str], puts: dict[bytes, bytes]
+    ) -> tuple[bool, KeyValue | None]:
+        """Writes ``puts`` at once if ``key`` meets ``compare``; whether it did, and the key now."""
         read = {"request_range": {"key": _b64(key)}}
-        puts = [{"request_put": {"key": _b64(key), "value": _b64(value)}}]
-        puts += [
-            {"request_put": {"key": _b64(k), "value": _b64(v)}} for k, v in (also or {}).items()
-        ]
+        writes = [{"request_put": {"key": _b64(k), "value": _b64(v)}} for k, v in puts.items()]
         answer = self.call(
             "kv/txn",
-            {
-                "compare": [{"key": _b64(key), "target": "CREATE", "result": "EQUAL",
-                             "create_revision": "0"}],
-                "success": [*puts, read],
-                "failure": [read],
-            },
+            {"compare": [{"key": _b64(key), **compare}], "success": [*writes, read],
+             "failure": [read]},
         )  # fmt: skip
         ranged = answer.get("responses", [])[-1].get("response_range", {}).get("kvs", [])
         return bool(answer.get("succeeded", False)), (_key_value(ranged[0]) if ranged else None)
