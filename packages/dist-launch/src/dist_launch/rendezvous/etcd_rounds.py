@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import json
 import logging
-import socket
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -47,6 +46,7 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousTimeoutError,
 )
 
+from dist_core.ports import get_unused_port
 from dist_launch.rendezvous.etcd_gateway import EtcdError, EtcdGateway, KeyValue, Range
 from dist_launch.rendezvous.etcd_lease import NodeLease
 
@@ -95,18 +95,6 @@ class FormedRound:
     bootstrap_store_info: RendezvousStoreInfo
     round: int
     nprocs: list[int] = field(default_factory=list)
-
-
-def free_port(addr: str) -> int:
-    """A TCP port free on ``addr`` now (bound, then let go; the workers bind it later)."""
-    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        try:
-            probe.bind((addr, 0))
-        except OSError:
-            probe.bind(("", 0))
-        port: int = probe.getsockname()[1]
-    return port
 
 
 class EtcdRounds:
@@ -213,7 +201,7 @@ class EtcdRounds:
         while True:
             if closed:
                 raise RendezvousClosedError()
-            me = Joiner(uuid.uuid4().hex, self._addr, free_port(self._addr), self._nproc)
+            me = Joiner(uuid.uuid4().hex, self._addr, get_unused_port(0), self._nproc)
             formed = self._join(number, me, deadline)
             if formed is None:
                 closed = True
