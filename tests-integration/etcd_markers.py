@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from dist_launch.rendezvous.etcd import STALL_SECONDS
+from dist_launch.rendezvous.etcd_http import STALL_SECONDS
 
 WORKER = Path(__file__).resolve().parent / "scripts" / "etcd_rounds.py"
 BOUND = 120.0  # seconds for any one wait of these tests

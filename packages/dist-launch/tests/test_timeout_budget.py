@@ -31,7 +31,6 @@ from dist_launch.plan.timeout_budget import (
     pg_timeout,
     timeout_budget,
 )
-from dist_launch.rendezvous.etcd_http import STALL_SECONDS
 from dist_launch.watch.cut_watch import fencing_bound
 
 SCONTROL_KILL_WAIT = KillWait(30, "SLURM's KillWait (scontrol show config)")
@@ -175,7 +174,7 @@ def etcd_budget(script: str, nnodes: str, conf: str = "") -> TimeoutBudget:
     """The budget of an etcd run, with the silence that fences its cut-off nodes."""
     argv = ["--nnodes", nnodes, "--rdzv-backend", "etcd", "--rdzv-endpoint", "h:2379"]
     plan = plan_of([*argv, *(["--rdzv-conf", conf] if conf else []), script])
-    return timeout_budget(plan, pg_timeout({}), None, fencing_bound(plan, STALL_SECONDS))
+    return timeout_budget(plan, pg_timeout({}), None, fencing_bound(plan))
 
 
 def test_a_cut_side_fenced_after_the_others_go_on_is_a_warning(script: str) -> None:

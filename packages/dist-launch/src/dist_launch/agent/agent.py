@@ -75,7 +75,6 @@ from dist_launch.plan.kill_wait import read_kill_wait
 from dist_launch.plan.launch_plan import LaunchPlan, UsageError, describe_sources
 from dist_launch.plan.run_identity import node_log_folder
 from dist_launch.plan.timeout_budget import TimeoutBudget, pg_timeout, timeout_budget
-from dist_launch.rendezvous.etcd_http import STALL_SECONDS
 from dist_launch.rendezvous.factory import open_rendezvous
 from dist_launch.rendezvous.protocol import Assignment, Rendezvous, RendezvousUsageError
 from dist_launch.watch.cut_watch import fencing_bound
@@ -285,12 +284,11 @@ class Agent:
             A usage outcome when an inversion guarantees a bad ending; else None.
         """
         try:
-            stall = STALL_SECONDS if self.plan.on_etcd else 0.0
             budget = timeout_budget(
                 self.plan,
                 pg_timeout(os.environ),
                 read_kill_wait(os.environ),
-                fencing_bound(self.plan, stall),
+                fencing_bound(self.plan),
             )
         except UsageError as error:
             return RunOutcome("usage", message=f"error: {error}")

@@ -29,7 +29,7 @@ from datetime import timedelta
 from dist_launch.plan.launch_plan import LaunchPlan
 from dist_launch.rendezvous.c10d import C10dRendezvous, route_address
 from dist_launch.rendezvous.etcd_gateway import DEFAULT_ETCD_PORT, EtcdGateway, EtcdTls
-from dist_launch.rendezvous.etcd_http import REQUEST_SECONDS, STALL_SECONDS
+from dist_launch.rendezvous.etcd_http import REQUEST_SECONDS
 from dist_launch.rendezvous.etcd_lease import NodeLease
 from dist_launch.rendezvous.etcd_rounds import EtcdRounds, FormedRound
 from dist_launch.rendezvous.etcd_store import EtcdStore
@@ -135,7 +135,6 @@ class EtcdRendezvous(C10dRendezvous):
         lease: This node's lease.
     """
 
-    store_stall_seconds = STALL_SECONDS  # read by the cut watch (see STALL_SECONDS)
     handler: EtcdRounds
 
     def __init__(

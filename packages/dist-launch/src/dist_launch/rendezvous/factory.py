@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dist_launch.plan.launch_plan import LaunchPlan
 from dist_launch.rendezvous.c10d import connect_c10d
+from dist_launch.rendezvous.etcd_http import STALL_SECONDS
 from dist_launch.rendezvous.host_names import is_literal_address, wait_until_resolvable
 from dist_launch.rendezvous.protocol import Rendezvous
 from dist_launch.rendezvous.static import StaticRendezvous
@@ -21,6 +22,16 @@ def rendezvous_host(plan: LaunchPlan) -> tuple[str, str]:
     if is_literal_address(endpoint) or not sep or not port.isdigit():
         host = endpoint  # no port, or an IPv6 address without one
     return host.strip("[]"), plan.sources.get("rdzv_endpoint", "flag")
+
+
+def store_stall_seconds(plan: LaunchPlan) -> float:
+    """How long the plan's rendezvous store may leave a healthy node's call unanswered.
+
+    etcd's, while it elects a new leader (:data:`~dist_launch.rendezvous.etcd_http.
+    STALL_SECONDS`); none for a TCPStore. The silence that fences a node cut off from
+    the store is this much longer.
+    """
+    return STALL_SECONDS if plan.on_etcd else 0.0
 
 
 def join_timeout(plan: LaunchPlan) -> float:

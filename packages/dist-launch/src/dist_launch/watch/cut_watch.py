@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 from dist_launch.plan.launch_plan import LaunchPlan
 from dist_launch.rendezvous.c10d import route_address
+from dist_launch.rendezvous.factory import store_stall_seconds
 from dist_launch.rendezvous.job_board import JobBoard
 from dist_launch.rendezvous.protocol import Assignment
 from dist_launch.watch.partition import PeerNode, Unreachable, decide_side, unreachable_nodes
@@ -172,10 +173,11 @@ def silence_bound(
     return max(MIN_SILENCE_SECONDS, bound) + stall_seconds
 
 
-def fencing_bound(plan: LaunchPlan, stall_seconds: float = 0.0) -> float:
-    """:func:`silence_bound` for ``plan``: its fixed ``--hang-timeout`` and keep-alive."""
+def fencing_bound(plan: LaunchPlan) -> float:
+    """:func:`silence_bound` for ``plan``: its fixed ``--hang-timeout``, keep-alive and store."""
     policy = plan.hang_policy
     hang_seconds = policy.seconds if policy.mode == "fixed" else None
+    stall_seconds = store_stall_seconds(plan)
     return silence_bound(hang_seconds, plan.rdzv_timeouts.node_dead_after, stall_seconds)
 
 
@@ -209,8 +211,7 @@ def start_cut_watch(
         hostname: This node's host name.
         on_fence: Called once, on the loop, when this side is fenced.
         rdzv: The rendezvous; its ``lost_store(error, since)``, where it has one,
-            names the store's node in the fencing message, and its
-            ``store_stall_seconds``, where it has them, lengthen the silence that fences.
+            names the store's node in the fencing message.
     """
     address = route_address(assignment.master_addr, assignment.master_port) or ""
     if address.startswith("127.") or address == "::1":
@@ -226,15 +227,14 @@ def start_cut_watch(
             return f"the store at {assignment.master_addr} stopped answering ({silent})"
         return str(lost_store(silent, since))
 
-    stall_seconds = float(getattr(rdzv, "store_stall_seconds", 0.0))
     return CutWatch(
         board,
         hostname,
         node_ranks(
             assignment.base_rank, plan.nproc, assignment.group_world_size, assignment.group_rank
         ),
-        fencing_bound(plan, stall_seconds),
+        fencing_bound(plan),
         on_fence,
         store_node,
-        stall_seconds,
+        store_stall_seconds(plan),
     )
