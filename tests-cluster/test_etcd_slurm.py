@@ -161,6 +161,18 @@ def assert_survivors_re_formed(job: SrunJob, lost: str, lost_at: float) -> tuple
     return survivors, max(m.started for m in second)
 
 
+def lead_from_the_store_node(setup: SlurmEtcd, job: SrunJob) -> tuple[list[Marker], str]:
+    """Once a round of three runs: its markers and rank 0's node, made etcd's leader.
+
+    Rank 0's node serves the round's workers' store; with etcd's lead on it too, its
+    loss makes the other two elect a new leader as well.
+    """
+    first = job.first_round()
+    node = first[0].node
+    setup.etcd.make_leader(setup.etcd.members[NODES.index(node)])
+    return first, node
+
+
 def parent_of(pid: int) -> int:
     """The parent of process ``pid`` (the worker's: its launcher)."""
     return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1])
@@ -171,11 +183,9 @@ def test_srun_no_kill_job_on_etcd_fences_a_cut_off_node_and_the_majority_finishe
 ) -> None:
     setup = slurm_etcd
     with srun_job(setup, job_env, tag, tmp_path) as job:
-        first = job.first_round()
-        cut = first[0].node  # rank 0's node serves the workers' store
+        first, cut = lead_from_the_store_node(setup, job)
         launcher = parent_of(first[0].pid)
         member = setup.etcd.members[NODES.index(cut)]
-        setup.etcd.make_leader(member)  # cut off with the lead: the others elect anew
         host = setup.cluster.host(cut)
         cut_at = time.time()
         setup.cluster.network.cut(host)
@@ -212,9 +222,7 @@ def test_srun_no_kill_job_on_etcd_outlives_the_node_of_its_store(
 ) -> None:
     setup = slurm_etcd
     with srun_job(setup, job_env, tag, tmp_path) as job:
-        first = job.first_round()
-        lost = first[0].node  # rank 0's node serves the workers' store
-        setup.etcd.make_leader(setup.etcd.members[NODES.index(lost)])
+        _, lost = lead_from_the_store_node(setup, job)
         killed_at = time.time()
         setup.cluster.host(lost).kill_everything()  # launcher, worker, slurmd, etcd member
         # SLURM finds out (SlurmdTimeout later; here at once): without --no-kill it
